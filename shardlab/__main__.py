@@ -1,0 +1,3 @@
+from shardlab.run import cli
+
+cli()

@@ -1,0 +1,1 @@
+"""Analysis without devices: the roofline planner (planner.py)."""

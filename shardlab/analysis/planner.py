@@ -1,0 +1,317 @@
+"""Roofline planner: parameters, memory, compute/communication times and critical batch sizes. Pure Python.
+
+Every formula is the JAX Scaling Book's (training.md "How to Parallelize a Transformer for Training", gpus.md
+"Rooflines for LLM Scaling on GPUs"; summarised in ../shared/ANCHORS.md), in its notation:
+  B  tokens in the global batch           D, F  d_model, d_ff          L  layers
+  X  fsdp axis size, Y  tensor axis size   N = X Y devices             C  peak FLOP/s per device
+  W_ici  bandwidth of one link (TPU) or of the switch (GPU)            alpha = C / W_ici
+  M_X, M_Y  physical interconnect axes the fsdp / tensor mesh axes span (1 on GPUs: see hardware.py)
+
+Forms used. FSDP+TP follows the CURRENT book: comms on X and on Y overlap each other and the FLOPs, so a layer is
+compute-bound when max(T_fsdp, T_tp) < T_math, giving B/N > alpha^2 / (M_X M_Y F). Older versions added the two
+(T_fsdp + T_tp < T_math, B/N > 4 alpha^2 / (M_X M_Y F)); `compute_bound_additive` reports that form.
+
+Bytes. The book moves bf16 (2 bytes) weights and activations; its closed forms below take `w_bytes` (weights
+gathered and gradients reduced) and `a_bytes` (activations moved by TP) and reduce to the book at 2 and 2.
+`plan` passes the configured dtypes (schedule.gather_dtype, precision.compute_dtype).
+
+Shapes of the shardlab model (per layer): norm [D], W_qkv [D,3,H,Dh], W_o [H,Dh,D], norm [D], W_in [D,2,F],
+W_out [F,D]; plus embed [V,D], final norm [D], unembed [D,V]. `kind: ffn` is the book's L blocks of
+W_in [D,F], W_out [F,D] only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
+
+
+def dtype_bytes(name: str) -> int:
+  if name not in DTYPE_BYTES:
+    raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}")
+  return DTYPE_BYTES[name]
+
+
+# ---------------------------------------------------------------------------------------------------- parameters
+
+def layer_params(model) -> int:
+  """Parameters of one block. transformer: 4 D^2 (qkv + out) + 3 D F (SwiGLU) + 2 D (norms); ffn: 2 D F."""
+  d, f = model.d_model, model.d_ff
+  if model.kind == "ffn":
+    return 2 * d * f
+  return 4 * d * d + 3 * d * f + 2 * d
+
+
+def embed_params(model) -> int:
+  """Parameters outside the blocks: embed [V,D] + final norm [D] + untied unembed [D,V]; none for ffn."""
+  if model.kind == "ffn":
+    return 0
+  return 2 * model.vocab_size * model.d_model + model.d_model
+
+
+def param_count(model) -> int:
+  """Total parameters. LLaMA-2 13B: 40 * 317.2e6 + 0.33e9 = 13.02e9 (training.md Q1: 3LDF + 4DNHL + 2VD)."""
+  return model.n_layers * layer_params(model) + embed_params(model)
+
+
+def global_tokens(cfg) -> int:
+  """B, in tokens: train.global_batch_tokens, or batch_size * seq_len when that is 0."""
+  return cfg.train.global_batch_tokens or cfg.train.batch_size * cfg.model.seq_len
+
+
+# -------------------------------------------------------------------------------------------------------- memory
+
+def activation_elements_per_token(model, remat: str) -> int:
+  """Elements one layer saves for backward, per token, before TP sharding (an estimate; measure with
+  `compiled.memory_analysis()`).
+
+  transformer, remat=none: norm in/out 2D, qkv 3D, softmax probs H*T (plain attention materialises [B,H,T,T]),
+    attention out D, norm in/out 2D, SwiGLU in-proj 2F and gated F  -> 8D + 3F + H*T.
+  remat=save_matmuls: layer input D, every dot output (qkv 3D, scores H*T, out-proj D, in-proj 2F, out D).
+  remat=full: the layer input D only (one layer's full set is recomputed at a time; see `memory_per_device`).
+  ffn: input D and hidden F (the book's "checkpoint after the big matmuls"), D with remat=full.
+  """
+  d, f = model.d_model, model.d_ff
+  if remat not in ("none", "save_matmuls", "full"):
+    raise ValueError(f"unknown schedule.remat {remat!r}; expected none | save_matmuls | full")
+  if model.kind == "ffn":
+    return d if remat == "full" else d + f
+  scores = model.n_heads * model.seq_len
+  return {"none": 8 * d + 3 * f + scores, "save_matmuls": 6 * d + 2 * f + scores, "full": d}[remat]
+
+
+def memory_per_device(cfg) -> dict[str, float]:
+  """Bytes per device, FSDP (ZeRO-3) over all N = X Y devices.
+
+  master_params, grads, optimizer: the training state, param_dtype (fp32: 4 + 4 + 2*4 = 16 B/param), / N.
+  compute_params: the transient gathered weights [D, F_Y]: one layer at prefetch 0, k+1 at depth k, every layer
+    when schedule.reshard_after_forward is false; in the gather dtype plus its compute-dtype cast when they
+    differ (or only the cast copy when X = 1). The embedding [V, D_Y] is counted when it is the larger buffer.
+  activations: what backward needs, for the local batch B / X / microbatches tokens, / Y (heads, F and, with
+    sequence parallelism, the residual are sharded over tensor). FSDP shards state, not activations: these do
+    not shrink with more FSDP at a fixed per-device batch. Plus fp32 logits [B_X, V_Y].
+  """
+  m, mesh, prec, sched = cfg.model, cfg.mesh, cfg.precision, cfg.schedule
+  x, y = mesh.fsdp, mesh.tensor
+  n = x * y
+  p = param_count(m)
+  pb, cb = dtype_bytes(prec.param_dtype), dtype_bytes(prec.compute_dtype)
+  gb = pb if sched.gather_dtype == "param" else cb
+
+  live_layers = min(m.n_layers, sched.prefetch + 1) if sched.reshard_after_forward else m.n_layers
+  gathered = max(live_layers * layer_params(m), m.vocab_size * m.d_model if m.kind != "ffn" else 0)
+  per_param = (cb if cb != pb else 0) if x == 1 else gb + (cb if cb != gb else 0)
+
+  tokens = global_tokens(cfg) / x / max(1, sched.microbatches)
+  per_token = m.n_layers * activation_elements_per_token(m, sched.remat)
+  if sched.remat == "full":
+    per_token += activation_elements_per_token(m, "none")   # the one layer being recomputed
+  act = tokens * per_token * cb / y
+  if m.kind != "ffn":
+    act += tokens * m.vocab_size * 4 / y                     # fp32 logits for the loss
+
+  out = {"master_params": p * pb / n, "grads": p * pb / n, "optimizer": 2 * p * pb / n,
+         "compute_params": gathered * per_param / y, "activations": act}
+  out["total"] = sum(out.values())
+  return out
+
+
+def min_devices_to_fit(n_params: int, hbm_bytes: float, bytes_per_param: float = 16) -> int:
+  """Fewest devices whose HBM holds the sharded training state: ceil(bytes_per_param * P / HBM).
+
+  16 B/param = fp32 master + fp32 grads + two fp32 Adam moments (ANCHORS.md, ZeRO-3). gpus.md Quiz 5 counts
+  10 B/param (bf16 weights + fp32 moments): LLaMA-3 70B -> 700 GB / 80 GB -> 9 H100s. Activations not included.
+  """
+  return max(1, math.ceil(bytes_per_param * n_params / hbm_bytes))
+
+
+# ------------------------------------------------------------------------------ closed forms (training.md, gpus.md)
+
+def alpha(hw) -> float:
+  """ICI arithmetic intensity alpha = C / W_ici: 4.59e14 / 1.8e11 = 2550 (v5p); 9.9e14 / 4.5e11 = 2200 (H100)."""
+  return hw.peak_flops / hw.ici_bandwidth
+
+
+def critical_batch_dp(alpha_: float, m_x: int = 1, w_bytes: int = BOOK_BYTES) -> float:
+  """Per-device tokens above which pure DP is compute-bound. Backward per layer: T_math = 8 B D F / (X C),
+  T_comm = 8 D F / (M_X W_ici)  =>  B / X > alpha / M_X (2550 on one v5p axis, 850 on three)."""
+  return alpha_ / m_x * w_bytes / BOOK_BYTES
+
+
+def critical_batch_fsdp(alpha_: float, m_x: int = 1, w_bytes: int = BOOK_BYTES) -> float:
+  """FSDP: forward per layer T_math = 4 B D F / (X C), T_comm = 4 D F / (M_X W_ici): the same bound as DP,
+  B / X > alpha / M_X (training.md: "both ... become bandwidth bound ... less than 2550 / M_X")."""
+  return critical_batch_dp(alpha_, m_x, w_bytes)
+
+
+def critical_batch_fsdp_tp(alpha_: float, d_ff: int, m_x: int = 1, m_y: int = 1,
+                           w_bytes: int = BOOK_BYTES, a_bytes: int = BOOK_BYTES) -> float:
+  """FSDP + TP at X = X_opt, overlapped form (current book): B / N > alpha^2 / (M_X M_Y F).
+
+  From T_fsdp = 4DF / (Y W M_X), T_tp = 4BD / (X W M_Y), T_math = 4BDF / (N C) and max(T_fsdp, T_tp) < T_math.
+  With byte widths b_w, b_a the bound scales by (b_w / 2)(b_a / 2). The additive form is 4x this.
+  """
+  return alpha_ ** 2 / (m_x * m_y * d_ff) * (w_bytes / BOOK_BYTES) * (a_bytes / BOOK_BYTES)
+
+
+def x_opt(tokens: float, d_ff: int, n: int, m_x: int = 1, m_y: int = 1,
+          w_bytes: int = BOOK_BYTES, a_bytes: int = BOOK_BYTES) -> float:
+  """FSDP width that equalises T_fsdp and T_tp: X_opt = sqrt((B / F) (M_X / M_Y) N) (times sqrt(b_a / b_w))."""
+  return math.sqrt(tokens / d_ff * m_x / m_y * n * a_bytes / w_bytes)
+
+
+def tensor_max_width(alpha_: float, d_ff: int, m_y: int = 1, a_bytes: int = BOOK_BYTES) -> float:
+  """Largest compute-bound TP axis: Y < M_Y F / alpha (training.md; gpus.md: F / 2200 within an H100 node)."""
+  return m_y * d_ff / alpha_ * BOOK_BYTES / a_bytes
+
+
+def step_time(n_params: int, tokens: float, peak_flops: float, n_devices: int, mfu: float) -> float:
+  """Seconds per step = 6 * params * tokens / (C * N * MFU) (training.md; 13e9 params, 3e6 tokens, 4096 v5p
+  at 40% MFU -> about 0.31 s, printed as "300ms")."""
+  return 6 * n_params * tokens / (peak_flops * n_devices * mfu)
+
+
+# --------------------------------------------------------------------------------- times under the configured mesh
+
+def collective_time(v_bytes: float, n: int, bandwidth: float, hop_latency_s: float) -> float:
+  """AllGather / ReduceScatter of V bytes (the full array) over n devices: max(V (n-1)/n / W, T_hop n / 2)
+  (ANCHORS.md, bidirectional ring). Zero when n = 1."""
+  if n <= 1:
+    return 0.0
+  return max(v_bytes * (n - 1) / n / bandwidth, hop_latency_s * n / 2)
+
+
+def layer_times(cfg) -> dict[str, float]:
+  """Per-device seconds for ONE block: `*_fwd` for the forward pass, the plain keys for forward + backward.
+
+  math: 2 P_layer B / (N C) forward, 3x that per step (matmul FLOPs; attention's T^2 FLOPs are left out, as in
+    step_time).
+  fsdp: AllGather of W[D_X, F_Y] -> W[D, F_Y] (V = P_layer / Y weights) at the fsdp axis bandwidth; per step also
+    the re-gather in backward (when reshard_after_forward) and the ReduceScatter of the gradient.
+  tensor: per sublayer (attention and MLP; one for ffn) AllGather In[B_X, L_Y, D] and ReduceScatter Out[B_X, D]
+    (V = B D / X activations) at the tensor axis bandwidth; backward does the transposes, so 2x per step.
+  Forward is the pass with the most communication per FLOP (training.md), hence the compute-bound test.
+  """
+  m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
+  x, y = mesh.fsdp, mesh.tensor
+  tokens = global_tokens(cfg)
+  w_bytes, a_bytes = comm_bytes(cfg)
+  p_l = layer_params(m)
+  w_x, w_y = hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.axis_bandwidth(mesh.tensor_ici_axes)
+  sublayers = 1 if m.kind == "ffn" else 2
+  fsdp_fwd = collective_time(w_bytes * p_l / y, x, w_x, hw.hop_latency_s)
+  tensor_fwd = sublayers * 2 * collective_time(a_bytes * tokens * m.d_model / x, y, w_y, hw.hop_latency_s)
+  math_fwd = 2 * p_l * tokens / (x * y * hw.peak_flops)
+  return {"math_fwd": math_fwd, "fsdp_fwd": fsdp_fwd, "tensor_fwd": tensor_fwd,
+          "math": 3 * math_fwd, "fsdp": (3 if cfg.schedule.reshard_after_forward else 2) * fsdp_fwd,
+          "tensor": 2 * tensor_fwd}
+
+
+def comm_bytes(cfg) -> tuple[int, int]:
+  """(bytes per weight element gathered / gradient reduced, bytes per activation element moved by TP)."""
+  cb = dtype_bytes(cfg.precision.compute_dtype)
+  wb = dtype_bytes(cfg.precision.param_dtype) if cfg.schedule.gather_dtype == "param" else cb
+  return wb, cb
+
+
+# ------------------------------------------------------------------------------------------------------ the plan
+
+def check(cfg) -> None:
+  """Raise ValueError on values the formulas cannot use (the CLI turns it into one line and exit 2)."""
+  m, mesh, t, hw = cfg.model, cfg.mesh, cfg.train, cfg.hardware
+  for name, v in [("mesh.fsdp", mesh.fsdp), ("mesh.tensor", mesh.tensor), ("mesh.fsdp_ici_axes", mesh.fsdp_ici_axes),
+                  ("mesh.tensor_ici_axes", mesh.tensor_ici_axes), ("model.d_model", m.d_model),
+                  ("model.d_ff", m.d_ff), ("model.n_layers", m.n_layers), ("model.seq_len", m.seq_len)]:
+    if v < 1:
+      raise ValueError(f"{name}={v} must be >= 1")
+  if m.kind not in ("transformer", "ffn"):
+    raise ValueError(f"model.kind={m.kind!r} must be transformer or ffn")
+  if m.kind == "transformer" and (m.n_heads < 1 or m.d_model % m.n_heads):
+    raise ValueError(f"model.d_model={m.d_model} must be a multiple of model.n_heads={m.n_heads}")
+  if not 0 < t.mfu <= 1:
+    raise ValueError(f"train.mfu={t.mfu} must be in (0, 1]")
+  if global_tokens(cfg) <= 0:
+    raise ValueError("the global batch must hold at least one token (train.global_batch_tokens or batch_size)")
+  if hw.peak_flops <= 0 or hw.ici_bandwidth <= 0 or hw.hbm_bytes <= 0:
+    raise ValueError("hardware.peak_flops, ici_bandwidth and hbm_bytes must be > 0")
+  if cfg.schedule.gather_dtype not in ("param", "compute"):
+    raise ValueError(f"schedule.gather_dtype={cfg.schedule.gather_dtype!r} must be param or compute")
+
+
+def plan(cfg) -> dict[str, Any]:
+  """Everything the planner predicts for one `Config`, as a JSON-ready dict (see shardlab/plan.py)."""
+  check(cfg)
+  m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
+  x, y = mesh.fsdp, mesh.tensor
+  n = x * y
+  tokens = global_tokens(cfg)
+  p = param_count(m)
+  a = alpha(hw)
+  m_x, m_y = hw.physical_axes(mesh.fsdp_ici_axes), hw.physical_axes(mesh.tensor_ici_axes)
+  w_bytes, a_bytes = comm_bytes(cfg)
+
+  per_layer = layer_times(cfg)
+  # The embedding / unembedding are gathered over fsdp like a layer; their TP traffic (logits) is left out.
+  emb_fsdp = ((3 if cfg.schedule.reshard_after_forward else 2) * collective_time(
+      w_bytes * embed_params(m) / y, x, hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.hop_latency_s))
+  t_math = 6 * p * tokens / (n * hw.peak_flops)
+  t_comm = {"fsdp": m.n_layers * per_layer["fsdp"] + emb_fsdp, "tensor": m.n_layers * per_layer["tensor"]}
+  mem = memory_per_device(cfg)
+
+  warnings = []
+  if hw.domain_devices and n > hw.domain_devices:
+    warnings.append(f"{n} devices exceed {hw.name}'s fast domain of {hw.domain_devices}: its ici_bandwidth does "
+                    "not hold across it (for GPUs use hardware=h100_multinode)")
+  if mem["total"] > hw.hbm_bytes:
+    warnings.append(f"{mem['total'] / 1e9:.1f} GB per device exceeds HBM ({hw.hbm_bytes / 1e9:.0f} GB)")
+  if hw.note:
+    warnings.append(hw.note)
+
+  return {
+      "model": m.name, "kind": m.kind, "hardware": hw.name,
+      "mesh": {"fsdp": x, "tensor": y, "devices": n, "fsdp_ici_axes": m_x, "tensor_ici_axes": m_y},
+      "global_batch_tokens": tokens,
+      "batch_per_device_tokens": tokens / n,
+      "n_params": p,
+      "memory_per_device_bytes": mem,
+      "hbm_bytes": hw.hbm_bytes,
+      "fits_in_hbm": mem["total"] <= hw.hbm_bytes,
+      "min_devices_to_fit": min_devices_to_fit(p, hw.hbm_bytes, 4 * dtype_bytes(cfg.precision.param_dtype)),
+      "alpha": a,
+      "axis_bandwidth": {"fsdp": hw.axis_bandwidth(mesh.fsdp_ici_axes),
+                         "tensor": hw.axis_bandwidth(mesh.tensor_ici_axes)},
+      "comm_bytes_per_element": {"weights": w_bytes, "activations": a_bytes},
+      "critical_batch_per_device": {
+          "dp": critical_batch_dp(a, m_x, w_bytes),
+          "fsdp": critical_batch_fsdp(a, m_x, w_bytes),
+          "fsdp_tp": critical_batch_fsdp_tp(a, m.d_ff, m_x, m_y, w_bytes, a_bytes),
+      },
+      "critical_batch_form": "overlapped (current Scaling Book): fsdp_tp = alpha^2/(M_X M_Y F); additive is 4x",
+      "tensor_max_width": tensor_max_width(a, m.d_ff, m_y, a_bytes),
+      "x_opt": x_opt(tokens, m.d_ff, n, m_x, m_y, w_bytes, a_bytes),
+      "t_math_s": t_math,
+      "t_comm_s": t_comm,
+      "t_math_per_layer_s": per_layer["math"],
+      "t_comm_per_layer_s": {"fsdp": per_layer["fsdp"], "tensor": per_layer["tensor"]},
+      "comm_to_math_forward": {"fsdp": per_layer["fsdp_fwd"] / per_layer["math_fwd"],
+                               "tensor": per_layer["tensor_fwd"] / per_layer["math_fwd"]},
+      "compute_bound": max(per_layer["fsdp_fwd"], per_layer["tensor_fwd"]) <= per_layer["math_fwd"],
+      "compute_bound_additive": per_layer["fsdp_fwd"] + per_layer["tensor_fwd"] <= per_layer["math_fwd"],
+      "roofline_step_s": {"overlapped": max(t_math, *t_comm.values()), "additive": t_math + sum(t_comm.values())},
+      "mfu": cfg.train.mfu,
+      "step_time_s": step_time(p, tokens, hw.peak_flops, n, cfg.train.mfu),
+      "warnings": warnings,
+      "assumptions": [
+          "FSDP is ZeRO-3 over all N = fsdp * tensor devices; Adam moments in param_dtype",
+          "C is the bf16 peak whatever precision.compute_dtype is; MFU absorbs the difference",
+          "times are per step (forward + backward) per device; matmul FLOPs only (6 * params * tokens)",
+          "compute_bound: a layer's forward comms on fsdp and tensor overlap each other and its FLOPs "
+          "(max <= T_math, the current book); compute_bound_additive: they do not (sum <= T_math)",
+          "critical batches, x_opt and tensor_max_width are the book's closed forms with F = d_ff, "
+          "scaled by the configured comm bytes (the book's bf16 is 2 and 2)",
+          "GPU presets ignore *_ici_axes: a switch gives each GPU the same egress on any mesh axis",
+          "activations are an estimate (plain attention saves [B,H,T,T] probs); measure with memory_analysis()",
+      ],
+  }

@@ -1,0 +1,157 @@
+"""Every collective shardlab performs, as thin named wrappers, and the ring collective matmuls.
+
+Only this module and `schedules/` call `jax.lax` collectives (tests/test_structure.py greps for it). Each wrapper
+runs under `jax.named_scope`, so profiles and HLO metadata read like the code. Shapes use the Scaling Book's
+notation: `x[B, L_tp, D]` is sharded over `tensor` on L; a result marked `{U_tp}` is unreduced over `tensor`.
+
+Backward passes come from AD and are the transposes: all_gather <-> psum_scatter, psum of an invariant result
+<-> pvary (identity), ppermute(+1) <-> ppermute(-1).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def axis_size(axis: str) -> int:
+  return jax.lax.axis_size(axis)
+
+
+def varying_axes(x) -> frozenset:
+  """Mesh axes over which `x` may differ between devices (shard_map's varying-manual-axes type)."""
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def zeros_like(x):
+  """Zeros with x's shape, dtype and varying axes (an accumulator that x can be added to)."""
+  return pvary(jnp.zeros(x.shape, x.dtype), varying_axes(x), name="zeros")
+
+
+def all_gather(x, axis: str, dim: int, name: str = "all_gather"):
+  """x[.., N_axis, ..] -> x[.., N, ..]: tiled all-gather of `dim`. Backward: psum_scatter of `dim`."""
+  with jax.named_scope(name):
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def psum_scatter(x, axis: str, dim: int, name: str = "psum_scatter"):
+  """x[.., N, ..]{U_axis} -> x[.., N_axis, ..]: sum over `axis`, keep this device's block of `dim`.
+  Backward: all_gather of `dim`."""
+  with jax.named_scope(name):
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+
+
+def psum(x, axes, name: str = "psum"):
+  """x{U_axes} -> x: all-reduce (sum). Backward: identity (pvary)."""
+  with jax.named_scope(name):
+    return jax.lax.psum(x, axes)
+
+
+def pmax(x, axes, name: str = "pmax"):
+  """All-reduce (max); only ever applied to values outside the gradient (stop_gradient'd)."""
+  with jax.named_scope(name):
+    return jax.lax.pmax(x, axes)
+
+
+def pvary(x, axes, name: str = "pvary"):
+  """Mark an invariant value as varying over `axes` (no communication). Its transpose is the psum that
+  sums the gradient contributions of the devices that used the same value (Megatron's `f` operator)."""
+  axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in varying_axes(x))
+  if not axes:
+    return x
+  with jax.named_scope(name):
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def ring_shift(x, axis: str, shift: int = 1, name: str = "ring_shift"):
+  """Send x to the device `shift` steps further along `axis` (cyclic); receive from `shift` steps back.
+  Backward: the opposite shift."""
+  n = axis_size(axis)
+  with jax.named_scope(name):
+    return jax.lax.ppermute(x, axis, perm=[(i, (i + shift) % n) for i in range(n)])
+
+
+# ---- ring collective matmuls (Scaling Book jax-stuff.md; JAX shard_map notebook, "collective matmul") ----
+#
+# `f` maps a block of tokens to its matmul output, block-wise along `dim` (any per-token contraction).
+# Every ppermute in a step depends only on the block received in the step before, never on that step's `f`:
+# a GPU scheduler can run the permute of step s+1 behind the matmul of step s.
+
+
+def _block(x, dim: int, index, size: int):
+  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+
+
+def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool = False,
+                      name: str = "ag_matmul_ring"):
+  """f(all_gather(x, axis, dim)) by a ring: x[.., L_axis, ..] -> f(x)[.., L, ..].
+
+  Unidirectional: n-1 ppermutes of one block each, (n-1)/n of the gathered bytes, as the all-gather it
+  replaces. Bidirectional: the block is split in halves travelling opposite ways; same bytes, half the
+  bytes per link direction per step. Backward (AD): a matmul-reduce-scatter ring the other way round.
+  """
+  n = axis_size(axis)
+  if n == 1:
+    return f(x)
+  r = jax.lax.axis_index(axis)
+  with jax.named_scope(name):
+    if not bidirectional:
+      blk = x
+      outs = []
+      for s in range(n):
+        outs.append((r - s) % n)        # after s shifts of +1, this device holds the block of rank r-s
+        y = f(blk)
+        out = y_full(y, dim, n) if s == 0 else out
+        out = jax.lax.dynamic_update_slice_in_dim(out, y, outs[-1] * y.shape[dim], axis=dim)
+        if s < n - 1:
+          blk = ring_shift(blk, axis, +1)
+      return out
+    half = x.shape[dim] // 2
+    lo, hi = jax.lax.slice_in_dim(x, 0, half, axis=dim), jax.lax.slice_in_dim(x, half, 2 * half, axis=dim)
+    for s in range(n):
+      y_lo, y_hi = f(lo), f(hi)         # lo travels +1 (holds rank r-s), hi travels -1 (holds rank r+s)
+      if s == 0:
+        out = y_full(y_lo, dim, 2 * n)
+      hs = y_lo.shape[dim]
+      out = jax.lax.dynamic_update_slice_in_dim(out, y_lo, ((r - s) % n) * 2 * hs, axis=dim)
+      out = jax.lax.dynamic_update_slice_in_dim(out, y_hi, ((r + s) % n) * 2 * hs + hs, axis=dim)
+      if s < n - 1:
+        lo, hi = ring_shift(lo, axis, +1), ring_shift(hi, axis, -1)
+    return out
+
+
+def y_full(y, dim: int, n: int):
+  """Zeros with `y`'s block repeated n times along `dim` (the output buffer of a ring)."""
+  shape = list(y.shape)
+  shape[dim] *= n
+  return jnp.zeros(shape, y.dtype)
+
+
+def matmul_reduce_scatter(h, f: Callable, axis: str, dim: int, bidirectional: bool = False,
+                          name: str = "matmul_rs_ring"):
+  """psum_scatter(f(h), axis, dim) by a ring: h[.., L, ..] -> f(h)[.., L_axis, ..], summed over `axis`.
+
+  Step s computes f on the block destined for rank r-s-1 and adds it to the partial sum received from
+  rank r-1 (which computed the same block one step earlier): after n-1 ppermutes of one block each, rank r
+  holds block r summed over the ring. Bytes: (n-1)/n of f(h), as the reduce-scatter it replaces.
+  Backward (AD): an all-gather-matmul ring the other way round.
+  """
+  n = axis_size(axis)
+  if n == 1:
+    return f(h)
+  r = jax.lax.axis_index(axis)
+  size = h.shape[dim] // n
+  with jax.named_scope(name):
+    if not bidirectional:
+      acc = f(_block(h, dim, (r - 1) % n, size))
+      for s in range(1, n):
+        acc = ring_shift(acc, axis, +1) + f(_block(h, dim, (r - s - 1) % n, size))
+      return acc
+    half = size // 2
+    lo = f(_block(h, dim, 2 * ((r - 1) % n), half))      # first halves travel +1
+    hi = f(_block(h, dim, 2 * ((r + 1) % n) + 1, half))  # second halves travel -1
+    for s in range(1, n):
+      lo = ring_shift(lo, axis, +1) + f(_block(h, dim, 2 * ((r - s - 1) % n), half))
+      hi = ring_shift(hi, axis, -1) + f(_block(h, dim, 2 * ((r + s + 1) % n) + 1, half))
+    return jnp.concatenate([lo, hi], axis=dim)

@@ -1,0 +1,129 @@
+"""Typed configuration: one dataclass per Hydra group, registered in Hydra's ConfigStore.
+
+Hydra validates overrides against these schemas, so a typo (`schedule.prefech=1`) or a wrong type
+(`mesh.fsdp=two`) fails before anything runs. Cross-field checks (mesh against devices, dimensions against
+axis sizes, schedule knobs against each other) live in `validate.py` and also run before any compile.
+The core never imports Hydra except here, in `register_configs`, which only the entry points call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardlab.hardware import HardwareConfig
+
+
+@dataclass
+class MeshConfig:
+  fsdp: int = 4            # size of the `fsdp` mesh axis: batch and every large weight's `embed` dim
+  tensor: int = 2          # size of the `tensor` mesh axis: heads, d_ff, vocab (and sequence, when sequence-parallel)
+  # Physical interconnect axes each mesh axis spans (the Scaling Book's M_X, M_Y); used only by prediction.
+  fsdp_ici_axes: int = 1
+  tensor_ici_axes: int = 1
+
+
+@dataclass
+class ModelConfig:
+  name: str = "tiny"
+  kind: str = "transformer"  # transformer | ffn (the Scaling Book's L blocks of D->F->D; planner only)
+  d_model: int = 64
+  d_ff: int = 128
+  n_layers: int = 2
+  n_heads: int = 8
+  vocab_size: int = 256
+  seq_len: int = 32
+  rope_theta: float = 10000.0
+  init_std: float = 0.02
+  norm_eps: float = 1e-6
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+@dataclass
+class ScheduleConfig:
+  name: str = "baseline"
+  impl: str = "explicit"          # registry key of the schedule class (schedules/__init__.py)
+  prefetch: int = 0               # FSDP prefetch depth: layer l+k's weights gathered while layer l computes
+  reshard_after_forward: bool = True  # True: re-gather in backward; False: keep gathered weights as residuals
+  gather_dtype: str = "param"     # param | compute: cast before the all-gather (half the bytes in bf16)
+  tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce
+  grad_reduce: str = "per_layer"  # per_layer | deferred (reduce-scatter once per step, after all microbatches)
+  microbatches: int = 1
+  remat: str = "none"             # none | full | save_matmuls
+
+
+@dataclass
+class TrainConfig:
+  steps: int = 30
+  batch_size: int = 16            # global batch, in sequences
+  seed: int = 0
+  lr: float = 3e-3
+  warmup_steps: int = 5
+  b1: float = 0.9
+  b2: float = 0.95
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  # Used by prediction and the planner only.
+  global_batch_tokens: int = 0    # 0: batch_size * seq_len
+  mfu: float = 0.5
+
+
+@dataclass
+class DataConfig:
+  name: str = "markov"
+  branching: int = 4              # successors per token: the loss floor is log(branching)
+
+
+@dataclass
+class PrecisionConfig:
+  param_dtype: str = "float32"    # master weights and optimizer state
+  compute_dtype: str = "float32"  # float32 | bfloat16
+
+
+@dataclass
+class Config:
+  cpu_devices: int = 8            # fake CPU devices, set before JAX starts; ignored on GPU/TPU
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  model: ModelConfig = field(default_factory=ModelConfig)
+  schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+  data: DataConfig = field(default_factory=DataConfig)
+  precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+  hardware: HardwareConfig = field(default_factory=HardwareConfig)
+  progress: bool = True
+
+
+GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, "train": TrainConfig,
+          "data": DataConfig, "precision": PrecisionConfig, "hardware": HardwareConfig}
+
+
+def register_configs() -> None:
+  """Register the schemas so that every YAML in conf/<group>/ is checked against its dataclass."""
+  from hydra.core.config_store import ConfigStore
+  cs = ConfigStore.instance()
+  cs.store(name="config_schema", node=Config)
+  for group, node in GROUPS.items():
+    cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def to_config(cfg: Any) -> Config:
+  """An OmegaConf DictConfig (or a plain dict) -> typed `Config`."""
+  from omegaconf import OmegaConf
+  if not isinstance(cfg, dict):
+    cfg = OmegaConf.to_container(cfg, resolve=True)
+  cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+  out = {}
+  for f in dataclasses.fields(Config):
+    if f.name not in cfg:
+      continue
+    if f.name in GROUPS:
+      cls = GROUPS[f.name]
+      names = {g.name for g in dataclasses.fields(cls)}
+      out[f.name] = cls(**{k: v for k, v in cfg[f.name].items() if k in names})
+    else:
+      out[f.name] = cfg[f.name]
+  return Config(**out)

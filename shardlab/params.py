@@ -1,0 +1,99 @@
+"""Parameters, declared once (shape, logical axes, initializer), and the one table that maps logical axes to
+mesh axes. Change `LAYOUT` to try another sharding; no layer changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlab.config import ModelConfig
+from shardlab.mesh import FSDP, TENSOR
+
+# logical axis -> mesh axis. `layers` (the scan dimension) and `head_dim` are never sharded.
+LAYOUT = {
+    "embed": FSDP,    # every weight's d_model dim: FSDP (ZeRO-3) shards all parameter state over `fsdp`
+    "heads": TENSOR,  # attention heads: column-parallel QKV, row-parallel output projection
+    "mlp": TENSOR,    # d_ff: column-parallel gate/up, row-parallel down
+    "vocab": TENSOR,  # vocabulary-parallel embedding, unembedding and cross-entropy
+    "batch": FSDP,    # activations: the batch
+    "seq": TENSOR,    # activations: the sequence, between layers, when the TP contraction is sequence-parallel
+}
+
+
+@dataclass(frozen=True)
+class Param:
+  shape: tuple[int, ...]
+  axes: tuple[str | None, ...]   # logical axis per dim
+  init: str = "normal"           # normal | ones
+  decay: bool = True             # AdamW weight decay (not on norm scales)
+
+  def spec(self) -> P:
+    return P(*(LAYOUT.get(a) if a else None for a in self.axes))
+
+  def mesh_axes(self) -> tuple[str, ...]:
+    """Mesh axes this parameter is sharded over."""
+    return tuple(m for m in self.spec() if m is not None)
+
+  def dim_of(self, mesh_axis: str) -> int | None:
+    """Index of the dim sharded over `mesh_axis`, or None."""
+    s = tuple(self.spec())
+    return s.index(mesh_axis) if mesh_axis in s else None
+
+  def per_layer(self) -> "Param":
+    """The declaration of one layer's slice of a stacked (`layers`, ...) parameter."""
+    assert self.axes[0] == "layers"
+    return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+
+
+def declare(m: ModelConfig) -> dict:
+  """Every parameter of the model: W[D, 3, H, K] reads 'd_model x (q,k,v) x heads x head_dim'."""
+  D, F, H, K, V, NL = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers
+  return {
+      "embed": Param((V, D), ("vocab", "embed")),
+      "layers": {
+          "attn_norm": Param((NL, D), ("layers", "embed"), "ones", decay=False),
+          "wqkv": Param((NL, D, 3, H, K), ("layers", "embed", None, "heads", "head_dim")),
+          "wo": Param((NL, H, K, D), ("layers", "heads", "head_dim", "embed")),
+          "mlp_norm": Param((NL, D), ("layers", "embed"), "ones", decay=False),
+          "wi": Param((NL, D, 2, F), ("layers", "embed", None, "mlp")),   # SwiGLU gate and up, fused
+          "wd": Param((NL, F, D), ("layers", "mlp", "embed")),
+      },
+      "final_norm": Param((D,), ("embed",), "ones", decay=False),
+      "unembed": Param((D, V), ("embed", "vocab")),
+  }
+
+
+def is_param(x) -> bool:
+  return isinstance(x, Param)
+
+
+def specs(decls) -> dict:
+  return jax.tree.map(lambda d: d.spec(), decls, is_leaf=is_param)
+
+
+def init(key, decls, m: ModelConfig, dtype=jnp.float32) -> dict:
+  """Initial values, a pure function of `key`: the same numbers whatever the sharding (JAX's threefry is
+  partitionable), so the sharded run and the reference start equal."""
+  leaves, treedef = jax.tree.flatten(decls, is_leaf=is_param)
+  out = []
+  for i, d in enumerate(leaves):
+    if d.init == "ones":
+      out.append(jnp.ones(d.shape, dtype))
+    else:
+      out.append(m.init_std * jax.random.normal(jax.random.fold_in(key, i), d.shape, dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def init_sharded(seed: int, decls, m: ModelConfig, mesh, dtype=jnp.float32) -> dict:
+  """Parameters created directly in their shards (no device ever holds the full model)."""
+  shardings = jax.tree.map(lambda d: NamedSharding(mesh, d.spec()), decls, is_leaf=is_param)
+  return jax.jit(lambda: init(jax.random.key(seed), decls, m, dtype), out_shardings=shardings)()
+
+
+def count(decls) -> int:
+  import math
+  return sum(math.prod(d.shape) for d in jax.tree.leaves(decls, is_leaf=is_param))

@@ -1,0 +1,62 @@
+"""A deliberately plain single-device implementation of the same model and optimizer step: no shard_map, no
+collectives, no schedule, written apart from model.py. Used only as a test oracle."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardlab.config import Config
+
+
+def _norm(x, s, eps):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * s[None, None, :]
+
+
+def _rope(x, theta):
+  L, K = x.shape[1], x.shape[-1]
+  inv = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+  ang = jnp.outer(jnp.arange(L, dtype=jnp.float32), inv)
+  c, s = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+  a, b = x[..., : K // 2], x[..., K // 2:]
+  return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def loss(params, tokens, targets, cfg: Config):
+  m = cfg.model
+  x = params["embed"][tokens]
+  L = tokens.shape[1]
+  mask = jnp.tril(jnp.ones((L, L), bool))
+  for i in range(m.n_layers):
+    p = {k: v[i] for k, v in params["layers"].items()}
+    h = _norm(x, p["attn_norm"], m.norm_eps)
+    q = jnp.einsum("bld,dhk->blhk", h, p["wqkv"][:, 0])
+    k = jnp.einsum("bld,dhk->blhk", h, p["wqkv"][:, 1])
+    v = jnp.einsum("bld,dhk->blhk", h, p["wqkv"][:, 2])
+    q, k = _rope(q, m.rope_theta), _rope(k, m.rope_theta)
+    att = jnp.einsum("blhk,bmhk->bhlm", q, k) / jnp.sqrt(q.shape[-1])
+    att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhlm,bmhk->blhk", att, v)
+    x = x + jnp.einsum("blhk,hkd->bld", o, p["wo"])
+    h = _norm(x, p["mlp_norm"], m.norm_eps)
+    g = h @ p["wi"][:, 0]
+    u = h @ p["wi"][:, 1]
+    x = x + (jax.nn.silu(g) * u) @ p["wd"]
+  logits = _norm(x, params["final_norm"], m.norm_eps) @ params["unembed"]
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def optimizer(cfg: Config, params):
+  from shardlab.train import lr_schedule
+  t = cfg.train
+  mask = {"embed": True, "final_norm": False, "unembed": True,
+          "layers": {k: not k.endswith("norm") for k in params["layers"]}}
+  return optax.chain(optax.clip_by_global_norm(t.grad_clip),
+                     optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=mask))
+
+
+def train_step(params, opt_state, batch, cfg: Config, opt):
+  l, g = jax.value_and_grad(loss)(params, batch[:, :-1], batch[:, 1:], cfg)
+  updates, opt_state = opt.update(g, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, l, optax.tree.norm(g)

@@ -1,0 +1,117 @@
+"""Tensor-parallel contractions: how the model's `ops.column` / `ops.row` move bytes over `tensor`.
+
+Column-parallel (QKV, gate/up, unembedding): x[B, L_tp, D] . W[D, N_tp] -> y[B, L, N_tp]
+Row-parallel (attention out, down):          h[B, L, N_tp] . W[N_tp, D] -> y[B, L_tp, D]
+
+  allgather  all_gather(x over L), dot | dot, psum_scatter(over L)      (Megatron sequence parallelism)
+  ring       the same bytes as a ppermute ring overlapped with per-block dots (collective matmul)
+  ring_bidi  the ring with half-blocks travelling both ways
+  allreduce  x[B, L, D] replicated over tensor: pvary(x), dot | dot, psum  (Megatron without SP)
+
+In every mode the backward pass is the transpose: an all-gather's is a reduce-scatter and vice versa; the
+pvary of `allreduce` becomes the psum of dgrad (Megatron's `f`), its psum the identity (`g`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from shardlab import collectives as C
+from shardlab.mesh import FSDP, TENSOR
+
+SEQ_DIM = 1      # activations are [B, L, ...]
+MATMUL = "matmul_out"  # the name remat="save_matmuls" keeps
+
+
+def _dot(eq):
+  return lambda a, w: jnp.einsum(eq, a, w)
+
+
+class IdentityOps:
+  """Every reduction and gather is the identity: the model's plain, unsharded math."""
+  seq_sharded = False
+
+  def column(self, x, w, eq):
+    return checkpoint_name(_dot(eq)(x, w), MATMUL)
+
+  def row(self, h, w, eq):
+    return checkpoint_name(_dot(eq)(h, w), MATMUL)
+
+  def reduce(self, y):
+    return y
+
+  def vocab_max(self, x):
+    return x
+
+  def vocab_sum(self, x):
+    return x
+
+  def vocab_start(self, v_local):
+    return 0
+
+  def batch_sum(self, x):
+    return x
+
+
+class _TensorParallel(IdentityOps):
+  """Reductions over the vocab and batch shards, shared by every TP mode."""
+  seq_sharded = True
+
+  def vocab_max(self, x):
+    return C.pmax(x, TENSOR, name="vocab_max")
+
+  def vocab_sum(self, x):
+    return C.psum(x, TENSOR, name="vocab_sum")
+
+  def vocab_start(self, v_local):
+    return jax.lax.axis_index(TENSOR) * v_local
+
+  def batch_sum(self, x):
+    return C.psum(x, FSDP, name="loss_sum")
+
+
+class AllGatherTP(_TensorParallel):
+  def column(self, x, w, eq):
+    x = C.all_gather(x, TENSOR, SEQ_DIM, name="tp_all_gather")        # x[B, L_tp, D] -> x[B, L, D]
+    return checkpoint_name(_dot(eq)(x, w), MATMUL)
+
+  def row(self, h, w, eq):
+    y = _dot(eq)(h, w)                                                 # y[B, L, D]{U_tp}
+    return checkpoint_name(C.psum_scatter(y, TENSOR, SEQ_DIM, name="tp_reduce_scatter"), MATMUL)
+
+  def reduce(self, y):
+    return C.psum_scatter(y, TENSOR, SEQ_DIM, name="tp_reduce_scatter")
+
+
+class RingTP(AllGatherTP):
+  def __init__(self, bidirectional: bool = False):
+    self.bidirectional = bidirectional
+
+  def column(self, x, w, eq):
+    f = lambda blk: _dot(eq)(blk, w)
+    y = C.all_gather_matmul(x, f, TENSOR, SEQ_DIM, self.bidirectional)
+    return checkpoint_name(y, MATMUL)
+
+  def row(self, h, w, eq):
+    f = lambda blk: _dot(eq)(blk, w)
+    return checkpoint_name(C.matmul_reduce_scatter(h, f, TENSOR, SEQ_DIM, self.bidirectional), MATMUL)
+
+
+class AllReduceTP(_TensorParallel):
+  seq_sharded = False
+
+  def column(self, x, w, eq):
+    x = C.pvary(x, TENSOR, name="tp_enter")                           # backward: psum of dgrad over tensor
+    return checkpoint_name(_dot(eq)(x, w), MATMUL)
+
+  def row(self, h, w, eq):
+    return checkpoint_name(C.psum(_dot(eq)(h, w), TENSOR, name="tp_all_reduce"), MATMUL)
+
+  def reduce(self, y):
+    return C.psum(y, TENSOR, name="tp_all_reduce")
+
+
+def make_tp(mode: str):
+  return {"allgather": AllGatherTP, "ring": RingTP, "ring_bidi": lambda: RingTP(bidirectional=True),
+          "allreduce": AllReduceTP}[mode]()

@@ -1,0 +1,85 @@
+"""The training step: loss and gradients from the schedule, global-norm clipping with explicit reductions,
+AdamW on the local shards (optimizer state sharded like the parameters: ZeRO-3), all inside one shard_map."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlab import collectives as C
+from shardlab.config import Config
+from shardlab.mesh import FSDP
+from shardlab.params import is_param, specs
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def lr_schedule(t):
+  return optax.warmup_cosine_decay_schedule(init_value=0.1 * t.lr, peak_value=t.lr, warmup_steps=t.warmup_steps,
+                                            decay_steps=max(t.steps, t.warmup_steps + 1), end_value=0.1 * t.lr)
+
+
+def make_optimizer(cfg: Config, decls) -> optax.GradientTransformation:
+  """AdamW; clipping happens before it, on the sharded gradients (see `clip_by_global_norm`)."""
+  t = cfg.train
+  mask = jax.tree.map(lambda d: d.decay, decls, is_leaf=is_param)
+  return optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=mask)
+
+
+def global_norm(grads, decls):
+  """sqrt(sum of squares) over the whole model: each leaf's local sum is psum'd over exactly the mesh
+  axes it is sharded on (a replicated leaf counted once), grouped so there is one psum per axis set."""
+  groups = {}
+  for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(decls, is_leaf=is_param)):
+    axes = d.mesh_axes()
+    groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
+  return jnp.sqrt(sum(C.psum(v, axes, name="grad_norm") if axes else v for axes, v in groups.items()))
+
+
+def clip_by_global_norm(grads, norm, max_norm):
+  """optax.clip_by_global_norm's formula, with the norm computed across shards."""
+  return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
+
+
+def state_specs(opt, decls):
+  pspecs = specs(decls)
+  abstract = jax.eval_shape(opt.init, jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32), decls,
+                                                    is_leaf=is_param))
+  ospecs = optax.tree_map_params(opt, lambda _, s: s, abstract, pspecs, transform_non_params=lambda _: P(),
+                                 is_leaf=lambda x: isinstance(x, P))
+  return {"params": pspecs, "opt": ospecs, "step": P()}
+
+
+def init_state(params, opt, decls, mesh):
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(opt, decls),
+                           is_leaf=lambda x: isinstance(x, P))
+  opt_state = jax.jit(opt.init, out_shardings=shardings["opt"])(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
+  return {"params": params, "opt": opt_state, "step": step}
+
+
+def make_grad_fn(cfg: Config, schedule, decls, mesh):
+  """jit(shard_map): (params, tokens[B, L+1]) -> (loss, grads sharded like params). For tests and analysis."""
+  n_tokens = cfg.train.batch_size * cfg.model.seq_len
+  pspecs = specs(decls)
+  fn = lambda p, b: schedule.loss_and_grads(p, b[:, :-1], b[:, 1:], n_tokens)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(pspecs, P(FSDP)), out_specs=(P(), pspecs)))
+
+
+def make_train_step(cfg: Config, schedule, decls, opt, mesh):
+  """jit(shard_map(step)): (state, tokens[B, L+1]) -> (state, {loss, grad_norm}). The state is donated."""
+  n_tokens = cfg.train.batch_size * cfg.model.seq_len
+  sspecs = state_specs(opt, decls)
+
+  def step(state, batch_BL1):
+    params = state["params"]
+    loss, grads = schedule.loss_and_grads(params, batch_BL1[:, :-1], batch_BL1[:, 1:], n_tokens)
+    norm = global_norm(grads, decls)
+    grads = clip_by_global_norm(grads, norm, cfg.train.grad_clip)
+    updates, opt_state = opt.update(grads, state["opt"], params)
+    params = optax.apply_updates(params, updates)
+    return {"params": params, "opt": opt_state, "step": state["step"] + 1}, {"loss": loss, "grad_norm": norm}
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(sspecs, P(FSDP)), out_specs=(sspecs, P()))
+  return jax.jit(fn, donate_argnums=0)
