@@ -17,6 +17,8 @@ class ConfigError(ValueError):
 def set_cpu_devices(n: int) -> None:
   """Ask for `n` fake CPU devices. Must run before the first JAX operation: the count is fixed when the
   backend starts. The one place shardlab touches `jax_num_cpu_devices` (tests go through here too)."""
+  if n < 1:
+    raise ConfigError(f"cpu_devices={n}: must be >= 1")
   try:
     jax.config.update("jax_num_cpu_devices", n)
   except RuntimeError:  # the backend already started (a second run in one process)

@@ -18,11 +18,11 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None) -> dict:
   """Validate, build, compile and run; returns the summary (also written to out_dir/summary.json)."""
-  from shardlab.validate import validate
-  validate(cfg)                                   # before JAX starts: nothing compiled, nothing written
   from shardlab.mesh import make_mesh, set_cpu_devices
+  from shardlab.validate import validate
   set_cpu_devices(cfg.cpu_devices)
   import jax
+  validate(cfg, len(jax.devices()))               # before anything is compiled or written
   from jax.sharding import NamedSharding, PartitionSpec as P
   from tqdm import tqdm
 

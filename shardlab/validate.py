@@ -11,12 +11,17 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
                       f"choose {what.split('.')[-1]} a multiple of {size} or change {by}")
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, n_devices: int | None = None) -> None:
+  """Raise ConfigError for the first setting that cannot work. `n_devices`: the devices present, if known."""
   from shardlab import schedules
   from shardlab.train import DTYPES
   m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
   if mesh.fsdp < 1 or mesh.tensor < 1:
     raise ConfigError(f"mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}: axis sizes must be >= 1")
+  if n_devices is not None and mesh.fsdp * mesh.tensor != n_devices:
+    raise ConfigError(f"mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor} = {mesh.fsdp * mesh.tensor} devices, "
+                      f"but {n_devices} are present; choose a mesh whose product is {n_devices}"
+                      + (" (or set cpu_devices)" if cfg.cpu_devices != n_devices else ""))
   if cfg.cpu_devices < 1:
     raise ConfigError(f"cpu_devices={cfg.cpu_devices}: must be >= 1")
   for name in ("param_dtype", "compute_dtype"):

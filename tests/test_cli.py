@@ -1,0 +1,60 @@
+"""`python -m shardlab` end to end, in subprocesses (each run starts JAX with its own device count)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+SUMMARY_KEYS = {"status", "losses", "final_loss", "mesh", "devices", "schedule", "compile_time_s",
+                "step_time_s_median", "jax_version", "config"}
+METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tokens_per_s"}
+
+
+def launch(out, *overrides):
+  return subprocess.Popen([sys.executable, "-m", "shardlab", "progress=false", f"hydra.run.dir={out}", *overrides],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, out):
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+  """The README's main job: the default config (tiny model, 8 fake CPU devices, 4x2 mesh, 30 steps)."""
+  out = tmp_path_factory.mktemp("default")
+  return out, finish(launch(out), out)
+
+
+def test_default_run_writes_the_contract(default_run):
+  out, s = default_run
+  assert SUMMARY_KEYS <= s.keys() and s["status"] == "ok"
+  assert s["mesh"] == {"fsdp": 4, "tensor": 2} and s["devices"] == 8 and s["schedule"] == "baseline"
+  rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(30)) and all(METRIC_KEYS <= r.keys() for r in rows)
+  assert [r["loss"] for r in rows] == s["losses"] and s["final_loss"] == s["losses"][-1]
+  assert s["config"]["schedule"]["name"] == "baseline" and s["config"]["train"]["steps"] == 30
+
+
+def test_loss_falls_over_30_steps(default_run):
+  losses = default_run[1]["losses"]
+  assert losses[0] == pytest.approx(np.log(256), rel=0.01)   # an untrained model is uniform over the vocab
+  assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_same_losses_on_every_mesh_and_one_device(default_run, tmp_path):
+  """Same seed: same per-step losses on 8x1, 2x4, 1x8 (8 devices) and 1x1 (one device) as on 4x2.
+  The first 5 steps are all warmup, so a 5-step run has the same learning rates as the 30-step one."""
+  runs = {"8x1": ["mesh=8x1"], "2x4": ["mesh=2x4", "schedule=collective_matmul"], "1x8": ["mesh=1x8"],
+          "1x1": ["mesh=1x1", "cpu_devices=1"]}
+  procs = {k: launch(tmp_path / k, "train.steps=5", *v) for k, v in runs.items()}
+  ref = default_run[1]["losses"][:5]
+  for k, p in procs.items():
+    s = finish(p, tmp_path / k)
+    assert s["devices"] == (1 if k == "1x1" else 8)
+    np.testing.assert_allclose(s["losses"], ref, rtol=1e-5, err_msg=k)

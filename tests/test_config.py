@@ -1,0 +1,65 @@
+"""Every config option composes; every invalid setting fails with one line before anything compiles."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, compose
+
+GROUPS = ["mesh", "model", "schedule", "train", "data", "precision", "hardware"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((ROOT / "conf" / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option):
+  from shardlab.config import to_config
+  from shardlab.mesh import ConfigError
+  from shardlab.validate import validate
+  cfg = to_config(compose(f"{group}={option}"))
+  if cfg.model.kind != "transformer":
+    with pytest.raises(ConfigError, match="model.kind"):
+      validate(cfg)
+  else:
+    validate(cfg)
+
+
+BAD = [
+    (["mesh.fsdp=3", "mesh.tensor=3"], "mesh.fsdp=3 x mesh.tensor=3 = 9 devices, but 8"),
+    (["mesh=1x8", "model.n_heads=4"], "model.n_heads=4 is not divisible by mesh.tensor=8"),
+    (["model.d_ff=99"], "model.d_ff=99 is not divisible by mesh.tensor=2"),
+    (["model.vocab_size=255"], "model.vocab_size=255"),
+    (["mesh=8x1", "train.batch_size=12"], "train.batch_size=12 is not divisible by mesh.fsdp=8"),
+    (["schedule=deferred_reduce", "train.batch_size=10", "mesh=2x4"], "mesh.fsdp * schedule.microbatches"),
+    (["schedule.tp=ring_bidi", "model.seq_len=12", "mesh=2x4"], "model.seq_len=12"),
+    (["schedule.tp=butterfly"], "schedule.tp=butterfly: unknown"),
+    (["schedule.impl=magic"], "schedule.impl=magic: unknown"),
+    (["schedule.prefetch=7"], "schedule.prefetch=7"),
+    (["schedule=deferred_reduce", "schedule.prefetch=1"], "schedule.grad_reduce=deferred"),
+    (["precision.compute_dtype=float16"], "precision.compute_dtype=float16"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_invalid_setting_is_one_line_before_compiling(overrides, message, tmp_path):
+  from shardlab.config import to_config
+  from shardlab.mesh import ConfigError
+  from shardlab.run import train
+  with pytest.raises(ConfigError) as e:
+    train(to_config(compose(*overrides)), tmp_path / "run")
+  assert message in str(e.value) and "\n" not in str(e.value)
+  assert not (tmp_path / "run").exists(), "a failed config wrote output"
+
+
+def test_cli_config_error_exits_2_with_one_line(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "shardlab", "mesh.fsdp=3", "mesh.tensor=3", f"hydra.run.dir={tmp_path}"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert r.returncode == 2, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("shardlab: error: mesh.fsdp=3"), r.stderr
+  assert not (tmp_path / "summary.json").exists()
+
+
+def test_typo_in_override_is_rejected(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "shardlab", "schedule.prefech=1", f"hydra.run.dir={tmp_path}"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert r.returncode != 0 and "prefech" in r.stderr

@@ -1,0 +1,42 @@
+"""The compiled program communicates only the way the code placed: every collective kind in the optimized
+HLO is one the traced program placed (XLA added no resharding of its own)."""
+import re
+
+import pytest
+
+from conftest import compiled_grads, load_preset, preset_names
+
+PLACED_TO_HLO = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "psum": "all-reduce",
+                 "psum_invariant": "all-reduce", "pmax": "all-reduce", "ppermute": "collective-permute",
+                 "all_to_all": "all-to-all"}
+HLO_COLLECTIVE = re.compile(r"= \S+ (all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all|"
+                            r"collective-broadcast|ragged-all-to-all)(?:-start)?\(")
+
+
+def hlo_kinds(compiled) -> set:
+  return set(HLO_COLLECTIVE.findall(compiled.as_text()))
+
+
+def placed_kinds(compiled_fn_jaxpr: str) -> set:
+  prims = re.findall(r"\b(" + "|".join(PLACED_TO_HLO) + r")\[", compiled_fn_jaxpr)
+  return {PLACED_TO_HLO[p] for p in prims}
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_hlo_collectives_are_the_placed_ones(preset):
+  import jax
+  from conftest import batch, mesh_of, tiny_config
+  from shardlab import params as PM, schedules, train as T
+  import jax.numpy as jnp
+  knobs = {k: v for k, v in load_preset(preset).items() if k != "name"}
+  compiled, _ = compiled_grads((2, 4), tuple(sorted(knobs.items())))
+  cfg = tiny_config(**knobs)
+  decls = PM.declare(cfg.model)
+  mesh = mesh_of(2, 4)
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  placed = placed_kinds(str(jax.make_jaxpr(fn)(PM.init_sharded(0, decls, cfg.model, mesh), batch())))
+  found = hlo_kinds(compiled)
+  assert found, "no collectives at all in a 2x4 program"
+  assert found <= placed, f"{preset}: the compiler added {found - placed} (placed: {sorted(placed)})"
+  ring = knobs.get("tp", "allgather").startswith("ring")
+  assert ("collective-permute" in found) == ring, f"{preset}: collective-permute present={not ring}"
