@@ -92,6 +92,9 @@ def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool =
   bytes per link direction per step. Backward (AD): a matmul-reduce-scatter ring the other way round.
   """
   n = axis_size(axis)
+  if bidirectional and x.shape[dim] % 2:
+    raise ValueError(f"bidirectional all_gather_matmul splits the local block in halves: "
+                     f"dim {dim} has {x.shape[dim]}")
   if n == 1:
     return f(x)
   r = jax.lax.axis_index(axis)
@@ -138,6 +141,9 @@ def matmul_reduce_scatter(h, f: Callable, axis: str, dim: int, bidirectional: bo
   Backward (AD): an all-gather-matmul ring the other way round.
   """
   n = axis_size(axis)
+  if h.shape[dim] % (2 * n if bidirectional else n):
+    raise ValueError(f"matmul_reduce_scatter over {n} devices{' in half-blocks' if bidirectional else ''}: "
+                     f"dim {dim} has {h.shape[dim]}, not a multiple of {2 * n if bidirectional else n}")
   if n == 1:
     return f(h)
   r = jax.lax.axis_index(axis)

@@ -1,0 +1,277 @@
+"""Read a compiled program's optimized HLO text: its collectives (kind, mesh axis, bytes, how many times loops
+run them) and its dependency graph (which collective could overlap which matmul).
+
+XLA:CPU runs collectives synchronously, but the optimized HLO is the same dataflow a GPU's latency-hiding
+scheduler works from: a collective with no path to or from a matmul can run behind it.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+# The named scopes shardlab puts around its collectives (collectives.py, schedules/): how a ledger row is named.
+SCOPES = ("fsdp_all_gather", "tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_enter", "ring_shift",
+          "ag_matmul_ring", "matmul_rs_ring", "vocab_max", "vocab_sum", "loss_sum", "grad_norm", "replicated_weight")
+
+
+def scope_of(op_name: str) -> str:
+  """The innermost shardlab named scope in an op_name path ('.../transpose(jvp(ring_shift))/..' -> 'ring_shift')."""
+  found = re.findall(r"\b(" + "|".join(SCOPES) + r")\b", op_name)
+  return found[-1] if found else "other"
+
+
+@dataclass
+class Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list
+  attrs: str
+
+  @property
+  def op_name(self) -> str:
+    m = re.search(r'op_name="([^"]*)"', self.attrs)
+    return m.group(1) if m else ""
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string, tuples summed: 'f32[8,64]{1,0}' -> 2048."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
+    size = DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+    total += size * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _matching(s: str, start: int) -> int:
+  """Index of the parenthesis closing the one at s[start]."""
+  depth = 0
+  for i in range(start, len(s)):
+    depth += {"(": 1, ")": -1}.get(s[i], 0)
+    if depth == 0:
+      return i
+  raise ValueError("unbalanced parentheses in HLO")
+
+
+def parse(text: str) -> tuple[dict, str]:
+  """HLO module text -> ({computation: [Instr]}, entry computation name)."""
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      cur = head.group(2)
+      comps[cur] = []
+      if head.group(1):
+        entry = cur
+      continue
+    if cur is None or " = " not in line or line.startswith("}"):
+      continue
+    lhs, rhs = line.strip().removeprefix("ROOT ").split(" = ", 1)
+    if rhs.startswith("("):
+      end = _matching(rhs, 0)
+      shape, rest = rhs[: end + 1], rhs[end + 1:].lstrip()
+    else:
+      shape, _, rest = rhs.partition(" ")
+    m = re.match(r"([\w\-]+)\(", rest)
+    if not m:
+      continue
+    close = _matching(rest, m.end() - 1)
+    operands = re.findall(r"%([\w.\-]+)", rest[m.end(): close])
+    comps[cur].append(Instr(lhs.lstrip("%"), shape, m.group(1), operands, rest[close + 1:]))
+  return comps, entry
+
+
+def multiplicities(comps: dict, entry: str) -> dict:
+  """How many times each computation runs per program execution (while bodies x known_trip_count)."""
+  mult = defaultdict(int)
+
+  def visit(comp, times):
+    mult[comp] += times
+    for ins in comps.get(comp, []):
+      if ins.opcode == "while":
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+        if not m:
+          raise ValueError(f"while loop {ins.name} has no known trip count")
+        trips = int(m.group(1))
+        body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
+        visit(body, times * trips)
+      else:
+        for c in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", ins.attrs):
+          visit(c, times)
+        b = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+        if b:
+          raise ValueError(f"conditional {ins.name}: collectives under a branch have no static count")
+  visit(entry, 1)
+  return dict(mult)
+
+
+def _groups(ins: Instr) -> list[list[int]] | None:
+  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", ins.attrs)
+  if m:
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", ins.attrs)
+  if m:
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(d) for d in m.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+  return None
+
+
+def axis_of(groups_or_pairs, device_ids: np.ndarray, axis_names: tuple) -> str:
+  """The mesh axis (or axes, joined by '+') whose device groups contain every group/pair given."""
+  ids = np.asarray(device_ids)
+  candidates = []
+  for k in range(1, len(axis_names) + 1):
+    for axes in itertools.combinations(range(len(axis_names)), k):
+      other = [a for a in range(ids.ndim) if a not in axes]
+      grouped = ids.transpose(other + list(axes)).reshape(-1, math.prod(ids.shape[a] for a in axes))
+      member = {int(d): i for i, g in enumerate(grouped) for d in g}
+      if all(len({member[int(d)] for d in g}) == 1 for g in groups_or_pairs):
+        candidates.append("+".join(axis_names[a] for a in axes))
+  return candidates[0] if candidates else "?"
+
+
+@dataclass
+class Collective:
+  kind: str
+  axis: str
+  dtype: str
+  group_size: int
+  bytes_full: int       # the whole gathered / reduced array (all-gather: result; others: operand)
+  bytes_moved: int      # bytes each device sends per execution (bandwidth-optimal algorithm)
+  count: int            # executions per program run
+  scope: str
+  computation: str
+  name: str
+
+  @property
+  def total_bytes(self) -> int:
+    return self.bytes_moved * self.count
+
+
+def moved_bytes(kind: str, full: int, n: int) -> int:
+  """Per-device bytes of a bandwidth-optimal collective over n devices (ANCHORS.md: NCCL PERFORMANCE.md)."""
+  if kind == "all-reduce":
+    return 2 * full * (n - 1) // n
+  if kind == "collective-permute":
+    return full if n > 1 else 0
+  return full * (n - 1) // n
+
+
+def collectives(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Collective]:
+  """Every collective in the compiled program, with its mesh axis, bytes and execution count."""
+  comps, entry = parse(text)
+  mult = multiplicities(comps, entry)
+  out = []
+  for comp, instrs in comps.items():
+    shapes = {i.name: i.shape for i in instrs}
+    for ins in instrs:
+      kind = ins.opcode.removesuffix("-start")
+      if kind not in COLLECTIVES or mult.get(comp, 0) == 0:
+        continue
+      if kind == "collective-permute":
+        groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", ins.attrs.split("source_target_pairs=")[1])]
+        n = _ring_size(groups, device_ids, axis_names)
+      else:
+        groups = _groups(ins) or [list(range(np.asarray(device_ids).size))]
+        n = len(groups[0])
+      operand_shape = shapes.get(ins.operands[0], "") if ins.operands else ""
+      full = shape_bytes(ins.shape if kind == "all-gather" else operand_shape)
+      if ins.opcode.endswith("-start"):   # async pairs (GPU): the result tuple also holds the operand
+        full = shape_bytes(operand_shape) * (n if kind == "all-gather" else 1)
+      dtype = re.match(r"\(?([a-z]+\d*)", ins.shape).group(1)
+      scope = scope_of(ins.op_name)
+      out.append(Collective(kind, axis_of(groups, device_ids, axis_names), dtype, n, full,
+                            moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name))
+  return out
+
+
+def _ring_size(pairs, device_ids, axis_names) -> int:
+  """Size of the mesh axis a collective-permute's pairs run along."""
+  ids = np.asarray(device_ids)
+  axis = axis_of(pairs, ids, axis_names)
+  return math.prod(ids.shape[axis_names.index(a)] for a in axis.split("+")) if axis != "?" else 0
+
+
+def ledger(colls: list[Collective]) -> dict:
+  """{kind: {axis: {"count": executions per step, "bytes": bytes sent per device per step}}}."""
+  out: dict = {}
+  for c in colls:
+    row = out.setdefault(c.kind, {}).setdefault(c.axis, {"count": 0, "bytes": 0})
+    row["count"] += c.count
+    row["bytes"] += c.total_bytes
+  return out
+
+
+# ---- dependency structure ----
+
+
+def _compute_comps(comps: dict) -> set:
+  """Computations that contain a matmul, directly or through what they call."""
+  memo = {}
+
+  def has_dot(c):
+    if c not in memo:
+      memo[c] = False
+      memo[c] = any(_is_dot(i) or any(has_dot(x) for x in re.findall(r"calls=%?([\w.\-]+)", i.attrs))
+                    for i in comps.get(c, []))
+    return memo[c]
+  return {c for c in comps if has_dot(c)}
+
+
+def _is_dot(ins: Instr) -> bool:
+  return ins.opcode in ("dot", "convolution") or (ins.opcode == "custom-call" and bool(
+      re.search(r"gemm|matmul", ins.attrs, re.I)))
+
+
+@dataclass
+class OverlapRow:
+  computation: str
+  collective: str
+  kind: str
+  scope: str
+  independent_matmuls: int   # matmuls in the same computation with no path to or from the collective
+  matmuls: int
+
+
+def overlap_structure(text: str) -> list[OverlapRow]:
+  """For every collective: how many matmuls of its computation it could run behind (no data dependency
+  either way). A prefetched gather should be independent of all of its layer's matmuls; a ring step's
+  ppermute of at least the matmul of its step."""
+  comps, _ = parse(text)
+  dot_comps = _compute_comps(comps)
+  rows = []
+  for comp, instrs in comps.items():
+    colls = [i for i in instrs if i.opcode.removesuffix("-start") in COLLECTIVES]
+    if not colls:
+      continue
+    is_mm = {i.name for i in instrs if _is_dot(i) or any(
+        c in dot_comps for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs))}
+    if not is_mm:
+      continue
+    # HLO text lists instructions after their operands: one pass builds every ancestor set (as bitsets).
+    bit = {i.name: 1 << k for k, i in enumerate(instrs)}
+    anc = {}
+    for i in instrs:
+      a = 0
+      for p in i.operands:
+        if p in bit:
+          a |= bit[p] | anc[p]
+      anc[i.name] = a
+    for c in colls:
+      independent = sum(1 for d in is_mm if not anc[c.name] & bit[d] and not anc[d] & bit[c.name])
+      rows.append(OverlapRow(comp, c.name, c.opcode.removesuffix("-start"), scope_of(c.op_name), independent,
+                             len(is_mm)))
+  return rows
