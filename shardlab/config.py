@@ -95,6 +95,7 @@ class Config:
   precision: PrecisionConfig = field(default_factory=PrecisionConfig)
   hardware: HardwareConfig = field(default_factory=HardwareConfig)
   progress: bool = True
+  dry_run: bool = False           # compile and analyze only: no parameters allocated, no step run
 
 
 GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, "train": TrainConfig,

@@ -51,6 +51,11 @@ def state_specs(opt, decls):
   return {"params": pspecs, "opt": ospecs, "step": P()}
 
 
+def init_state_local(params, opt):
+  """The training state of unsharded `params` (for shapes, and the reference layout of the state)."""
+  return {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
 def init_state(params, opt, decls, mesh):
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(opt, decls),
                            is_leaf=lambda x: isinstance(x, P))
