@@ -26,9 +26,9 @@ MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 
 
 def tiny_config(**schedule):
-  """The tiny model used by the tests: 3 layers, so that prefetch depth 2 still runs a scan."""
+  """The tiny model used by the tests: 4 layers, so that prefetch depth 2 still runs a loop of 2 trips."""
   from shardlab.config import Config, ModelConfig, ScheduleConfig, TrainConfig
-  return Config(model=ModelConfig(n_layers=3), schedule=ScheduleConfig(**schedule), train=TrainConfig(steps=3))
+  return Config(model=ModelConfig(n_layers=4), schedule=ScheduleConfig(**schedule), train=TrainConfig(steps=3))
 
 
 def preset_names():

@@ -244,6 +244,7 @@ class OverlapRow:
   scope: str
   independent_matmuls: int   # matmuls in the same computation with no path to or from the collective
   matmuls: int
+  in_loop: bool              # the computation is a while-loop body (the layer loop)
 
 
 def overlap_structure(text: str) -> list[OverlapRow]:
@@ -252,6 +253,8 @@ def overlap_structure(text: str) -> list[OverlapRow]:
   ppermute of at least the matmul of its step."""
   comps, _ = parse(text)
   dot_comps = _compute_comps(comps)
+  bodies = {b for instrs in comps.values() for i in instrs if i.opcode == "while"
+            for b in re.findall(r"body=%?([\w.\-]+)", i.attrs)}
   rows = []
   for comp, instrs in comps.items():
     colls = [i for i in instrs if i.opcode.removesuffix("-start") in COLLECTIVES]
@@ -273,5 +276,5 @@ def overlap_structure(text: str) -> list[OverlapRow]:
     for c in colls:
       independent = sum(1 for d in is_mm if not anc[c.name] & bit[d] and not anc[d] & bit[c.name])
       rows.append(OverlapRow(comp, c.name, c.opcode.removesuffix("-start"), scope_of(c.op_name), independent,
-                             len(is_mm)))
+                             len(is_mm), comp in bodies))
   return rows

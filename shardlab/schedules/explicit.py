@@ -67,8 +67,6 @@ def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs):
 
   if n > k:
     (carry, ahead, bufs), _ = jax.lax.scan(step, (carry, ahead, bufs), jnp.arange(n - k))
-  else:
-    ahead = ahead
   for i in range(k):
     carry, bufs = body(order(n - k + i), carry, ahead[i], bufs)
   return carry, bufs

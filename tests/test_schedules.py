@@ -1,0 +1,70 @@
+"""What each schedule claims beyond equal numbers: the overlap it promises is possible in the program's
+dependency structure, and prefetch / reshard change compiled memory the way theory says."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import compiled_grads, load_preset, mesh_of, preset_names
+from shardlab.analysis import hlo
+from shardlab.analysis.program import memory
+
+
+def _knobs(preset):
+  return {k: v for k, v in load_preset(preset).items() if k != "name"}
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_claimed_overlap_is_structurally_possible(preset):
+  """On CPU nothing overlaps in time; what a GPU scheduler needs is that the transfer does not wait on the
+  compute it should hide behind. Prefetched FSDP gathers: independent of every matmul of the layer loop
+  body they run in. Ring steps: each ppermute independent of at least one matmul (its step's)."""
+  knobs = _knobs(preset)
+  rows = hlo.overlap_structure(compiled_grads((2, 4), tuple(sorted(knobs.items())))[0].as_text())
+  gathers = [r for r in rows if r.in_loop and r.kind == "all-gather" and r.scope == "fsdp_all_gather"]
+  if knobs.get("prefetch", 0) > 0:
+    assert gathers and all(r.independent_matmuls == r.matmuls for r in gathers), \
+        [(r.collective, r.independent_matmuls, r.matmuls) for r in gathers]
+  elif knobs.get("grad_reduce") != "deferred":
+    # Negative control: gathering on demand, the layer's matmuls wait for the gather.
+    assert any(r.independent_matmuls < r.matmuls for r in gathers)
+  permutes = [r for r in rows if r.kind == "collective-permute"]
+  if knobs.get("tp", "allgather").startswith("ring"):
+    assert permutes and all(r.independent_matmuls >= 1 for r in permutes), \
+        [(r.collective, r.independent_matmuls) for r in permutes if r.independent_matmuls < 1]
+  else:
+    assert not permutes
+
+
+# Weights-dominated model for memory: per-layer gathered weights G are large next to activations.
+D, F, H, NL = 128, 512, 8, 4
+
+
+def _temp_bytes(**knobs):
+  from shardlab.config import Config, ModelConfig, ScheduleConfig, TrainConfig
+  from shardlab import params as PM, schedules, train as T
+  m = ModelConfig(d_model=D, d_ff=F, n_layers=NL, n_heads=H, seq_len=16)
+  cfg = Config(model=m, schedule=ScheduleConfig(**knobs), train=TrainConfig(batch_size=8))
+  mesh = mesh_of(8, 1)
+  decls = PM.declare(m)
+  p = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
+                   decls, is_leaf=PM.is_param)
+  b = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, m, jnp.float32), decls, mesh)
+  return memory(fn.lower(p, b).compile())["temp"]
+
+
+def test_prefetch_and_reshard_change_memory_as_theory_says():
+  """G = one layer's gathered weights. Theory (ZeRO-3 / FSDP2):
+  - keep gathered weights for backward: all NL layers stay gathered until their backward, (NL-1) G more
+    than re-gathering; measured within [NL-1, NL] G.
+  - prefetch depth k: k more gathered layers in flight in the loop carry. XLA's while loop double-buffers a
+    carry whose slots shift each iteration, so the compiled delta lies within [k, 2k] G.
+  """
+  K = D // H
+  G = 4 * (D * 3 * H * K + H * K * D + D * 2 * F + F * D + 2 * D)    # mesh 8x1: nothing sharded by tensor
+  base = _temp_bytes()
+  delta = {k: (_temp_bytes(prefetch=k) - base) / G for k in (1, 2)}
+  keep = (_temp_bytes(reshard_after_forward=False) - base) / G
+  assert NL - 1 <= keep <= NL, keep
+  assert 1 <= delta[1] <= 2 and 2 <= delta[2] <= 4 and delta[2] > delta[1], delta
