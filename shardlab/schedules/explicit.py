@@ -48,10 +48,14 @@ def _put(bufs, values, l):
 
 def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs):
   """`carry, bufs = body(l, carry, W_l, bufs)` for l = 0..n-1 (n-1..0 if reverse), W_l = fetch(l) issued
-  `depth` layers ahead and held in the loop carry. The last `depth` layers fetch nothing (no extra bytes)."""
+  `depth` layers ahead and held in the loop carry. The last `depth` layers fetch nothing (no extra bytes).
+  `w, carry = fetch(l, carry)` may tie itself to the carry at the time it is issued (see `bwd`)."""
   order = (lambda j: n - 1 - j) if reverse else (lambda j: j)
   k = depth if fetch is not None else 0
-  ahead = tuple(fetch(order(j)) for j in range(k))
+  ahead = ()
+  for j in range(k):
+    w, carry = fetch(order(j), carry)
+    ahead += (w,)
 
   def step(state, j):
     carry, ahead, bufs = state
@@ -59,9 +63,10 @@ def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs):
     if fetch is None:
       w = None
     elif k == 0:
-      w = fetch(l)
+      w, carry = fetch(l, carry)
     else:
-      w, ahead = ahead[0], ahead[1:] + (fetch(order(j + k)),)   # W_{l+k} in flight while layer l runs
+      nxt, carry = fetch(order(j + k), carry)                 # W_{l+k} in flight while layer l runs
+      w, ahead = ahead[0], ahead[1:] + (nxt,)
     carry, bufs = body(l, carry, w, bufs)
     return (carry, ahead, bufs), None
 
@@ -91,11 +96,11 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
 
   @jax.custom_vjp
   def stack(x, stacked):
-    fetch = lambda l: gather(_take(stacked, l))
+    fetch = lambda l, c: (gather(_take(stacked, l)), c)
     return pipeline(n, depth, False, fetch, lambda l, x, w, b: (layer_fn(x, w), b), x, ())[0]
 
   def fwd(x, stacked):
-    fetch = lambda l: gather(_take(stacked, l))
+    fetch = lambda l, c: (gather(_take(stacked, l)), c)
     # Shapes (and varying axes) of one layer's residuals, from an abstract trace that emits nothing.
     def probe(x, stacked):
       _, leaves, treedef, where_w = residuals(x, gather(_take(stacked, 0)))
@@ -116,7 +121,13 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
   def bwd(res, dy):
     bufs, stacked = res
     where_w, treedef = meta["where_w"], meta["treedef"]
-    regather = None if keep else (lambda l: gather(_take(stacked, l)))
+    def regather(l, dx):
+      # XLA:CPU drops optimization barriers before its last CSE pass, which would then merge a re-gather
+      # outside the layer loop with the identical forward gather (keeping that layer gathered). Indexing with
+      # a value of dx makes the two differ: `dx == dx` holds unless dx is NaN, and XLA does not fold it.
+      probe = jax.tree.leaves(dx)[0].reshape(-1)[0]
+      l = jnp.where(probe == probe, l, n)   # n: out of range (clamped), so never equal to l
+      return gather(_take(stacked, l)), dx
     grads = jax.tree.map(C.zeros_like, stacked)
 
     def body(l, dx, w, grads):
@@ -127,7 +138,7 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
       _, gather_t = jax.vjp(gather, _take(stacked, l))
       return dx, _put(grads, gather_t(dw)[0], l)   # W_l's gradient reduce-scattered now, in backward
 
-    dx, grads = pipeline(n, depth, True, regather, body, dy, grads)
+    dx, grads = pipeline(n, depth, True, None if keep else regather, body, dy, grads)
     return dx, grads
 
   stack.defvjp(fwd, bwd)

@@ -1,0 +1,82 @@
+"""Sweep summaries: at the end of a `--multirun`, one row per job in summary.csv and summary.md in the sweep
+directory. A failed job is a row with its error (the task function records it instead of raising)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s", "bytes_fsdp",
+           "bytes_tensor", "memory_peak_bytes", "predicted_step_s", "hardware", "error"]
+
+
+def _bytes_per_axis(comm: dict) -> dict:
+  out: dict = {}
+  for per_axis in comm.values():
+    for axis, row in per_axis.items():
+      for a in axis.split("+"):   # a collective over both axes counts on each
+        out[a] = out.get(a, 0) + row["bytes"]
+  return out
+
+
+def job_row(job_dir: Path) -> dict:
+  overrides_file = job_dir / ".hydra" / "overrides.yaml"
+  overrides = []
+  if overrides_file.exists():
+    import yaml
+    overrides = yaml.safe_load(overrides_file.read_text()) or []
+  row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": "missing"}
+  summary_file = job_dir / "summary.json"
+  if not summary_file.exists():
+    row["error"] = "no summary.json (the job died before writing one)"
+    return row
+  s = json.loads(summary_file.read_text())
+  pred = s.get("prediction") or {}
+  per_axis = _bytes_per_axis(s.get("comm", {}))
+  row.update(status=s.get("status"), final_loss=s.get("final_loss"), step_time_s_median=s.get("step_time_s_median"),
+             tokens_per_s=s.get("tokens_per_s_median"), bytes_fsdp=per_axis.get("fsdp"),
+             bytes_tensor=per_axis.get("tensor"), memory_peak_bytes=(s.get("memory") or {}).get("peak"),
+             predicted_step_s=pred.get("t_overlapped_s"), hardware=pred.get("hardware"), error=s.get("error"))
+  return row
+
+
+def collect(sweep_dir) -> list[dict]:
+  jobs = [d for d in Path(sweep_dir).iterdir() if d.is_dir() and (d / ".hydra").exists()]
+  def num(d):
+    head = d.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else 1 << 30, d.name)
+  return [job_row(d) for d in sorted(jobs, key=num)]
+
+
+def _fmt(v) -> str:
+  if v is None:
+    return ""
+  if isinstance(v, float):
+    return f"{v:.4g}"
+  return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def write(sweep_dir) -> list[dict]:
+  rows = collect(sweep_dir)
+  d = Path(sweep_dir)
+  with open(d / "summary.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=COLUMNS)
+    w.writeheader()
+    for r in rows:
+      w.writerow({k: r.get(k) for k in COLUMNS})
+  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  lines += ["| " + " | ".join(_fmt(r.get(k)) for k in COLUMNS) + " |" for r in rows]
+  ok = sum(r["status"] == "ok" for r in rows)
+  (d / "summary.md").write_text(f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
+                                f"machine; predicted_step_s is the cost model's, on `hardware`.\n\n"
+                                + "\n".join(lines) + "\n")
+  return rows
+
+
+class SweepSummary(Callback):
+  """Hydra callback (conf/config.yaml): writes the sweep summary when a multirun ends."""
+
+  def on_multirun_end(self, config, **kwargs) -> None:
+    write(config.hydra.sweep.dir)
