@@ -64,12 +64,31 @@ def init_state(params, opt, decls, mesh):
   return {"params": params, "opt": opt_state, "step": step}
 
 
+def _jit(fn, mesh, in_specs, out_specs, shard_mapped: bool, **kw):
+  """jit(shard_map(fn)) for explicit schedules; for compiler-sharded ones (gspmd), jit with the same
+  shardings on inputs and outputs and the mesh set for the sharding constraints inside."""
+  if shard_mapped:
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs), **kw)
+  named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
+  jitted = jax.jit(fn, in_shardings=named(in_specs), out_shardings=named(out_specs), **kw)
+
+  class WithMesh:   # lower/call under the mesh, like the shard_map'd version
+    def __call__(self, *a):
+      with jax.set_mesh(mesh):
+        return jitted(*a)
+
+    def lower(self, *a):
+      with jax.set_mesh(mesh):
+        return jitted.lower(*a)
+  return WithMesh()
+
+
 def make_grad_fn(cfg: Config, schedule, decls, mesh):
-  """jit(shard_map): (params, tokens[B, L+1]) -> (loss, grads sharded like params). For tests and analysis."""
+  """(params, tokens[B, L+1]) -> (loss, grads sharded like params), jitted. For tests and analysis."""
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   pspecs = specs(decls)
   fn = lambda p, b: schedule.loss_and_grads(p, b[:, :-1], b[:, 1:], n_tokens)
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(pspecs, P(FSDP)), out_specs=(P(), pspecs)))
+  return _jit(fn, mesh, (pspecs, P(FSDP)), (P(), pspecs), getattr(schedule, "shard_mapped", True))
 
 
 def make_train_step(cfg: Config, schedule, decls, opt, mesh):
@@ -77,14 +96,15 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   sspecs = state_specs(opt, decls)
 
+  shard_mapped = getattr(schedule, "shard_mapped", True)
+
   def step(state, batch_BL1):
     params = state["params"]
     loss, grads = schedule.loss_and_grads(params, batch_BL1[:, :-1], batch_BL1[:, 1:], n_tokens)
-    norm = global_norm(grads, decls)
+    norm = global_norm(grads, decls) if shard_mapped else optax.tree.norm(grads)
     grads = clip_by_global_norm(grads, norm, cfg.train.grad_clip)
     updates, opt_state = opt.update(grads, state["opt"], params)
     params = optax.apply_updates(params, updates)
     return {"params": params, "opt": opt_state, "step": state["step"] + 1}, {"loss": loss, "grad_norm": norm}
 
-  fn = jax.shard_map(step, mesh=mesh, in_specs=(sspecs, P(FSDP)), out_specs=(sspecs, P()))
-  return jax.jit(fn, donate_argnums=0)
+  return _jit(step, mesh, (sspecs, P(FSDP)), (sspecs, P()), shard_mapped, donate_argnums=0)

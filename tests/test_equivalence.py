@@ -25,8 +25,6 @@ def _check(mesh_shape, knobs, label):
 @pytest.mark.parametrize("preset", preset_names())
 def test_preset_matches_reference(preset, mesh_shape):
   knobs = {k: v for k, v in load_preset(preset).items() if k != "name"}
-  if knobs.get("impl", "explicit") != "explicit":
-    pytest.skip(f"{preset} is checked by its own test")
   _check(mesh_shape, knobs, f"{preset} on {mesh_shape}: ")
 
 

@@ -1,0 +1,86 @@
+"""The compiler's own sharding, as a baseline: the same model math under plain `jax.jit`, parameters and
+batch placed with the same NamedShardings (params.LAYOUT), activations constrained like the explicit
+schedule's, and every collective left to XLA's SPMD partitioner. Compare its ledger with `baseline`'s to see
+what hand placement buys. Knobs: `tp` (allgather: sequence-parallel activations | allreduce), `microbatches`,
+`remat`; the others describe hand placement and are rejected.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardlab import model as M
+from shardlab.config import ModelConfig, ScheduleConfig
+from shardlab.mesh import FSDP, TENSOR, ConfigError
+from shardlab.params import declare
+from shardlab.schedules.explicit import _remat_policy
+from shardlab.schedules.tp import IdentityOps
+
+_c = jax.lax.with_sharding_constraint
+
+
+class ConstrainedOps(IdentityOps):
+  """Plain math on global arrays with the explicit schedule's activation layouts as sharding hints."""
+
+  def __init__(self, seq_parallel: bool):
+    self.residual = P(FSDP, TENSOR if seq_parallel else None, None)   # x[B_fsdp, L_tp, D]
+
+  def column(self, x, w, eq):   # y[B_fsdp, L, .., N_tp]
+    y = super().column(x, w, eq)
+    return _c(y, P(FSDP, *([None] * (y.ndim - 2)), TENSOR))
+
+  def row(self, h, w, eq):
+    return _c(super().row(h, w, eq), self.residual)
+
+  def reduce(self, y):
+    return _c(y, self.residual)
+
+
+class _Weights:
+  def __init__(self, params, policy):
+    self.params, self.policy = params, policy
+
+  def get(self, name):
+    return self.params[name]
+
+  def layers(self, x, layer_fn):
+    f = layer_fn if self.policy is None else jax.checkpoint(layer_fn, policy=self.policy)
+    return jax.lax.scan(lambda x, w: (f(x, w), None), x, self.params["layers"])[0]
+
+
+class GSPMDSchedule:
+  shard_mapped = False   # train.py builds a plain jit step for it
+
+  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32):
+    default = ScheduleConfig()
+    for knob in ("prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce"):
+      if getattr(cfg, knob) != getattr(default, knob):
+        raise ConfigError(f"schedule.{knob}={getattr(cfg, knob)}: the gspmd schedule leaves communication to the "
+                          f"compiler; it takes only tp, microbatches and remat")
+    if cfg.tp not in ("allgather", "allreduce"):
+      raise ConfigError(f"schedule.tp={cfg.tp}: the gspmd schedule takes tp=allgather or tp=allreduce")
+    if cfg.microbatches < 1:
+      raise ConfigError(f"schedule.microbatches={cfg.microbatches}: must be >= 1")
+    self.cfg, self.model, self.dtype = cfg, model, compute_dtype
+    self.decls = declare(model)
+    self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather")
+    self.policy = _remat_policy(cfg.remat)
+
+  def loss_and_grads(self, params, tokens_BL, targets_BL, n_tokens: int):
+    """On global arrays, under jit with the mesh set. Gradients come back sharded like `params`."""
+    def loss_fn(p, t, y):
+      p = jax.tree.map(lambda a: a.astype(self.dtype), p)
+      return M.loss(self.ops, self.model, _Weights(p, self.policy), t, y, n_tokens)
+    vg = jax.value_and_grad(loss_fn)
+    k = self.cfg.microbatches
+    if k == 1:
+      return vg(params, tokens_BL, targets_BL)
+    # Microbatch j takes rows j, j+k, ...: every device keeps its own rows (batch sharded over fsdp).
+    mb = lambda a: _c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, FSDP))
+
+    def micro(acc, b):
+      loss, g = vg(params, *b)
+      return jax.tree.map(jnp.add, acc, (loss, g)), None
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(micro, zero, (mb(tokens_BL), mb(targets_BL)))[0]
