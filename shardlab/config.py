@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from shardlab.hardware import HardwareConfig
 
@@ -85,6 +85,25 @@ class PrecisionConfig:
 
 
 @dataclass
+class CheckpointConfig:
+  """What is saved when, and where a run resumes from (README: Failure handling)."""
+  enabled: bool = True            # save at the end, and on SIGTERM/SIGINT before exiting; false: never save
+  every: int = 0                  # also save every N steps (0: only at the end and on a signal)
+  keep: int = 3                   # keep the last k checkpoints; older ones are deleted
+  dir: Optional[str] = None       # null: <run dir>/checkpoints. Several hosts: a directory all of them see
+  resume: bool = False            # restore the latest complete checkpoint in `dir` (if any) and continue
+
+
+@dataclass
+class DistributedConfig:
+  """Several processes (one per host, or several per host) that together own the mesh's devices."""
+  coordinator: Optional[str] = None  # HOST:PORT of process 0; null: one process (or `auto`)
+  num_processes: int = 1
+  process_id: int = 0
+  auto: bool = True               # no coordinator: join the job when srun or mpirun started several tasks
+
+
+@dataclass
 class Config:
   cpu_devices: int = 8            # fake CPU devices, set before JAX starts; ignored on GPU/TPU
   mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -94,12 +113,15 @@ class Config:
   data: DataConfig = field(default_factory=DataConfig)
   precision: PrecisionConfig = field(default_factory=PrecisionConfig)
   hardware: HardwareConfig = field(default_factory=HardwareConfig)
+  checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+  distributed: DistributedConfig = field(default_factory=DistributedConfig)
   progress: bool = True
   dry_run: bool = False           # compile and analyze only: no parameters allocated, no step run
 
 
 GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, "train": TrainConfig,
-          "data": DataConfig, "precision": PrecisionConfig, "hardware": HardwareConfig}
+          "data": DataConfig, "precision": PrecisionConfig, "hardware": HardwareConfig,
+          "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
 
 
 def register_configs() -> None:

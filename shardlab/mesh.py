@@ -24,7 +24,7 @@ def set_cpu_devices(n: int) -> None:
   except RuntimeError:  # the backend already started (a second run in one process)
     have = len(jax.devices("cpu"))
     raise ConfigError(f"cpu_devices={n}: JAX already started with {have} CPU devices in this process; "
-                      f"run one process per device count (hydra/launcher=joblib for sweeps)") from None
+                      f"run one process per device count (sweeps: hydra/launcher=submitit_local)") from None
 
 
 def make_mesh(fsdp: int, tensor: int, devices=None) -> Mesh:

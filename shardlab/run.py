@@ -3,6 +3,7 @@ metrics.jsonl and summary.json in the run directory."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -43,11 +44,14 @@ def build(cfg: Config):
 def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None) -> dict:
   """Validate, build, compile, analyze and (unless cfg.dry_run) train; returns the summary, which is also
   written to out_dir/summary.json."""
+  from shardlab.distributed import initialize
   from shardlab.mesh import set_cpu_devices
-  from shardlab.validate import validate
-  set_cpu_devices(cfg.cpu_devices)
+  from shardlab.validate import validate, validate_launch
+  validate_launch(cfg)                            # checkpoint and process settings, before JAX starts
+  set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
+  initialize(cfg.distributed)                     # jax.distributed, when this is one of several processes
   import jax
-  validate(cfg, len(jax.devices()))               # before anything is compiled or written
+  validate(cfg, len(jax.devices()))               # the mesh against every process's devices; before compile
   from jax.sharding import NamedSharding, PartitionSpec as P
   from tqdm import tqdm
 
@@ -62,6 +66,8 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   compiled = b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile()
   compile_time = time.perf_counter() - t0
   analysis = analyze(compiled, mesh)
+  from shardlab.analysis.costmodel import predict_run   # prediction + analytic memory; timeline.json/.png
+  analysis.update(predict_run(compiled, mesh, cfg, out_dir, analysis))
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   devs = jax.devices()
@@ -71,33 +77,74 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
       "n_params": PM.count(b["decls"]), "compile_time_s": compile_time, "jax_version": jax.__version__,
       **analysis, "config": resolved if resolved is not None else _asdict(cfg)}
 
+  main = jax.process_index() == 0                 # only process 0 writes the run's files
   if not cfg.dry_run:
-    state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
+    from shardlab import checkpoint as CK
+    ckpt = CK.Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or out / "checkpoints", (cfg.mesh.fsdp, cfg.mesh.tensor))
+    state, losses = ckpt.restore(b["abstract_state"]) if cfg.checkpoint.resume else (None, [])
+    start = len(losses)                           # steps done; the data resumes there (a batch is f(seed, step))
+    if start > cfg.train.steps:
+      raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {ckpt.dir} is already at step {start}; "
+                        f"raise train.steps to continue it")
+    if state is None:
+      state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
+    summary["checkpoint"] = {"dir": str(ckpt.dir), "resumed_from": ckpt.latest, "saved": ckpt.saved}
     data = MarkovData(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
                       cfg.data.branching, NamedSharding(mesh, P(FSDP)))
     tokens = cfg.train.batch_size * cfg.model.seq_len
-    losses, times = [], []
-    with open(out / "metrics.jsonl", "w") as f:
-      bar = tqdm(range(cfg.train.steps), disable=not cfg.progress or jax.process_index() != 0, desc="train")
-      for step in bar:
-        batch = data.batch(step)
-        t = time.perf_counter()
-        state, met = compiled(state, batch)
-        loss, gnorm = float(met["loss"]), float(met["grad_norm"])   # waits for the step
-        dt = time.perf_counter() - t
-        losses.append(loss)
-        times.append(dt)
-        rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if loss != loss or abs(loss) == float("inf"):
-          raise FloatingPointError(f"non-finite loss {loss} at step {step}")
-    median = statistics.median(times[1:] or times)
+    times = []
+    try:
+      with _open_metrics(out, start, main) as f, CK.StopOnSignal() as stop:
+        bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
+                   disable=not cfg.progress or not main, desc="train")
+        for step in bar:
+          batch = data.batch(step)
+          t = time.perf_counter()
+          state, met = compiled(state, batch)
+          loss, gnorm = float(met["loss"]), float(met["grad_norm"])   # waits for the step
+          dt = time.perf_counter() - t
+          losses.append(loss)
+          times.append(dt)
+          rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
+          f.write(json.dumps(rec) + "\n")
+          f.flush()
+          bar.set_postfix(loss=f"{loss:.4f}")
+          if not (math.isfinite(loss) and math.isfinite(gnorm)):   # this state is never saved
+            good = f"checkpoint {ckpt.latest} in {ckpt.dir}" if ckpt.latest else "none"
+            raise FloatingPointError(f"non-finite loss {loss} (grad_norm {gnorm}) at step {step}; "
+                                     f"last good checkpoint: {good}")
+          signum = stop.requested()
+          if signum or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+            ckpt.save(step + 1, state, losses)
+          if signum:
+            raise CK.Interrupted(signum, step + 1, ckpt)
+        ckpt.save(cfg.train.steps, state, losses)  # the final save (skipped if `every` just saved it)
+    except Exception as e:                        # summary.json says why, with the losses so far
+      summary.update(status="interrupted" if isinstance(e, CK.Interrupted) else "error",
+                     error=f"{type(e).__name__}: {e}", losses=losses)
+      if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+      raise
+    finally:
+      ckpt.close()                                # waits for a save still being written
+    median = statistics.median(times[1:] or times) if times else None
     summary.update(losses=losses, final_loss=losses[-1], step_time_s_median=median,
-                   tokens_per_s_median=tokens / median)
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+                   tokens_per_s_median=tokens / median if median else None)
+  if main:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
+
+
+def _open_metrics(out: Path, start: int, main: bool):
+  """metrics.jsonl for writing, keeping the rows before `start` when resuming into the same run dir (the rows
+  of steps after the restored checkpoint are run again). Processes other than 0 write nowhere."""
+  if not main:
+    return open(os.devnull, "w")
+  path = out / "metrics.jsonl"
+  kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] < start] if start and path.exists() else []
+  f = open(path, "w")
+  f.writelines(l + "\n" for l in kept)
+  return f
 
 
 def _asdict(cfg):
@@ -107,23 +154,69 @@ def _asdict(cfg):
 
 def _task(dcfg) -> None:
   from hydra.core.hydra_config import HydraConfig
+  from hydra.types import RunMode
   from omegaconf import OmegaConf
-  out_dir = HydraConfig.get().runtime.output_dir
+  hc = HydraConfig.get()
+  out_dir = hc.runtime.output_dir
+  sweeping = hc.mode == RunMode.MULTIRUN
   try:
     train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
   except ConfigError as e:
+    if _FULL_ERROR:
+      raise
     print(f"shardlab: error: {e}", file=sys.stderr)
-    sys.exit(2)
+    if not sweeping:
+      sys.exit(2)
+    _record_failure(out_dir, e)
   except Exception as e:
-    Path(out_dir, "summary.json").write_text(json.dumps(
-        {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, indent=2))
-    raise
+    from shardlab.checkpoint import Interrupted
+    if isinstance(e, Interrupted):        # saved and stopped (summary.json says so); a sweep stops too
+      print(f"shardlab: {e}", file=sys.stderr)
+      sys.exit(128 + e.signum)
+    if isinstance(e, FloatingPointError) and not _FULL_ERROR:  # summary.json: status error, the losses so far
+      print(f"shardlab: error: {e}", file=sys.stderr)
+      if not sweeping:
+        sys.exit(1)
+      return
+    _record_failure(out_dir, e)
+    if not sweeping:
+      raise
+    print(f"shardlab: job {hc.job.num} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _record_failure(out_dir, e: BaseException) -> None:
+  """A failed job leaves a summary.json that says so (a sweep keeps going and reports it as a row)."""
+  Path(out_dir).mkdir(parents=True, exist_ok=True)
+  Path(out_dir, "summary.json").write_text(json.dumps(
+      {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, indent=2))
+
+
+_FULL_ERROR = False   # HYDRA_FULL_ERROR=1: tracebacks instead of one-line errors
 
 
 def cli() -> None:
   import hydra
+  from hydra.errors import HydraException
+  from omegaconf.errors import OmegaConfBaseException
+  global _FULL_ERROR
   register_configs()
-  hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(_task)()
+  asked = os.environ.get("HYDRA_FULL_ERROR")
+  _FULL_ERROR = asked == "1"
+  os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
+  try:
+    hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(_task)()
+  except (HydraException, OmegaConfBaseException) as e:
+    if _FULL_ERROR:
+      raise
+    msg = ": ".join(str(x).strip().splitlines()[0].rstrip(".") for x in (e, e.__cause__) if x and str(x).strip())
+    print(f"shardlab: error: {msg} (`python -m shardlab --help` lists every group, option and setting)",
+          file=sys.stderr)
+    sys.exit(2)
+  finally:
+    if asked is None:
+      os.environ.pop("HYDRA_FULL_ERROR")
+    else:
+      os.environ["HYDRA_FULL_ERROR"] = asked
 
 
 if __name__ == "__main__":

@@ -1,18 +1,119 @@
-"""A small kit for testing sharded code on fake CPU devices (shardlab's own tests use it).
+"""A kit for testing sharded code on fake CPU devices: shardlab's own tests use it, and so can yours.
 
-  mesh_shapes(n)              every fsdp x tensor factorization of n
-  rank_coded(shape)           an array whose every value says where it came from (index i -> value i)
-  where(x, shape)             decode a rank-coded value back to its index in the original array
-  assert_trees_close(a, b)    per-leaf comparison naming the leaf path and the first mismatching index
+With shardlab installed, its pytest plugin (shardlab/pytest_plugin.py) sets the fake CPU devices before JAX
+starts and gives every test a `mesh` fixture; nothing else is needed in a test file.
+
+Devices and meshes
+  set_devices(n)                  n fake CPU devices, before JAX starts (the plugin calls it)
+  mesh_shapes(n)                  every fsdp x tensor factorization of n
+  mesh_of(fsdp, tensor)           a cached mesh over the first fsdp*tensor devices (Auto axes)
+Rank-coded inputs
+  rank_coded(shape)               an array whose every value says where it came from (index i -> value i)
+  where(x, shape)                 decode a rank-coded value back to its index in the original array
+  origin(x, shape, spec, mesh)    ... and the device (and local index) that held it under `spec`
+  assert_rank_coded_equal(..)     exact equality; a mismatch says which element (and shard) arrived instead
+Comparisons
+  per_device(fn, mesh, in_specs)  shard_map(fn) whose output out[f, t, ...] is device (f, t)'s local value
+  assert_trees_close(a, b)        per-leaf comparison naming the leaf path and the first mismatching index
+  assert_matches_reference(..)    a shard_map'd function against a plain one on every mesh: every device's
+                                  output, and the gradients, optionally against finite differences too
+  assert_collectives(..)          the compiled program's collectives (kind, mesh axis, bytes) against the
+                                  expected ones, and no collective the compiler added on its own
+  assert_schedule_matches_baseline(..)  a schedule's loss, gradients and bytes against `baseline`, tiny model
+The tiny model
+  tiny_config, tiny_batch, reference_loss_and_grads, compile_schedule (cached; tests/conftest.py uses them)
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
+import math
+import os
+
 import numpy as np
+
+DEFAULT_DEVICES = 8
+FAST_COMPILE = "--xla_backend_optimization_level=0"   # LLVM optimizations off: half the compile time
+
+
+# ------------------------------------------------------------------------------------------- devices, meshes
+
+def set_devices(n: int = DEFAULT_DEVICES, fast_compile: bool = True) -> None:
+  """Ask for `n` fake CPU devices (through shardlab.mesh.set_cpu_devices, the one place that sets them).
+  Must run before the first JAX operation; asking again for the same count later is harmless.
+  `fast_compile` turns LLVM's optimizations off unless XLA_FLAGS is already set: tests check numbers and
+  bytes, not speed."""
+  if fast_compile:
+    os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
+  from shardlab.mesh import set_cpu_devices
+  set_cpu_devices(n)
+
+
+def configured_devices() -> int | None:
+  """The fake CPU device count asked for so far (by set_devices or anyone else), if any."""
+  import jax
+  n = jax.config.jax_num_cpu_devices
+  return n if n > 0 else None
+
+
+def devices(n: int | None = None) -> list:
+  """The first n devices the kit builds meshes on: the default backend's, or the fake CPU ones when the
+  default backend has fewer (a machine with one GPU still runs the tests on 8 CPU devices)."""
+  import jax
+  n = n or device_count()
+  devs = jax.devices()
+  if len(devs) < n:
+    devs = jax.devices("cpu")
+  if len(devs) < n:
+    raise ValueError(f"{n} devices needed, {len(devs)} present: run pytest with --shardlab-devices={n}")
+  return devs[:n]
+
+
+def device_count() -> int:
+  """How many devices the kit's meshes span by default: the fake CPU count if one was set."""
+  import jax
+  return configured_devices() or len(jax.devices())
 
 
 def mesh_shapes(n: int = 8) -> list[tuple[int, int]]:
   return [(f, n // f) for f in range(1, n + 1) if n % f == 0]
 
+
+def mesh_id(shape) -> str:
+  """(2, 4) or a mesh -> '2x4' (test ids and messages)."""
+  shape = tuple(shape.devices.shape) if hasattr(shape, "devices") else tuple(shape)
+  return "x".join(str(s) for s in shape)
+
+
+def parse_mesh_shape(shape) -> tuple[int, int]:
+  """'2x4', (2, 4) -> (2, 4)."""
+  if isinstance(shape, str):
+    shape = shape.lower().split("x")
+  out = tuple(int(s) for s in shape)
+  if len(out) != 2 or min(out) < 1:
+    raise ValueError(f"mesh shape {shape!r}: expected 'FxT' or (fsdp, tensor)")
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_of(fsdp: int, tensor: int):
+  """The `fsdp x tensor` mesh (shardlab.mesh.make_mesh: Auto axes, so check_grads works)."""
+  from shardlab.mesh import make_mesh
+  return make_mesh(fsdp, tensor, devices(fsdp * tensor))
+
+
+def _meshes(meshes) -> list:
+  """None (every shape of the device count), a mesh, a shape, or a list of either -> [Mesh]."""
+  if meshes is None:
+    meshes = mesh_shapes(device_count())
+  elif hasattr(meshes, "axis_names") or isinstance(meshes, str) or (
+      isinstance(meshes, tuple) and all(isinstance(s, int) for s in meshes)):
+    meshes = [meshes]
+  return [m if hasattr(m, "axis_names") else mesh_of(*parse_mesh_shape(m)) for m in meshes]
+
+
+# --------------------------------------------------------------------------------- rank-coded arrays, blocks
 
 def rank_coded(shape, dtype=np.float32, offset: int = 0) -> np.ndarray:
   """Values 0, 1, 2, ... in row-major order: any element that lands in the wrong place is identifiable
@@ -26,6 +127,75 @@ def where(value, shape) -> tuple[int, ...]:
   """The index a rank-coded value came from."""
   return tuple(int(i) for i in np.unravel_index(int(round(float(value))), shape))
 
+
+def _entries(spec, ndim: int) -> list[tuple[str, ...]]:
+  """A PartitionSpec as, per dim, the tuple of mesh axes it is split over (major to minor)."""
+  spec = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+  return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
+def coords(mesh) -> list[dict]:
+  """Every device's coordinates, as {axis: index}, in the mesh's row-major order."""
+  return [dict(zip(mesh.axis_names, c)) for c in np.ndindex(*mesh.devices.shape)]
+
+
+def fmt(coord: dict) -> str:
+  return "(" + ", ".join(f"{a}={i}" for a, i in coord.items()) + ")"
+
+
+def _slices(spec, shape, coord: dict, mesh) -> tuple:
+  """The slices of a global array of `shape` that device `coord` holds under `spec`."""
+  out = []
+  for d, axes in enumerate(_entries(spec, len(shape))):
+    n = math.prod(mesh.shape[a] for a in axes)
+    if shape[d] % n:
+      raise ValueError(f"dim {d} of shape {tuple(shape)} does not split over {'x'.join(axes)} ({n} devices)")
+    k, i = shape[d] // n, 0
+    for a in axes:
+      i = i * mesh.shape[a] + coord[a]
+    out.append(slice(i * k, (i + 1) * k))
+  return tuple(out)
+
+
+def block(x, spec, coord: dict, mesh) -> np.ndarray:
+  """numpy: the block of global `x` that device `coord` holds under `spec`."""
+  x = np.asarray(x)
+  return x[_slices(spec, x.shape, coord, mesh)]
+
+
+def owner(index, spec, shape, mesh) -> dict:
+  """The device coordinates whose block under `spec` holds global `index` ('*': any, replicated)."""
+  own = {a: "*" for a in mesh.axis_names}
+  for d, axes in enumerate(_entries(spec, len(shape))):
+    if axes:
+      k = shape[d] // math.prod(mesh.shape[a] for a in axes)
+      own.update(zip(axes, np.unravel_index(index[d] // k, [mesh.shape[a] for a in axes])))
+  return {a: int(i) if i != "*" else i for a, i in own.items()}
+
+
+def origin(value, shape, spec=None, mesh=None, name: str = "the input") -> str:
+  """Where a rank-coded value came from: 'element (3, 1) of x (device (fsdp=1, tensor=*))'."""
+  try:
+    index = where(value, shape)
+  except ValueError:
+    return f"{float(value)!r}, not an element of {name}"
+  text = f"element {index} of {name}"
+  return text + (f" (device {fmt(owner(index, spec, shape, mesh))})" if mesh is not None else "")
+
+
+def assert_rank_coded_equal(got, want, shape, spec=None, mesh=None, label: str = "") -> None:
+  """Exact equality of rank-coded values; a mismatch says which element of the input (and, given its spec
+  and mesh, which device's shard) arrived instead of the expected one."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
+  bad = np.argwhere(got != want)
+  if len(bad):
+    i = tuple(int(k) for k in bad[0])
+    raise AssertionError(f"{label}: {len(bad)} of {got.size} values wrong; at {i} got "
+                         f"{origin(got[i], shape, spec, mesh)}, expected {origin(want[i], shape, spec, mesh)}")
+
+
+# ---------------------------------------------------------------------------------------------- comparisons
 
 def assert_trees_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6, label: str = "") -> None:
   """Every leaf of `actual` equals `expected` within tolerance; `atol` is relative to the leaf's scale
@@ -45,3 +215,378 @@ def assert_trees_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6,
       err = float(np.max(np.abs(a - e)) / scale)
       raise AssertionError(f"{label}{name}: {int(bad.sum())} of {a.size} values differ; first at {idx}: "
                            f"{a[idx]!r} != {e[idx]!r}; max error {err:.2e} of the leaf's scale")
+
+
+def _factor_hint(got, want, bad, mesh) -> str:
+  """' every differing value is 0.25x the reference (1/4 = 1/size of tensor)' when the error is a factor."""
+  g, w = got[bad], want[bad]
+  nz = w != 0
+  if not nz.any() or (g[nz] == 0).all():
+    return ""
+  r = g[nz] / w[nz]
+  if not np.allclose(r, r[0], rtol=1e-4):
+    return ""
+  r = float(r[0])
+  hint = f"; every differing value is {r:.4g}x the reference"
+  sizes = {"x".join(c): math.prod(mesh.shape[a] for a in c) for k in (1, 2)
+           for c in itertools.combinations(mesh.axis_names, k)}
+  for axes, n in sizes.items():
+    if n > 1 and (abs(r - n) < 1e-3 * n or abs(r * n - 1) < 1e-3):
+      hint += f" ({'' if r > 1 else '1/'}{n} = {'' if r > 1 else '1/'}size of {axes}): a lost or extra factor"
+      break
+  return hint
+
+
+def _compare(got, want, label, rtol, atol, mesh, locate=lambda i: f"at {i}", describe=None) -> None:
+  """One array against its expected value, with a message naming the first mismatch."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-30)
+  bad = ~(np.abs(got - want) <= atol * scale + rtol * np.abs(want))   # NaN counts as bad
+  if bad.any():
+    i = tuple(int(k) for k in np.argwhere(bad)[0])
+    what = describe(got[i], want[i]) if describe else f"got {float(got[i])!r}, expected {float(want[i])!r}"
+    raise AssertionError(f"{label}: {int(bad.sum())} of {got.size} values differ; first {locate(i)}: {what}"
+                         f"{_factor_hint(got, want, bad, mesh)}")
+
+
+def per_device(fn, mesh, in_specs):
+  """shard_map(fn) whose every output leaf gets leading mesh dims: out[f, t, ...] is device (f, t)'s local
+  value. Every device's copy is checked, including copies out_specs would call replicated."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  lead = (None,) * len(mesh.axis_names)
+  body = lambda *xs: jax.tree.map(lambda y: y[lead], fn(*xs))
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(*mesh.axis_names))
+
+
+def _is_spec(x) -> bool:
+  from jax.sharding import PartitionSpec
+  return isinstance(x, PartitionSpec)
+
+
+def _shape_hint(got, want) -> str:
+  """Which dims of a local block are too large or too small ('dim 0: 4x too large, dim 1: 4x too small')."""
+  if len(got) != len(want):
+    return ""
+  parts = [f"dim {d}: {g / w:g}x too large" if g > w else f"dim {d}: {w / g:g}x too small"
+           for d, (g, w) in enumerate(zip(got, want)) if g != w and g and w]
+  return ("; " + ", ".join(parts) + ": a gather or scatter on the wrong dimension?") if parts else ""
+
+
+def assert_matches_reference(fn, reference, args, in_specs, out_specs, meshes=None, grads: bool = True,
+                             numerical: bool = False, source: int | None = None, rtol: float = 1e-5,
+                             atol: float = 1e-5, label: str = "") -> None:
+  """`jax.shard_map(fn, in_specs, out_specs)` computes `reference(*args)` on every mesh, on every device.
+
+  fn          the per-device function (runs inside shard_map); reference: the plain function of the global
+              arrays. `args` are global arrays (use `rank_coded` ones).
+  meshes      None (every fsdp x tensor shape of the device count), a mesh or shape, or a list of them.
+  out_specs   the layout fn promises: each device's local output must equal its block of the reference's
+              output under it (all copies of replicated outputs are checked).
+  grads       also compare the VJP of every float argument, with a different cotangent on every device
+              (the reference gets their sum, scattered to where each device's block lives).
+  numerical   also `jax.test_util.check_grads` the sharded function (finite differences; float32 needs
+              small-valued inputs).
+  source      fn only moves elements of args[source] (a gather, a ring, a permute): name, on a mismatch,
+              which element and which device's shard arrived instead of the expected one.
+  """
+  import jax
+  args = tuple(np.asarray(a) for a in args)
+  in_specs = (in_specs,) if _is_spec(in_specs) else tuple(in_specs)
+  names = _arg_names(reference, len(args))
+  refs, treedef = jax.tree.flatten(jax.jit(reference)(*args))
+  refs = [np.asarray(r) for r in refs]
+  specs = jax.tree.leaves(out_specs, is_leaf=_is_spec)
+  specs = specs * len(refs) if len(specs) == 1 else specs
+  assert len(specs) == len(refs), f"{len(specs)} out_specs for {len(refs)} outputs of the reference"
+  floats = [i for i, a in enumerate(args) if np.issubdtype(a.dtype, np.floating)]
+  wrt = floats if grads else []
+  if wrt and not all(np.issubdtype(r.dtype, np.floating) for r in refs):
+    raise ValueError("grads=True needs float outputs; pass grads=False")
+  for mesh in _meshes(meshes):
+    at = f"{label}mesh {mesh_id(mesh)}"
+    stacked, k = per_device(fn, mesh, in_specs), len(mesh.axis_names)
+    outs = jax.tree.leaves(jax.eval_shape(stacked, *args))
+    assert len(outs) == len(refs), f"{at}: fn returns {len(outs)} outputs, the reference {len(refs)}"
+    want = [_expected_blocks(r, spec, mesh, o.shape[k:], f"{at}, output {j}")
+            for j, (o, r, spec) in enumerate(zip(outs, refs, specs))]
+    cts = [_cotangent(o.shape, o.dtype) for o in outs] if wrt else []
+
+    def run(args, cts):
+      if not wrt:
+        return stacked(*args), ()
+      out, vjp = jax.vjp(_of(stacked, args, wrt), *[args[i] for i in wrt])
+      return out, vjp(jax.tree.unflatten(jax.tree.structure(out), cts))
+    got, dargs = jax.jit(run)(args, cts)
+
+    for j, (g, w, spec) in enumerate(zip(jax.tree.leaves(got), want, specs)):
+      def locate(i, spec=spec, shape=refs[j].shape):
+        c = dict(zip(mesh.axis_names, i[:k]))
+        glob = tuple(s.start + l for s, l in zip(_slices(spec, shape, c, mesh), i[k:]))
+        return f"on device {fmt(c)}, local index {i[k:]} (global {glob})"
+      describe = None
+      if source is not None:
+        src = lambda v: origin(v, args[source].shape, in_specs[source], mesh, names[source])
+        describe = lambda g_, w_: f"got {src(g_)}, expected {src(w_)}"
+      _compare(g, w, f"{at}, output {j}", rtol, atol, mesh, locate, describe)
+    if numerical:
+      from jax.test_util import check_grads
+      try:
+        check_grads(jax.jit(_of(stacked, args, floats)), [args[i] for i in floats], order=1, modes=("rev",),
+                    eps=1e-2, atol=1e-2, rtol=1e-2)
+      except AssertionError as e:
+        raise AssertionError(f"{at}: AD gradients differ from finite differences: {e}") from None
+    if not wrt:
+      continue
+    ref_cts = [_reference_cotangent(ct, spec, mesh, r) for ct, r, spec in zip(cts, refs, specs)]
+    ref_grads = jax.jit(lambda args, cts: jax.vjp(_of(reference, args, wrt), *[args[i] for i in wrt])[1](
+        jax.tree.unflatten(treedef, cts)))(args, ref_cts)
+    for i, g, w in zip(wrt, dargs, ref_grads):
+      locate = lambda idx, i=i: f"at {idx} (device {fmt(owner(idx, in_specs[i], args[i].shape, mesh))})"
+      _compare(g, w, f"{at}, gradient of argument {i} ({names[i]})", rtol, atol, mesh, locate)
+
+
+def _cotangent(shape, dtype) -> np.ndarray:
+  """1, 2, 3, ... (mod a prime): a different, exactly summable cotangent on every device."""
+  return (np.arange(int(np.prod(shape))) % 65521 + 1).astype(dtype).reshape(shape)
+
+
+def _expected_blocks(ref, spec, mesh, local_shape, at: str) -> np.ndarray:
+  """The reference output as every device should hold it under `spec`: [*mesh shape, *block]."""
+  cs = coords(mesh)
+  bshape = block(ref, spec, cs[0], mesh).shape
+  if tuple(local_shape) != bshape:
+    raise AssertionError(f"{at}: each device's block has shape {tuple(local_shape)}, but out_specs {spec} "
+                         f"of the reference's {ref.shape} gives {bshape}{_shape_hint(local_shape, bshape)}")
+  return np.stack([block(ref, spec, c, mesh) for c in cs]).reshape(*mesh.devices.shape, *bshape)
+
+
+def _reference_cotangent(ct, spec, mesh, ref) -> np.ndarray:
+  """Every device's cotangent added where its block lives in the global output (the copies of a
+  replicated output sum): what the reference's VJP must be given."""
+  total = np.zeros(ref.shape, np.float64)
+  for c, idx in zip(coords(mesh), np.ndindex(*mesh.devices.shape)):
+    total[_slices(spec, ref.shape, c, mesh)] += ct[idx]
+  return total.astype(ref.dtype)
+
+
+def _of(f, args, wrt):
+  """f as a function of args[i] for i in wrt only, the other arguments fixed."""
+  def g(*d):
+    full = list(args)
+    for i, v in zip(wrt, d):
+      full[i] = v
+    return f(*full)
+  return g
+
+
+def _arg_names(fn, n: int) -> list[str]:
+  try:
+    params = [p.name for p in inspect.signature(fn).parameters.values()]
+  except (TypeError, ValueError):
+    params = []
+  return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+COLLECTIVE_PRIMITIVES = ("all_gather", "all_gather_invariant", "reduce_scatter", "psum", "psum_invariant",
+                         "pmax", "pmin", "ppermute", "all_to_all", "ragged_all_to_all")
+
+
+def _compiled(fn, args):
+  import jax
+  if hasattr(fn, "as_text") and hasattr(fn, "memory_analysis"):   # already a jax.stages.Compiled
+    return fn
+  return (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compile()
+
+
+def collectives_of(fn, args=(), mesh=None):
+  """(hlo.collectives, unplanned) of `fn` compiled for `args` (or of an already compiled function).
+
+  unplanned: the collectives that neither a shardlab named scope (analysis.program.audit) nor a JAX
+  collective primitive placed: the compiler's own resharding, e.g. at a shard_map boundary whose in_specs
+  disagree with how the arguments are laid out."""
+  from shardlab.analysis import hlo, program
+  if mesh is None:
+    raise TypeError("collectives_of / assert_collectives need mesh=: the mesh the function runs on")
+  text = _compiled(fn, args).as_text()
+  colls = hlo.collectives(text, mesh.device_ids, tuple(mesh.axis_names))
+  op_names = {i.name: i.op_name for instrs in hlo.parse(text)[0].values() for i in instrs}
+  placed = lambda name: op_names.get(name, "").rsplit("/", 1)[-1] in COLLECTIVE_PRIMITIVES
+  unplanned = [u for u in program.audit(colls)["unplanned"] if not placed(u["name"])]
+  return colls, unplanned
+
+
+def _row(value) -> dict:
+  return {"bytes": value} if isinstance(value, (int, np.integer)) else dict(value)
+
+
+def format_ledger(ledger: dict) -> str:
+  rows = [f"{kind} over {axis}: {r['bytes']} bytes in {r['count']}" for kind, axes in sorted(ledger.items())
+          for axis, r in sorted(axes.items())]
+  return "; ".join(rows) or "no collectives"
+
+
+def assert_collectives(fn, args=(), expected: dict | None = None, mesh=None, exact: bool = True,
+                       label: str = "") -> dict:
+  """The collectives `fn(*args)` performs, read from the compiled HLO, are the expected ones; returns the
+  ledger ({kind: {axis: {"count", "bytes"}}}, bytes each device sends per call, loops unrolled).
+
+  expected    {kind: {axis: bytes or {"bytes": b, "count": c}}}, kinds as HLO names them ('all-gather',
+              'reduce-scatter', 'all-reduce', 'collective-permute', 'all-to-all'), axis 'fsdp', 'tensor'
+              or 'fsdp+tensor'. A missing row means none; a row with 0 bytes is the same as a missing one.
+  exact       also fail on collectives `expected` does not list (otherwise only listed rows are checked).
+  Always fails on a collective the compiler added on its own (see collectives_of).
+  """
+  from shardlab.analysis import hlo
+  colls, unplanned = collectives_of(fn, args, mesh)
+  ledger = hlo.ledger(colls)
+  errors = []
+  want = {(k, a): _row(v) for k, axes in (expected or {}).items() for a, v in axes.items()}
+  have = {(k, a): r for k, axes in ledger.items() for a, r in axes.items()}
+  for key in sorted(set(want) | (set(have) if exact and expected is not None else set())):
+    w, h = want.get(key), have.get(key, {"bytes": 0, "count": 0})
+    kind, axis = key
+    if w is None:
+      if h["bytes"] or h["count"]:
+        errors.append(f"unexpected {kind} over {axis}: {h['bytes']} bytes in {h['count']} collectives")
+      continue
+    if "bytes" in w and h["bytes"] != w["bytes"]:
+      ratio = f" ({h['bytes'] / w['bytes']:.3g}x)" if w["bytes"] else ""
+      errors.append(f"{kind} over {axis} moves {h['bytes']} bytes per device in {h['count']} collectives, "
+                    f"expected {w['bytes']}{ratio}")
+    if "count" in w and h["count"] != w["count"]:
+      errors.append(f"{kind} over {axis} runs {h['count']} times, expected {w['count']}")
+  for u in unplanned:
+    errors.append(f"the compiler added a {u['kind']} over {u['axis']} ({u['bytes']} bytes, {u['name']}) that "
+                  f"no collective in the code placed: resharding, e.g. in_specs that disagree with the "
+                  f"arguments' layout")
+  if errors:
+    raise AssertionError((label or f"mesh {mesh_id(mesh)}: ") + "; ".join(errors) + f". Ledger: {format_ledger(ledger)}")
+  return ledger
+
+
+# ---------------------------------------------------------------------------------- schedules, tiny model
+
+def tiny_config(**schedule):
+  """The tiny model used by the tests: 4 layers, so that prefetch depth 2 still runs a loop of 2 trips."""
+  from shardlab.config import Config, ModelConfig, ScheduleConfig, TrainConfig
+  return Config(model=ModelConfig(n_layers=4), schedule=ScheduleConfig(**schedule), train=TrainConfig(steps=3))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_batch():
+  """One batch of tokens[B, L+1] for the tiny model."""
+  from shardlab.data import markov_batch
+  cfg = tiny_config()
+  return markov_batch(0, 0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_loss_and_grads():
+  """Loss and gradients of the unsharded reference on the tiny model and `tiny_batch()`."""
+  import jax
+  from shardlab import params as PM, reference as R
+  cfg = tiny_config()
+  p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
+  b = tiny_batch()
+  with jax.numpy_dtype_promotion("strict"):
+    return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg)))(p)
+
+
+def _schedule_key(schedule, knobs) -> tuple:
+  """(implementation class or None, the ScheduleConfig's fields as a hashable tuple, name aside)."""
+  import dataclasses
+  from shardlab.config import ScheduleConfig
+  cls = schedule if isinstance(schedule, type) else None
+  if isinstance(schedule, ScheduleConfig):
+    knobs = {**dataclasses.asdict(schedule), **knobs}
+  elif isinstance(schedule, dict):
+    knobs = {**schedule, **knobs}
+  elif schedule is not None and cls is None:
+    raise TypeError(f"schedule: a ScheduleConfig, a dict of knobs or a schedule class, not {schedule!r}")
+  cfg = dataclasses.asdict(ScheduleConfig(**knobs))
+  return cls, tuple(sorted((k, v) for k, v in cfg.items() if k != "name"))
+
+
+def compile_schedule(schedule=None, mesh_shape=(2, 4), **knobs):
+  """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
+
+  schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
+  **knobs), model, compute_dtype), like the registered ones); knobs override."""
+  return _compile_schedule(tuple(mesh_shape), *_schedule_key(schedule, knobs))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_schedule(mesh_shape, cls, items):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from shardlab import params as PM, schedules, train as T
+  cfg = tiny_config(**dict(items))
+  mesh = mesh_of(*mesh_shape)
+  decls = PM.declare(cfg.model)
+  params = PM.init_sharded(0, decls, cfg.model, mesh)
+  b = jax.device_put(tiny_batch(), NamedSharding(mesh, P("fsdp")))
+  sched = cls(cfg.schedule, cfg.model, jnp.float32) if cls else schedules.build(cfg.schedule, cfg.model, jnp.float32)
+  with jax.numpy_dtype_promotion("strict"):
+    compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
+  return compiled, compiled(params, b)
+
+
+def _check_claims(ledger, base, comm, label) -> None:
+  """`ledger` moves no more bytes than `comm` claims relative to `base` (see assert_schedule_matches_baseline)."""
+  rows = lambda l: {f"{k} {a}": r["bytes"] for k, axes in l.items() for a, r in axes.items()}
+  from shardlab.analysis.hlo import COLLECTIVES
+  have, was = rows(ledger), rows(base)
+  claims = {key: 1.0 for key in [*have, *was, "total"]} if comm == "baseline" else dict(comm)
+  for key in claims:
+    if key != "total" and (len(key.split()) != 2 or key.split()[0] not in COLLECTIVES):
+      raise ValueError(f"comm claim {key!r}: expected 'total' or '<kind> <axis>' with a kind of "
+                       f"{', '.join(COLLECTIVES)} (e.g. 'all-gather fsdp')")
+  errors = []
+  for key, factor in sorted(claims.items()):
+    got = sum(have.values()) if key == "total" else have.get(key, 0)
+    base_bytes = sum(was.values()) if key == "total" else was.get(key, 0)
+    if got > factor * base_bytes:
+      what = "in all" if key == "total" else "as " + key.replace(" ", " over ", 1)
+      errors.append(f"moves {got} bytes per device per step {what}, more than it claims: {factor:g}x the "
+                    f"baseline's {base_bytes}")
+  if errors:
+    raise AssertionError(f"{label}: " + "; ".join(errors) + f". Ledger: {format_ledger(ledger)}. "
+                         f"Baseline: {format_ledger(base)}")
+
+
+def assert_schedule_matches_baseline(schedule=None, mesh_shapes=((2, 4),), comm=None, reference: bool = False,
+                                     rtol: float = 2e-5, atol: float = 2e-5, **knobs) -> dict:
+  """A schedule trains the tiny model exactly as `baseline` does (loss and every gradient) on each mesh, and
+  moves no more bytes than it claims; returns {mesh id: {"ledger", "baseline"}}.
+
+  schedule    a ScheduleConfig, a dict of knobs, or a schedule class (see compile_schedule); knobs override.
+  comm        the byte claim, checked on the compiled programs' ledgers: None (no claim); "baseline" (no
+              row and no total above the baseline's); or {"all-gather fsdp": 0.5, "total": 1.0, ...}: each
+              named row (kind and axis) or the total at most that many times the baseline's bytes.
+  reference   also compare with the unsharded reference (the baseline already is, in tests/).
+  Every schedule is also audited: the compiler may add no collective of its own.
+  """
+  cls, items = _schedule_key(schedule, knobs)
+  defaults = dict(_schedule_key(None, {})[1])
+  name = cls.__name__ if cls else ", ".join(f"{k}={v}" for k, v in items if v != defaults[k]) or "baseline"
+  out = {}
+  for shape in mesh_shapes:
+    shape = parse_mesh_shape(shape)
+    label = f"{name} on {mesh_id(shape)}"
+    compiled, (loss, grads) = _compile_schedule(shape, cls, items)
+    base_compiled, (base_loss, base_grads) = compile_schedule(None, shape)
+    assert_trees_close(loss, base_loss, rtol=1e-6, atol=0, label=f"{label}, loss vs baseline")
+    assert_trees_close(grads, base_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs baseline ")
+    if reference:
+      ref_loss, ref_grads = reference_loss_and_grads()
+      assert_trees_close(grads, ref_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs reference ")
+    ledger = assert_collectives(compiled, mesh=mesh_of(*shape), label=f"{label}: ")
+    base = assert_collectives(base_compiled, mesh=mesh_of(*shape), label=f"baseline on {mesh_id(shape)}: ")
+    if comm is not None:
+      _check_claims(ledger, base, comm, label)
+    out[mesh_id(shape)] = {"ledger": ledger, "baseline": base}
+  return out

@@ -54,3 +54,24 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     raise ConfigError(f"train.steps={t.steps}: must be >= 1")
   if not 1 <= cfg.data.branching <= m.vocab_size:
     raise ConfigError(f"data.branching={cfg.data.branching}: must be between 1 and model.vocab_size")
+  validate_launch(cfg)
+
+
+def validate_launch(cfg: Config) -> None:
+  """Checkpoint and process settings: checked before JAX starts (jax.distributed would wait for bad peers)."""
+  c, d = cfg.checkpoint, cfg.distributed
+  if c.every < 0:
+    raise ConfigError(f"checkpoint.every={c.every}: must be >= 0 (0 saves only at the end and on SIGTERM/SIGINT)")
+  if c.keep < 1:
+    raise ConfigError(f"checkpoint.keep={c.keep}: must be >= 1 (how many of the newest checkpoints to keep)")
+  if d.coordinator is None:
+    if d.num_processes != 1 or d.process_id != 0:
+      raise ConfigError(f"distributed.num_processes={d.num_processes} distributed.process_id={d.process_id} "
+                        "needs distributed.coordinator=HOST:PORT (process 0's address) too")
+    return
+  host, _, port = d.coordinator.rpartition(":")
+  if not host or not port.isdigit():
+    raise ConfigError(f"distributed.coordinator={d.coordinator}: must be HOST:PORT, e.g. localhost:1234")
+  if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+    raise ConfigError(f"distributed.process_id={d.process_id}: must be in 0..distributed.num_processes-1 "
+                      f"(num_processes={d.num_processes})")

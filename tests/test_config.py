@@ -59,7 +59,13 @@ def test_cli_config_error_exits_2_with_one_line(tmp_path):
   assert not (tmp_path / "summary.json").exists()
 
 
-def test_typo_in_override_is_rejected(tmp_path):
-  r = subprocess.run([sys.executable, "-m", "shardlab", "schedule.prefech=1", f"hydra.run.dir={tmp_path}"],
+@pytest.mark.parametrize("override,message", [
+    ("schedule.prefech=1", "Key 'prefech' not in 'ScheduleConfig'"),
+    ("mesh.fsdp=two", "mesh.fsdp=two: Value 'two' of type 'str' could not be converted to Integer")])
+def test_typo_in_override_is_rejected(override, message, tmp_path):
+  """Hydra's own errors (unknown key, wrong type) come out as one line with exit code 2, like shardlab's."""
+  r = subprocess.run([sys.executable, "-m", "shardlab", override, f"hydra.run.dir={tmp_path}"],
                      capture_output=True, text=True, cwd=ROOT, timeout=300)
-  assert r.returncode != 0 and "prefech" in r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardlab: error: ") and message in lines[0], \
+      r.stderr

@@ -130,8 +130,9 @@ def _groups(ins: Instr) -> list[list[int]] | None:
 
 
 def axis_of(groups_or_pairs, device_ids: np.ndarray, axis_names: tuple) -> str:
-  """The mesh axis (or axes, joined by '+') whose device groups contain every group/pair given."""
-  ids = np.asarray(device_ids)
+  """The mesh axis (or axes, joined by '+') whose device groups contain every group/pair given. HLO numbers
+  devices by their position in the program's device assignment (the mesh, flattened), not by device id."""
+  ids = np.arange(np.size(device_ids)).reshape(np.shape(device_ids))
   candidates = []
   for k in range(1, len(axis_names) + 1):
     for axes in itertools.combinations(range(len(axis_names)), k):
@@ -155,6 +156,8 @@ class Collective:
   scope: str
   computation: str
   name: str
+  arrays: int = 1       # arrays it carries (more than 1 when XLA combined several collectives into one)
+  op_name: str = ""     # the jax op_name path ('transpose(' in it: a backward-pass collective)
 
   @property
   def total_bytes(self) -> int:
@@ -187,14 +190,18 @@ def collectives(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Co
       else:
         groups = _groups(ins) or [list(range(np.asarray(device_ids).size))]
         n = len(groups[0])
-      operand_shape = shapes.get(ins.operands[0], "") if ins.operands else ""
-      full = shape_bytes(ins.shape if kind == "all-gather" else operand_shape)
-      if ins.opcode.endswith("-start"):   # async pairs (GPU): the result tuple also holds the operand
-        full = shape_bytes(operand_shape) * (n if kind == "all-gather" else 1)
+      if n == 1:   # over one device (an axis of size 1): a copy that moves nothing, and no axis to name
+        continue
+      # XLA's combiners merge several arrays into one tuple-shaped collective: sum over every operand.
+      operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+      full = shape_bytes(ins.shape) if kind == "all-gather" else operand_bytes
+      if kind == "all-gather" and ins.opcode.endswith("-start"):   # async (GPU): the result tuple holds the operand
+        full = operand_bytes * n
       dtype = re.match(r"\(?([a-z]+\d*)", ins.shape).group(1)
       scope = scope_of(ins.op_name)
       out.append(Collective(kind, axis_of(groups, device_ids, axis_names), dtype, n, full,
-                            moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name))
+                            moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name, len(ins.operands),
+                            ins.op_name))
   return out
 
 

@@ -1,0 +1,91 @@
+"""Predicted step time of every schedule preset (conf/schedule/) for LLaMA-3 8B dimensions on an H100 node and a
+TPU v5p slice. MODEL PREDICTIONS from dry runs (compile and analyze on fake CPU devices, nothing allocated, no step
+run), not measurements. Writes results.md and results.json here and copies some timeline charts to img/.
+
+  python experiments/predict/predict.py          # every dry run, one after another (about 10 minutes on 2 cores)
+  python experiments/predict/predict.py --table  # only rebuild the tables from outputs/predict/
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+RUNS = ROOT / "outputs" / "predict"
+COMMON = ["dry_run=true", "progress=false", "model=llama3_8b", "model.seq_len=2048", "precision=bf16"]
+MACHINES = {   # 1024 tokens per device on both (h100: 1 sequence per fsdp rank, v5p: 2)
+    "h100": ["hardware=h100", "cpu_devices=8", "mesh.fsdp=4", "mesh.tensor=2", "train.batch_size=4"],
+    "tpu_v5p": ["hardware=tpu_v5p", "cpu_devices=64", "mesh.fsdp=16", "mesh.tensor=4", "mesh.fsdp_ici_axes=2",
+                "train.batch_size=32"],
+}
+VARIANTS = {"fsdp_prefetch+bf16_gather": ["schedule=fsdp_prefetch", "schedule.gather_dtype=compute"]}
+CHARTS = ("baseline", "fsdp_prefetch", "collective_matmul_bidi")
+
+
+def presets() -> dict:
+  names = sorted(p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml"))
+  return {**{n: [f"schedule={n}"] for n in names}, **VARIANTS}
+
+
+def run_all() -> None:
+  for machine, args in MACHINES.items():
+    for name, extra in presets().items():
+      out = RUNS / machine / name
+      cmd = [sys.executable, "-m", "shardlab", *COMMON, *args, *extra, f"hydra.run.dir={out}"]
+      print(" ".join(cmd[1:]), flush=True)
+      subprocess.run(cmd, cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
+
+
+def row(name: str, s: dict) -> dict:
+  p, comm = s["prediction"], s["comm"]
+  moved = lambda axis: sum(a.get(axis, {}).get("bytes", 0) for a in comm.values()) / 1e9
+  return {"schedule": name, "t_compute_ms": p["t_compute_s"] * 1e3,
+          "t_comm_fsdp_ms": p["t_comm_s"].get("fsdp", 0) * 1e3, "t_comm_tensor_ms": p["t_comm_s"].get("tensor", 0) * 1e3,
+          "t_serial_ms": p["t_serial_s"] * 1e3, "t_overlapped_ms": p["t_overlapped_s"] * 1e3,
+          "exposed_comm_ms": p["exposed_comm_s"] * 1e3, "mfu": p["mfu"], "gb_fsdp": moved("fsdp"),
+          "gb_tensor": moved("tensor"), "peak_gb": s["memory"]["peak"] / 1e9,
+          "analytic_gb": s["memory"]["analytic"]["total"] / 1e9, "compile_s": s["compile_time_s"]}
+
+
+def table() -> None:
+  results, lines = {}, []
+  for machine in MACHINES:
+    rows = []
+    for name in presets():
+      f = RUNS / machine / name / "summary.json"
+      s = json.loads(f.read_text()) if f.exists() else {"status": "missing"}
+      if s.get("status") != "ok":
+        rows.append({"schedule": name, "error": s.get("error", s["status"])})
+        continue
+      rows.append(row(name, s))
+      if name in CHARTS:
+        (HERE / "img").mkdir(exist_ok=True)
+        shutil.copy(f.parent / "timeline.png", HERE / "img" / f"{machine}_{name}.png")
+    results[machine] = rows
+    hw = json.loads((RUNS / machine / "baseline" / "summary.json").read_text())["config"]["hardware"]["name"]
+    lines += [f"### {machine} ({hw}): " + " ".join(MACHINES[machine]), "",
+              "| schedule | compute ms | fsdp comm ms | tensor comm ms | serial ms | **overlapped ms** | exposed ms "
+              "| MFU | GB fsdp | GB tensor | peak GB (XLA:CPU) | analytic GB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+      if "error" in r:
+        lines.append(f"| {r['schedule']} | error: {r['error'][:80]} |" + " |" * 10)
+        continue
+      lines.append(f"| {r['schedule']} | {r['t_compute_ms']:.1f} | {r['t_comm_fsdp_ms']:.1f} | {r['t_comm_tensor_ms']:.1f} "
+                   f"| {r['t_serial_ms']:.1f} | **{r['t_overlapped_ms']:.1f}** | {r['exposed_comm_ms']:.1f} "
+                   f"| {r['mfu']:.0%} | {r['gb_fsdp']:.1f} | {r['gb_tensor']:.1f} | {r['peak_gb']:.0f} "
+                   f"| {r['analytic_gb']:.0f} |")
+    lines.append("")
+  (HERE / "results.json").write_text(json.dumps(results, indent=1))
+  (HERE / "results.md").write_text("\n".join(lines))
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  if "--table" not in sys.argv:
+    run_all()
+  table()

@@ -1,0 +1,149 @@
+"""Predicted step time on a hardware preset: each collective and matmul of the compiled step costed, the step's
+dependency graph replayed with and without overlap (timeline.py). These are MODEL PREDICTIONS, not measurements.
+
+Costs (../shared/ANCHORS.md; n devices on the axis, W its bandwidth from `HardwareConfig.axis_bandwidth`,
+T_hop the preset's hop latency, bytes = what one device sends, ledger.py):
+  AllGather, ReduceScatter   max(T_hop n / 2, bytes / W)       bytes = V (n-1)/n  (bidirectional ring)
+  AllReduce                  max(T_hop n, bytes / W)           bytes = 2 V (n-1)/n (a reduce-scatter + an all-gather)
+  ppermute (ring step)       max(T_hop, bytes / W_dir)         W_dir = W / 2 on a torus (one direction of its
+                                                               bidirectional links), W on a switch (GPU egress)
+  matmul                     FLOPs / C                         C = the preset's peak (bf16 dense)
+
+Links. On a switch (GPU, `torus: false`) every collective shares the device's egress: one link stream. On a torus
+each mesh axis has its own links, in each direction: an all-gather, reduce-scatter or all-reduce holds both
+directions of its axis, a ring ppermute one, so a bidirectional ring's two halves travel at once.
+
+Step time: t_serial = t_compute + every collective one after another (no overlap); t_overlapped = the replay's
+makespan; exposed communication = t_overlapped - t_compute (the compute stream waiting). MFU = 6 P T / N /
+(C t_overlapped) (ANCHORS.md: "6 * params * tokens"); `matmul_utilization` = t_compute / t_overlapped counts
+every matmul the program runs (attention, recomputation) instead.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardlab.analysis import timeline as TL
+
+
+def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
+  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus)."""
+  return hw.axis_bandwidth(sum(ici_axes.get(a, 1) for a in axis.split("+")))
+
+
+def collective_seconds(kind: str, bytes_moved: float, n: int, axis: str, hw, ici_axes: dict) -> float:
+  """One collective's time (module doc): a bandwidth term and a latency floor."""
+  if n <= 1:
+    return 0.0
+  w = axis_bandwidth(axis, hw, ici_axes)
+  if kind == "collective-permute":
+    return max(hw.hop_latency_s, bytes_moved / (w / 2 if hw.torus else w))
+  phases = 2 if kind == "all-reduce" else 1
+  return max(phases * hw.hop_latency_s * n / 2, bytes_moved / w)
+
+
+def matmul_seconds(flops: float, hw) -> float:
+  return flops / hw.peak_flops
+
+
+def resources(t: TL.Task, hw) -> tuple:
+  """The streams a task holds (module doc, "Links")."""
+  if t.kind == "compute":
+    return ("compute",)
+  if not t.kind:
+    return ()
+  if not hw.torus:
+    return ("link",)
+  axes = t.coll.axis.split("+")
+  if t.coll.kind == "collective-permute":
+    return tuple(f"{a}{t.direction}" for a in axes)
+  return tuple(f"{a}{d}" for a in axes for d in "+-")
+
+
+def row(t: TL.Task, hw) -> str:
+  """The chart row of a task: compute, or the axis whose links it uses (a ring direction on a torus)."""
+  if t.kind == "compute":
+    return "compute"
+  d = f" {t.direction}" if hw.torus and t.coll.kind == "collective-permute" else ""
+  return f"comm {t.coll.axis}{d}"
+
+
+def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: float = 0.0) -> tuple[dict, list]:
+  """(prediction, timeline events) for one compiled step's HLO text. `model_flops`: 6 P T / N per device, for MFU."""
+  ici_axes = ici_axes or {}
+  tasks = TL.build(text, mesh.device_ids, tuple(mesh.axis_names))
+  dur = [matmul_seconds(t.flops, hw) if t.kind == "compute" else
+         collective_seconds(t.coll.kind, t.coll.bytes_moved, t.coll.group_size, t.coll.axis, hw, ici_axes)
+         if t.kind == "comm" else 0.0 for t in tasks]
+  res = [resources(t, hw) for t in tasks]
+  r = TL.replay(tasks, dur, res)
+
+  compute = [i for i, t in enumerate(tasks) if t.kind == "compute"]
+  comm = [i for i, t in enumerate(tasks) if t.kind == "comm"]
+  busy = TL.union((r.start[i], r.finish[i]) for i in compute)
+  t_compute = sum(dur[i] for i in compute)
+  axes = sorted({tasks[i].coll.axis for i in comm})
+  t_comm = {a: sum(dur[i] for i in comm if tasks[i].coll.axis == a) for a in ("fsdp", "tensor", *axes)}
+  exposed = {}
+  for a in t_comm:
+    u = TL.union((r.start[i], r.finish[i]) for i in comm if tasks[i].coll.axis == a)
+    exposed[a] = TL.length(u) - TL.overlap(u, busy)
+
+  def hidden(select) -> float:   # fraction of the selected collectives' time during which compute is busy
+    u = TL.union((r.start[i], r.finish[i]) for i in comm if select(tasks[i]))
+    return TL.overlap(u, busy) / TL.length(u) if u else 1.0
+  gather = lambda t: TL.category(t) == "fsdp all-gather"
+  link_busy = {}
+  for i in comm:
+    for k in res[i]:
+      link_busy[k] = link_busy.get(k, 0.0) + dur[i]
+  t_serial = t_compute + sum(t_comm.values())
+  t_bound = max(t_compute, *link_busy.values(), 0.0)
+  t = r.makespan
+  prediction = {
+      "hardware": hw.name,
+      "t_compute_s": t_compute,
+      "t_comm_s": t_comm,
+      "t_serial_s": t_serial,
+      "t_overlapped_s": t,
+      "mfu": model_flops / (hw.peak_flops * t) if t > 0 else 0.0,
+      "matmul_utilization": t_compute / t if t > 0 else 0.0,
+      "exposed_comm_s": t - t_compute,
+      "exposed_comm_by_axis_s": exposed,
+      "t_bound_s": t_bound,
+      "overlap_efficiency": (t_serial - t) / (t_serial - t_bound) if t_serial > t_bound else 1.0,
+      "fsdp_gather_hidden_fraction": {    # of FSDP all-gather time, the part that runs behind a matmul
+          "all": hidden(gather),
+          "forward_layer_loop": hidden(lambda t: gather(t) and t.iteration and not t.backward),
+          "backward_layer_loop": hidden(lambda t: gather(t) and t.iteration and t.backward)},
+      "matmul_flops_per_device": sum(tasks[i].flops for i in compute),
+      "model_flops_per_device": model_flops,
+      "matmuls": len(compute), "collectives": len(comm),
+      "note": "model prediction from the compiled HLO's dependency graph and the hardware preset, not a measurement",
+  }
+  return prediction, TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
+
+
+def predict_run(compiled, mesh, cfg, out_dir, analysis: dict) -> dict:
+  """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (the compiled
+  step's collectives by kind, axis and dtype, forward and backward bytes); timeline.json and timeline.png in
+  out_dir."""
+  from shardlab import params as PM
+  from shardlab.analysis import hlo, ledger, memory_model
+  n_params = PM.count(PM.declare(cfg.model))
+  tokens = cfg.train.batch_size * cfg.model.seq_len
+  ici = {"fsdp": cfg.mesh.fsdp_ici_axes, "tensor": cfg.mesh.tensor_ici_axes}
+  pred, evs = predict(compiled.as_text(), mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size)
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
+  TL.plot(evs, out / "timeline.png", title(cfg, pred))
+  rows = ledger.from_hlo(hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names)))
+  return {"prediction": pred, "memory": {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"])},
+          "ledger": ledger.nested(rows)}
+
+
+def title(cfg, pred: dict) -> str:
+  return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.fsdp}x{cfg.mesh.tensor} | {pred['hardware']}: "
+          f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
+          f"MFU {pred['mfu']:.0%}  [MODEL PREDICTION, not a measurement]")

@@ -1,0 +1,170 @@
+"""The communication ledger: every collective one step performs, forward and backward, by kind, mesh axis and
+dtype, with executions and bytes per device per step. Read twice, independently:
+
+  from_program(closed_jaxpr)  the traced program: walks nested jaxprs (jit, shard_map, scan x `length`, remat,
+                              custom_vjp/jvp calls), after dead-code elimination, so only what executes counts
+  from_hlo(colls)             the compiled program (hlo.collectives: while loops x known_trip_count)
+
+Bytes follow the bandwidth-optimal cost of each kind (ANCHORS.md, "Collective cost"; V = the full gathered or
+reduced array, n = devices on the axis): AllGather and ReduceScatter move V (n-1)/n per device, AllReduce
+2 V (n-1)/n, a ppermute its whole operand. A ring of n-1 ppermutes of V/n blocks therefore moves (n-1)/n V:
+the bytes of the all-gather it replaces (tests/test_ledger.py checks the ring presets against allgather TP).
+
+Why the traced program needs dead-code elimination: the explicit schedule's layer stack is a custom_vjp whose
+backward calls `jax.vjp(gather, ..)` only for the transpose; that vjp's forward all-gather is dead, and XLA
+drops it. The custom_vjp's primal body never appears in a differentiated program (AD runs fwd and bwd instead).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardlab.analysis import hlo
+
+# jaxpr primitive -> HLO opcode (the ledger speaks HLO's names on both sides). `pvary`/`pcast` move nothing.
+PRIMITIVES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "psum": "all-reduce",
+              "psum_invariant": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce",
+              "ppermute": "collective-permute", "all_to_all": "all-to-all"}
+HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "int32": "s32",
+             "int64": "s64", "int8": "s8", "uint8": "u8", "uint32": "u32", "bool": "pred"}
+
+
+@dataclass
+class Row:
+  """One collective of the program (one jaxpr equation or one HLO instruction) and how often it runs."""
+  kind: str          # HLO opcode: all-gather | reduce-scatter | all-reduce | collective-permute | all-to-all
+  axis: str          # mesh axis, or axes joined by '+'
+  dtype: str         # HLO dtype name (f32, bf16, ..)
+  scope: str         # innermost shardlab named scope (hlo.SCOPES), 'other' if none
+  backward: bool     # runs in the backward pass ('transpose(' in its name stack)
+  group_size: int    # devices on the axis
+  arrays: int        # arrays carried (XLA's combiners merge several into one instruction)
+  count: int         # executions per step
+  bytes_full: int    # V: the whole gathered / reduced array, per execution
+  bytes_moved: int   # bytes each device sends per execution (bandwidth-optimal, see module doc)
+
+  @property
+  def total_bytes(self) -> int:
+    return self.bytes_moved * self.count
+
+
+# ---- from the traced program ----
+
+
+def _dce(jaxpr):
+  """The jaxpr with dead equations removed, recursively (jit, scan, shard_map, remat, custom calls).
+  Private JAX API (jax 0.10.2), isolated here; without it the count would include dead collectives."""
+  from jax._src.interpreters import partial_eval as pe
+  return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def from_program(closed_jaxpr, axis_order=("fsdp", "tensor")) -> list[Row]:
+  """Every collective equation of a traced step (`jax.make_jaxpr(step)(*args)`), with its trip count.
+  Collectives over axes of size 1 move nothing and are dropped (XLA removes them too)."""
+  from jax.extend.core import jaxprs_in_params
+  rows = []
+
+  def walk(jaxpr, times, sizes, path):
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      where = path + "/" + str(eqn.source_info.name_stack)
+      if name == "shard_map":
+        sizes = dict(eqn.params["mesh"].shape)
+      if name in PRIMITIVES:
+        rows.append(_row(eqn, name, times, sizes, where, axis_order))
+      inner = [j for j in jaxprs_in_params(eqn.params)]
+      if name in ("while", "cond") and any(_has_collective(j) for j in inner):
+        raise ValueError(f"{name} at {where}: collectives under it have no static count")
+      for sub in inner:
+        walk(sub, times * (eqn.params["length"] if name == "scan" else 1), sizes, where)
+
+  walk(_dce(closed_jaxpr.jaxpr), 1, {}, "")
+  return [r for r in rows if r.group_size > 1]
+
+
+def _row(eqn, name, times, sizes, where, axis_order) -> Row:
+  axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  axes = tuple(a for a in axis_order if a in axes) + tuple(a for a in axes if a not in axis_order)
+  n = int(np.prod([sizes.get(a, 1) for a in axes]))
+  kind = PRIMITIVES[name]
+  operand = sum(_nbytes(v.aval) for v in eqn.invars)
+  full = operand * n if kind == "all-gather" else operand
+  dtype = HLO_DTYPE.get(str(eqn.invars[0].aval.dtype), str(eqn.invars[0].aval.dtype))
+  return Row(kind, "+".join(axes), dtype, hlo.scope_of(where), "transpose(" in where, n, len(eqn.invars), times,
+             full, hlo.moved_bytes(kind, full, n))
+
+
+def _has_collective(jaxpr) -> bool:
+  from jax.extend.core import jaxprs_in_params
+  return any(e.primitive.name in PRIMITIVES or any(_has_collective(j) for j in jaxprs_in_params(e.params))
+             for e in jaxpr.eqns)
+
+
+# ---- from the compiled program ----
+
+
+def from_hlo(colls: list[hlo.Collective]) -> list[Row]:
+  """hlo.collectives(...) as ledger rows."""
+  return [Row(c.kind, c.axis, c.dtype, c.scope, "transpose(" in c.op_name, c.group_size, c.arrays, c.count,
+              c.bytes_full, c.bytes_moved) for c in colls if c.group_size > 1]
+
+
+# ---- views ----
+
+
+def totals(rows: list[Row], by=("kind", "axis")) -> dict:
+  """{(field values..): {"count", "arrays", "bytes"}} summed over rows: executions, arrays carried (executions
+  x arrays) and bytes sent per device per step."""
+  out = defaultdict(lambda: {"count": 0, "arrays": 0, "bytes": 0})
+  for r in rows:
+    t = out[tuple(getattr(r, f) for f in by)]
+    t["count"] += r.count
+    t["arrays"] += r.count * r.arrays
+    t["bytes"] += r.total_bytes
+  return dict(out)
+
+
+def nested(rows: list[Row]) -> dict:
+  """{kind: {axis: {dtype: {"count", "arrays", "bytes", "forward_bytes", "backward_bytes"}}}}, JSON-ready."""
+  out: dict = {}
+  for r in rows:
+    t = out.setdefault(r.kind, {}).setdefault(r.axis, {}).setdefault(
+        r.dtype, {"count": 0, "arrays": 0, "bytes": 0, "forward_bytes": 0, "backward_bytes": 0})
+    t["count"] += r.count
+    t["arrays"] += r.count * r.arrays
+    t["bytes"] += r.total_bytes
+    t["backward_bytes" if r.backward else "forward_bytes"] += r.total_bytes
+  return out
+
+
+def compare(program: list[Row], compiled: list[Row]) -> list[str]:
+  """Differences between the two ledgers, per (kind, axis, dtype): bytes and arrays must agree; executions may
+  differ only where XLA combined several all-reduces (or all-gathers, reduce-scatters) into one tuple-shaped
+  instruction, which leaves bytes and arrays unchanged. Returns human-readable mismatches ([] if none)."""
+  a, b = totals(program, ("kind", "axis", "dtype")), totals(compiled, ("kind", "axis", "dtype"))
+  bad = []
+  for key in sorted(set(a) | set(b)):
+    pa, pb = a.get(key, {"count": 0, "arrays": 0, "bytes": 0}), b.get(key, {"count": 0, "arrays": 0, "bytes": 0})
+    if pa["bytes"] != pb["bytes"] or pa["arrays"] != pb["arrays"] or pb["count"] > pa["count"]:
+      bad.append(f"{'/'.join(key)}: program {pa} vs compiled {pb}")
+  return bad
+
+
+def markdown(rows: list[Row]) -> str:
+  """A table: kind, axis, dtype, executions, arrays, bytes forward and backward (per device per step)."""
+  big = max((r.total_bytes for r in rows), default=0) >= 1e7
+  scale, unit = (1e6, "MB") if big else (1e3, "KB")
+  lines = [f"| kind | axis | dtype | executions | arrays | {unit} fwd | {unit} bwd |", "|---|---|---|---:|---:|---:|---:|"]
+  for kind, axes in sorted(nested(rows).items()):
+    for axis, dts in sorted(axes.items()):
+      for dt, t in sorted(dts.items()):
+        lines.append(f"| {kind} | {axis} | {dt} | {t['count']} | {t['arrays']} | {t['forward_bytes'] / scale:.1f} | "
+                     f"{t['backward_bytes'] / scale:.1f} |")
+  return "\n".join(lines)

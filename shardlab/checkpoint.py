@@ -1,0 +1,154 @@
+"""Checkpoints with orbax, and stopping cleanly on SIGTERM/SIGINT.
+
+A checkpoint is the whole training state (params, optimizer state and step; every leaf lives on the mesh, the
+scalars replicated) plus a small JSON record: the step, the losses so far, the mesh it was saved on, and a
+checksum per leaf. The data position needs no saving: a batch is a pure function of (seed, step).
+
+Restoring reads the newest checkpoint straight into the target shardings of the current mesh (`T.state_specs`
+on the new mesh), so a run resumes on any mesh shape or device count; orbax reads each device's slice. Orbax
+writes a checkpoint into a temporary directory and renames it when complete, so a save cut short never looks
+complete. A checkpoint that fails to read, or whose bits differ from its checksums, is moved aside (renamed
+`<step>.unreadable`) with a warning, and the one before it is used.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlab import distributed as D
+from shardlab.config import CheckpointConfig
+from shardlab.mesh import ConfigError
+
+logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every save at INFO through absl
+
+
+def _say(msg: str) -> None:
+  if D.is_main():
+    print(f"shardlab: {msg}", file=sys.stderr)
+
+
+def _bit_sum(x):
+  uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  return jnp.sum(jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32), dtype=jnp.uint32)  # wraps around
+
+
+@functools.lru_cache(maxsize=None)
+def _checksum_fn(mesh):
+  return jax.jit(lambda leaves: jnp.stack([_bit_sum(x) for x in leaves]), out_shardings=NamedSharding(mesh, P()))
+
+
+def shapes(state) -> list[list[int]]:
+  return [list(x.shape) for x in jax.tree.leaves(state)]
+
+
+def checksums(state) -> list[int]:
+  """Per leaf, the wrapping uint32 sum of its bits: exact, so the same for any sharding of the same values.
+  It catches truncated, zeroed or missing data; it is not a cryptographic hash."""
+  leaves = jax.tree.leaves(state)
+  return [int(v) for v in np.asarray(_checksum_fn(leaves[0].sharding.mesh)(leaves))]
+
+
+class Checkpointer:
+  """One run's checkpoints in `directory`. Every process calls every method (each writes and reads its own
+  shards; process 0 writes the JSON record)."""
+
+  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, int]):
+    self.c, self.dir, self.mesh_shape = c, Path(directory).absolute(), list(mesh_shape)
+    self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=c.keep,
+                                      create=c.enabled), item_names=("state", "meta"))
+    self.latest: int | None = None   # the newest good checkpoint: restored or saved by this run
+    self.saved: list[int] = []
+
+  def save(self, step: int, state, losses: list[float]) -> None:
+    """Save the state after `step` steps (unless saving is off, or that step is already saved)."""
+    if not self.c.enabled or (self.latest is not None and step <= self.latest):
+      return
+    meta = {"step": step, "losses": list(losses), "mesh": self.mesh_shape, "shapes": shapes(state),
+            "checksums": checksums(state)}
+    self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    self.saved.append(step)
+    self.latest = step
+
+  def restore(self, abstract_state):
+    """(state placed with `abstract_state`'s shardings, losses so far) from the newest intact checkpoint;
+    (None, []) when the directory holds none."""
+    for p in sorted(self.dir.glob("*.orbax-checkpoint-tmp*")):
+      _say(f"warning: ignoring {p}: a save that did not finish")
+    for step in sorted(self.mngr.all_steps(), reverse=True):
+      state = meta = err = None
+      try:
+        meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        if meta["shapes"] != shapes(abstract_state):  # intact, but not this model: leave it alone
+          raise ConfigError(f"checkpoint.dir={self.dir}: checkpoint {step} holds another model's state (other "
+                            "shapes); resume with the model.* settings it was saved with, or another checkpoint.dir")
+        state = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
+      except ConfigError:
+        raise
+      except Exception as e:  # unreadable: truncated or missing files
+        err = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+      if D.over_processes(err is None, min) and checksums(state) == meta["checksums"]:
+        _say(f"resuming from checkpoint {step} in {self.dir}")
+        self.latest = step
+        return state, meta["losses"]
+      self._set_aside(step, err or "its data differs from the checksums saved with it")
+    _say(f"no checkpoint in {self.dir}; starting from step 0")
+    return None, []
+
+  def _set_aside(self, step: int, why: str) -> None:
+    bad = self.dir / f"{step}.unreadable"
+    _say(f"warning: checkpoint {step} in {self.dir} is unusable ({why}); moved it to {bad.name}, "
+         "using the one before")
+    if D.is_main():
+      shutil.rmtree(bad, ignore_errors=True)
+      (self.dir / str(step)).rename(bad)
+    D.sync(f"shardlab_set_aside_{step}")
+    self.mngr.reload()
+
+  def close(self) -> None:
+    self.mngr.wait_until_finished()
+    self.mngr.close()
+
+
+class Interrupted(Exception):
+  """SIGTERM or SIGINT arrived; the state after `step` steps was saved (if saving is on) and the run stopped."""
+
+  def __init__(self, signum: int, step: int, ckpt: Checkpointer):
+    self.signum = signum
+    where = (f"saved checkpoint {step} in {ckpt.dir}; continue with checkpoint.resume=true "
+             f"checkpoint.dir={ckpt.dir}" if ckpt.c.enabled else "nothing saved (checkpoint.enabled=false)")
+    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {where}")
+
+
+class StopOnSignal:
+  """Inside `with`: SIGTERM and SIGINT ask the step loop to stop at the next step boundary, after saving,
+  instead of killing the process mid-step or mid-save. A second signal interrupts at once."""
+
+  def __enter__(self):
+    self.signum, self._old = 0, {}
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+      self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    return self
+
+  def _handle(self, signum, frame):
+    if self.signum:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+  def requested(self) -> int:
+    """The signal to stop for, agreed by every process (any process that got one stops them all); 0: go on."""
+    return D.over_processes(self.signum, max)
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)

@@ -1,0 +1,81 @@
+"""shardlab's pytest plugin, loaded through the `pytest11` entry point whenever shardlab is installed.
+
+  fake devices    pytest_configure, which runs before any test module is imported (so before JAX starts),
+                  asks for `--shardlab-devices` fake CPU devices (or the ini value `shardlab_devices`; 0
+                  leaves JAX alone) through shardlab.mesh.set_cpu_devices. Neither given: the count a
+                  conftest already set (shardlab's own sets 8), else 8.
+  `mesh`          a fixture: a test that takes `mesh` runs once per fsdp x tensor factorization of the device
+                  count (ids '1x8', '2x4', ...), or over the shapes a `meshes` marker names:
+                      @pytest.mark.meshes((2, 4), "4x2")   # these shapes
+                      @pytest.mark.meshes(n=4)             # every factorization of 4 (on the first 4 devices)
+Disable the plugin with `-p no:shardlab`.
+"""
+from __future__ import annotations
+
+import pytest
+
+from shardlab import testing
+
+
+def pytest_addoption(parser):
+  group = parser.getgroup("shardlab")
+  group.addoption("--shardlab-devices", type=int, default=None,
+                  help="fake CPU devices to set up before JAX starts (default: ini shardlab_devices, the "
+                       "count a conftest set, or 8; 0: leave JAX alone)")
+  parser.addini("shardlab_devices", f"fake CPU devices for tests (default {testing.DEFAULT_DEVICES})", default="")
+  parser.addini("shardlab_fast_compile", "compile tests with LLVM optimizations off unless XLA_FLAGS is set",
+                type="bool", default=True)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "meshes(*shapes, n=None): the mesh shapes the `mesh` fixture runs a test "
+                                     "on ('2x4' or (2, 4)); n=N: every fsdp x tensor factorization of N")
+  n = config.getoption("shardlab_devices")
+  n = int(config.getini("shardlab_devices") or -1) if n is None else n
+  if n == 0:
+    return
+  if n < 0:   # not asked for: keep what a conftest loaded before this hook set, else the default
+    n = testing.configured_devices() or testing.DEFAULT_DEVICES
+  from shardlab.mesh import ConfigError
+  try:
+    testing.set_devices(n, fast_compile=config.getini("shardlab_fast_compile"))
+  except ConfigError as e:
+    raise pytest.UsageError(f"shardlab: {e}") from None
+
+
+def _user_parametrized(metafunc) -> bool:
+  for m in metafunc.definition.iter_markers("parametrize"):
+    names = m.args[0] if m.args else m.kwargs.get("argnames", ())
+    names = [s.strip() for s in names.split(",")] if isinstance(names, str) else list(names)
+    if "mesh" in names:
+      return True
+  return False
+
+
+def mesh_shapes_for(marker, n_devices: int) -> list[tuple[int, int]]:
+  """The shapes a `meshes` marker (or none) asks for, checked against the device count."""
+  if marker is None or not (marker.args or marker.kwargs):
+    return testing.mesh_shapes(n_devices)
+  if marker.kwargs.get("n"):
+    shapes = testing.mesh_shapes(marker.kwargs["n"])
+  else:
+    shapes = [testing.parse_mesh_shape(s) for s in marker.args]
+  for f, t in shapes:
+    if f * t > n_devices:
+      pytest.fail(f"meshes({testing.mesh_id((f, t))}) needs {f * t} devices; the tests have {n_devices} "
+                  f"(--shardlab-devices)", pytrace=False)
+  return shapes
+
+
+def pytest_generate_tests(metafunc):
+  if "mesh" not in metafunc.fixturenames or _user_parametrized(metafunc):
+    return
+  shapes = mesh_shapes_for(metafunc.definition.get_closest_marker("meshes"), testing.device_count())
+  metafunc.parametrize("mesh", shapes, indirect=True, ids=testing.mesh_id)
+
+
+@pytest.fixture
+def mesh(request):
+  """A `fsdp x tensor` mesh (jax.sharding.Mesh, Auto axes); the test runs once per shape."""
+  shape = getattr(request, "param", None) or testing.mesh_shapes(testing.device_count())[0]
+  return testing.mesh_of(*shape)

@@ -1,0 +1,144 @@
+"""`python -m shardlab.report DIR`: turn a run or sweep directory into report.md and PNG figures.
+
+Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by
+side), bytes.png (bytes each device moves per step, per mesh axis), memory.png (compiled peak memory per
+device), and the timelines of chosen runs (their timeline.png, copied as timeline_<job>.png).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from shardlab.sweep import _bytes_per_axis, _fmt
+
+
+def load_jobs(d: Path) -> list[dict]:
+  """One entry per run: a run directory is one job, a sweep directory one per subdirectory."""
+  dirs = [d] if (d / "summary.json").exists() else sorted(
+      (p for p in d.iterdir() if (p / "summary.json").exists()),
+      key=lambda p: (int(p.name.split("_")[0]) if p.name.split("_")[0].isdigit() else 1 << 30, p.name))
+  jobs = []
+  for p in dirs:
+    s = json.loads((p / "summary.json").read_text())
+    cfg = s.get("config") or {}
+    label = p.name if p != d else f"{s.get('schedule', '?')}_{(s.get('mesh') or {}).get('fsdp')}x{(s.get('mesh') or {}).get('tensor')}"
+    jobs.append({"dir": p, "label": label, "summary": s, "status": s.get("status"),
+                 "schedule": s.get("schedule") or (cfg.get("schedule") or {}).get("name")})
+  return jobs
+
+
+def _bar(ax, labels, series: dict, ylabel: str, title: str, scale: float = 1.0, legend: bool = True):
+  import numpy as np
+  x = np.arange(len(labels))
+  width = 0.8 / max(len(series), 1)
+  for i, (name, vals) in enumerate(series.items()):
+    v = [(val or 0) / scale for val in vals]
+    bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, v, width, label=name)
+    ax.bar_label(bars, labels=[f"{val:.3g}" if val else "" for val in v], fontsize=7, rotation=90, padding=2)
+  ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.margins(y=0.25)
+  if legend:
+    ax.legend(fontsize=8)
+  ax.grid(axis="y", alpha=0.3)
+
+
+def figures(jobs: list[dict], out: Path) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ok = [j for j in jobs if j["status"] == "ok"]
+  if not ok:
+    return []
+  labels = [j["label"] for j in ok]
+  width = max(6, 1.1 * len(ok) + 3)
+  made = []
+
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(2 * width, 4.8))
+  _bar(a1, labels, {"measured": [j["summary"].get("step_time_s_median") for j in ok]}, "ms per step",
+       f"Measured step time ({ok[0]['summary'].get('device_kind', '?')}, median, compile excluded)", 1e-3,
+       legend=False)
+  hw = {(j["summary"].get("prediction") or {}).get("hardware") for j in ok} - {None}
+  _bar(a2, labels, {"no overlap": [(j["summary"].get("prediction") or {}).get("t_serial_s") for j in ok],
+                    "with overlap": [(j["summary"].get("prediction") or {}).get("t_overlapped_s") for j in ok]},
+       "ms per step", f"Predicted step time on {', '.join(sorted(hw)) or '(no prediction)'}", 1e-3)
+  fig.tight_layout()
+  fig.savefig(out / "step_time.png", dpi=110)
+  plt.close(fig)
+  made.append("step_time.png")
+
+  per_axis = [_bytes_per_axis(j["summary"].get("comm") or {}) for j in ok]
+  axes = sorted({a for p in per_axis for a in p})
+  fig, ax = plt.subplots(figsize=(width, 4.8))
+  _bar(ax, labels, {a: [p.get(a) for p in per_axis] for a in axes}, "MiB per device per step",
+       "Bytes moved per mesh axis (from the compiled HLO)", 2**20)
+  fig.tight_layout()
+  fig.savefig(out / "bytes.png", dpi=110)
+  plt.close(fig)
+  made.append("bytes.png")
+
+  fig, ax = plt.subplots(figsize=(width, 4.8))
+  mem = [j["summary"].get("memory") or {} for j in ok]
+  _bar(ax, labels, {"peak": [m.get("peak") for m in mem], "temporaries": [m.get("temp") for m in mem]},
+       "MiB per device", "Compiled memory per device (memory_analysis)", 2**20)
+  fig.tight_layout()
+  fig.savefig(out / "memory.png", dpi=110)
+  plt.close(fig)
+  made.append("memory.png")
+  return made
+
+
+def write_report(d: Path, runs: list[str] | None = None) -> Path:
+  jobs = load_jobs(d)
+  if not jobs:
+    raise SystemExit(f"shardlab.report: error: no summary.json in {d} or its subdirectories")
+  made = figures(jobs, d)
+  chosen = [j for j in jobs if (j["dir"] / "timeline.png").exists() and (runs is None or j["label"] in runs)]
+  if runs is None:
+    chosen = chosen[:4]
+  lines = [f"# Report: {d}", "", f"{sum(j['status'] == 'ok' for j in jobs)} of {len(jobs)} runs ok. Measured "
+           "times are from the machine that ran them (on fake CPU devices they are a regression canary, not a "
+           "claim about overlap); predicted times come from the cost model on the named hardware preset.", ""]
+  cols = ["run", "status", "final loss", "step ms (measured)", "pred. ms (overlap)", "pred. ms (serial)",
+          "MiB fsdp", "MiB tensor", "peak MiB", "error"]
+  lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for j in jobs:
+    s, p = j["summary"], j["summary"].get("prediction") or {}
+    b = _bytes_per_axis(s.get("comm") or {})
+    ms = lambda v: None if v is None else v * 1e3
+    mib = lambda v: None if v is None else v / 2**20
+    row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")), ms(p.get("t_overlapped_s")),
+           ms(p.get("t_serial_s")), mib(b.get("fsdp")), mib(b.get("tensor")), mib((s.get("memory") or {}).get("peak")),
+           s.get("error")]
+    lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
+  lines.append("")
+  for name in made:
+    lines += [f"![{name}]({name})", ""]
+  for j in chosen:
+    dst = d / f"timeline_{j['label']}.png"
+    if j["dir"] != d:
+      shutil.copyfile(j["dir"] / "timeline.png", dst)
+    else:
+      dst = d / "timeline.png"
+    lines += [f"### Predicted timeline: {j['label']}", "", f"![timeline {j['label']}]({dst.name})", ""]
+  (d / "report.md").write_text("\n".join(lines))
+  return d / "report.md"
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(prog="python -m shardlab.report", description=__doc__.splitlines()[0])
+  ap.add_argument("dir", type=Path, help="a run directory or a sweep directory")
+  ap.add_argument("--runs", default=None, help="comma-separated run names whose timelines to include")
+  a = ap.parse_args(argv)
+  if not a.dir.is_dir():
+    print(f"shardlab.report: error: {a.dir} is not a directory", file=sys.stderr)
+    raise SystemExit(2)
+  print(write_report(a.dir, a.runs.split(",") if a.runs else None))
+
+
+if __name__ == "__main__":
+  main()

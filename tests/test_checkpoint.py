@@ -1,0 +1,130 @@
+"""Checkpoints: a resumed run continues exactly where the uninterrupted one went (same mesh), or with the same
+losses on another mesh; SIGTERM saves before exiting; a damaged latest checkpoint falls back to the one before;
+a non-finite loss keeps the last good checkpoint. Runs are in-process (8 fake CPU devices) unless a process is
+the point (SIGTERM)."""
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, compose
+
+RUN = ["train.steps=6", "progress=false"]   # steps <= 6: the same learning rates as any longer prefix of them
+
+
+def run(out, *overrides):
+  from shardlab.config import to_config
+  from shardlab.run import train
+  return train(to_config(compose(*RUN, *overrides)), out)
+
+
+def metrics(out):
+  return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def ref(tmp_path_factory):
+  """The uninterrupted run (4x2 mesh, 6 steps, checkpoints after steps 2, 4 and 6): (run dir, summary).
+  Made once per session; pytest-xdist workers share it through a lock in their common temporary directory."""
+  root = tmp_path_factory.getbasetemp()
+  root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+  out = root / "checkpoint_ref"
+  with open(root / "checkpoint_ref.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (out / "summary.json").exists():
+      run(out, "checkpoint.every=2")
+  return out, json.loads((out / "summary.json").read_text())
+
+
+def copy_checkpoints(ref_dir, dst, steps):
+  for s in steps:
+    shutil.copytree(ref_dir / "checkpoints" / str(s), dst / str(s))
+  return dst
+
+
+def test_reference_run_saves_every_2_steps_and_at_the_end(ref):
+  out, s = ref
+  assert s["status"] == "ok" and s["checkpoint"]["saved"] == [2, 4, 6] and s["checkpoint"]["resumed_from"] is None
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_sigterm_saves_and_the_resumed_run_ends_like_the_uninterrupted_one(tmp_path, request):
+  """A real process, slowed to 0.5 s a step so that SIGTERM lands mid-run: it finishes the step, saves, exits
+  with 128+15. Resuming in the same run dir gives the uninterrupted run's losses exactly, step by step."""
+  out = tmp_path / "run"
+  slow = ("import sys, time, shardlab.data as D, shardlab.run as R; b = D.MarkovData.batch; "
+          "D.MarkovData.batch = lambda self, i: (time.sleep(0.5), b(self, i))[1]; R.cli()")
+  p = subprocess.Popen([sys.executable, "-c", slow, *RUN, f"hydra.run.dir={out}"], cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  ref_out, ref_s = request.getfixturevalue("ref")   # made (if need be) while the process compiles
+  deadline = time.time() + 300
+  while p.poll() is None and time.time() < deadline:
+    if (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2:
+      break
+    time.sleep(0.05)
+  p.send_signal(signal.SIGTERM)
+  _, err = p.communicate(timeout=300)
+  assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+  s = json.loads((out / "summary.json").read_text())
+  saved = s["checkpoint"]["saved"]
+  assert s["status"] == "interrupted" and len(saved) == 1 and 2 <= saved[0] < 6, s
+  assert f"shardlab: stopped by SIGTERM after step {saved[0]}" in err
+  assert s["losses"] == ref_s["losses"][:saved[0]]               # two runs of one config: identical metrics
+
+  r = run(out, "checkpoint.resume=true")                         # the default checkpoint dir, in the run dir
+  assert r["checkpoint"]["resumed_from"] == saved[0] and r["checkpoint"]["saved"] == [6]
+  assert r["losses"] == ref_s["losses"] and r["final_loss"] == ref_s["final_loss"]
+  assert [m["loss"] for m in metrics(out)] == ref_s["losses"] and [m["step"] for m in metrics(out)] == list(range(6))
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous(ref, tmp_path, capfd):
+  ref_out, ref_s = ref
+  ck = copy_checkpoints(ref_out, tmp_path / "ck", [2, 4, 6])
+  data = max((p for p in (ck / "6").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  os.truncate(data, data.stat().st_size // 2)
+  s = run(tmp_path / "run", "checkpoint.resume=true", f"checkpoint.dir={ck}", "checkpoint.every=2")
+  assert "checkpoint 6 in" in capfd.readouterr().err
+  assert s["checkpoint"]["resumed_from"] == 4 and s["checkpoint"]["saved"] == [6]
+  assert s["losses"] == ref_s["losses"]                          # the same mesh: exactly the same run
+  assert (ck / "6.unreadable").is_dir() and sorted(p.name for p in ck.iterdir()) == ["2", "4", "6", "6.unreadable"]
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+def test_resume_onto_another_mesh_reshards(ref, tmp_path, mesh):
+  """The 4x2 checkpoint restored with the 2x4 / 1x8 shardings (every leaf, optimizer state included): the
+  following losses match the uninterrupted 4x2 run to float32 rounding of a different reduction order."""
+  ref_out, ref_s = ref
+  ck = copy_checkpoints(ref_out, tmp_path / "ck", [2])
+  s = run(tmp_path / "run", f"mesh={mesh}", "checkpoint.resume=true", f"checkpoint.dir={ck}")
+  assert s["checkpoint"]["resumed_from"] == 2 and s["losses"][:2] == ref_s["losses"][:2]
+  np.testing.assert_allclose(s["losses"][2:], ref_s["losses"][2:], rtol=2e-6)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+  with pytest.raises(FloatingPointError, match=r"non-finite loss nan .* at step 1; last good checkpoint: checkpoint 1"):
+    run(tmp_path, "train.lr=1e10", "checkpoint.every=1")   # step 0's update blows the weights up
+  s = json.loads((tmp_path / "summary.json").read_text())
+  assert s["status"] == "error" and s["error"].startswith("FloatingPointError") and len(s["losses"]) == 2
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]   # nothing from the bad state
+
+
+BAD = [
+    (["checkpoint.every=-1"], "checkpoint.every=-1: must be >= 0"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_invalid_checkpoint_setting_is_one_line_before_compiling(overrides, message, tmp_path):
+  from shardlab.mesh import ConfigError
+  with pytest.raises(ConfigError) as e:
+    run(tmp_path / "run", *overrides)
+  assert message in str(e.value) and "\n" not in str(e.value)
+  assert not (tmp_path / "run").exists()

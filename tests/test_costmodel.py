@@ -1,0 +1,126 @@
+"""The cost model and the timeline: collective costs as ANCHORS.md states them, the replay's scheduling rules on
+hand-made graphs, and on compiled tiny programs: bounds, matmul FLOPs counted by hand, FSDP prefetch hiding the
+gathers that the baseline leaves exposed, the Chrome trace and the chart, the analytic memory breakdown."""
+import json
+
+import pytest
+
+from conftest import compiled_grads, load_preset, mesh_of, tiny_config
+from shardlab.hardware import HardwareConfig
+
+H100 = HardwareConfig()   # the h100 preset's numbers (conf/hardware/h100.yaml)
+V5P = HardwareConfig(name="tpu_v5p", peak_flops=4.59e14, ici_bandwidth=1.8e11, hop_latency_s=1e-6, torus=True)
+
+
+def knobs(preset):
+  return tuple(sorted((k, v) for k, v in load_preset(preset).items() if k != "name"))
+
+
+def test_collective_costs_follow_anchors():
+  """ANCHORS.md: AllGather/ReduceScatter V (n-1)/n / W, AllReduce twice that, latency floor T_hop n / 2; a ring
+  ppermute uses one direction of a torus link (W/2); a mesh axis over M torus axes gets M W_ici."""
+  from shardlab.analysis.costmodel import collective_seconds as t
+  V = 1e9
+  assert t("all-gather", V * 7 / 8, 8, "fsdp", H100, {}) == pytest.approx(V * 7 / 8 / 4.5e11)
+  assert t("reduce-scatter", V * 7 / 8, 8, "fsdp", H100, {}) == pytest.approx(V * 7 / 8 / 4.5e11)
+  assert t("all-reduce", 2 * V * 7 / 8, 8, "fsdp", H100, {}) == pytest.approx(2 * V * 7 / 8 / 4.5e11)
+  assert t("all-gather", 100, 8, "fsdp", H100, {}) == pytest.approx(8 / 2 * 1e-6)        # latency-bound
+  assert t("all-reduce", 100, 8, "fsdp", H100, {}) == pytest.approx(8 * 1e-6)
+  assert t("collective-permute", V / 4, 4, "tensor", H100, {}) == pytest.approx(V / 4 / 4.5e11)   # switch egress
+  assert t("collective-permute", V / 4, 4, "tensor", V5P, {}) == pytest.approx(V / 4 / 0.9e11)    # one direction
+  assert t("all-gather", V * 3 / 4, 4, "fsdp", V5P, {"fsdp": 2}) == pytest.approx(V * 3 / 4 / 3.6e11)
+  assert t("all-gather", V, 1, "fsdp", H100, {}) == 0.0
+
+
+def test_replay_overlaps_independent_work_and_serializes_dependencies():
+  from shardlab.analysis import timeline as TL
+  from shardlab.analysis.hlo import Collective
+  c = Collective("all-gather", "fsdp", "f32", 2, 2, 1, 1, "fsdp_all_gather", "c", "ag")
+  # 0: gather (1 s), 1: matmul on other data (1 s), 2: matmul needing the gather (1 s), 3: end
+  tasks = [TL.Task("comm", [], coll=c), TL.Task("compute", []), TL.Task("compute", [0]), TL.Task("", [1, 2])]
+  r = TL.replay(tasks, [1.0, 1.0, 1.0, 0.0], [("link",), ("compute",), ("compute",), ()])
+  assert r.makespan == 2.0 and r.start[2] == 1.0          # the gather runs behind matmul 1
+  serial = TL.replay(tasks, [1.0, 1.0, 1.0, 0.0], [("one",)] * 3 + [()])
+  assert serial.makespan == 3.0
+  # two ready gathers: the one feeding the longer chain goes first (critical path)
+  tasks = [TL.Task("comm", [], coll=c), TL.Task("comm", [], coll=c), TL.Task("compute", [1]), TL.Task("", [0, 2])]
+  r = TL.replay(tasks, [1.0, 1.0, 5.0, 0.0], [("link",), ("link",), ("compute",), ()])
+  assert r.start[1] == 0.0 and r.makespan == 6.0
+
+
+def hand_matmul_flops(mesh_shape) -> int:
+  """Matmul FLOPs per device of one tiny grad step: forward 2 x tokens x (weights per device) per projection,
+  attention 2 x 2 x b H L L K; backward twice the forward (dgrad and wgrad)."""
+  m, B = tiny_config().model, tiny_config().train.batch_size
+  X, Y = mesh_shape
+  D, F, H, K, V, L = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.seq_len
+  b = B // X
+  T = b * L
+  layer = 2 * T * (D * 3 * H * K + H * K * D + D * 2 * F + F * D) // Y + 2 * 2 * b * (H // Y) * L * L * K
+  return 3 * (m.n_layers * layer + 2 * T * D * V // Y)
+
+
+@pytest.mark.parametrize("preset,mesh_shape", [("baseline", (2, 4)), ("collective_matmul_bidi", (2, 4))])
+def test_prediction_bounds_and_flops(preset, mesh_shape):
+  from shardlab.analysis import costmodel
+  pred, evs = costmodel.predict(compiled_grads(mesh_shape, knobs(preset))[0].as_text(), mesh_of(*mesh_shape), H100)
+  assert {"hardware", "t_compute_s", "t_comm_s", "t_serial_s", "t_overlapped_s", "mfu"} <= pred.keys()
+  assert {"fsdp", "tensor"} <= pred["t_comm_s"].keys()
+  assert pred["matmul_flops_per_device"] == hand_matmul_flops(mesh_shape)     # rings split matmuls, not FLOPs
+  assert pred["t_compute_s"] == pytest.approx(pred["matmul_flops_per_device"] / H100.peak_flops)
+  assert pred["t_serial_s"] == pytest.approx(pred["t_compute_s"] + sum(pred["t_comm_s"].values()))
+  assert pred["t_bound_s"] <= pred["t_overlapped_s"] * (1 + 1e-9) <= pred["t_serial_s"] * (1 + 1e-9)
+  assert sum(e["dur"] for e in evs if e["row"] == "compute") == pytest.approx(pred["t_compute_s"])
+
+
+def test_prefetch_hides_the_fsdp_gathers_and_baseline_does_not():
+  """Pure FSDP (8x1), on hardware where a layer's gathers take about half its matmuls. Baseline: each forward
+  layer starts with gathers nothing can hide (its first matmul needs them). Prefetch 1: layer l+1's gathers run
+  behind layer l's matmuls, in forward and backward."""
+  from shardlab.analysis import costmodel, timeline as TL
+  hw = HardwareConfig(name="test", peak_flops=1e11, ici_bandwidth=1e10, hop_latency_s=1e-6)
+  out = {}
+  for preset in ("baseline", "fsdp_prefetch"):
+    pred, evs = costmodel.predict(compiled_grads((8, 1), knobs(preset))[0].as_text(), mesh_of(8, 1), hw)
+    busy = TL.union((e["start"], e["start"] + e["dur"]) for e in evs if e["row"] == "compute")
+    exposed = {tuple(e["args"]["iteration"]) for e in evs if e["cat"] == "fsdp all-gather" and e["args"]["iteration"]
+               and TL.overlap([(e["start"], e["start"] + e["dur"])], busy) == 0}
+    out[preset] = pred["fsdp_gather_hidden_fraction"], exposed, pred
+  (base, base_exposed, base_pred), (pre, pre_exposed, pre_pred) = out["baseline"], out["fsdp_prefetch"]
+  assert pre["forward_layer_loop"] > 0.99 and pre["backward_layer_loop"] > 0.99 and not pre_exposed
+  assert base["forward_layer_loop"] < 0.8 and len(base_exposed) >= tiny_config().model.n_layers - 1
+  assert pre_pred["exposed_comm_by_axis_s"]["fsdp"] < base_pred["exposed_comm_by_axis_s"]["fsdp"]
+
+
+def test_run_writes_prediction_timeline_and_memory(tmp_path):
+  """What run.py adds to a run: summary `prediction` and `memory.analytic`, timeline.json (trace events) and
+  timeline.png."""
+  from shardlab.analysis import costmodel, program
+  compiled = compiled_grads((2, 4), knobs("fsdp_prefetch"))[0]
+  cfg = tiny_config(**dict(knobs("fsdp_prefetch")))
+  got = costmodel.predict_run(compiled, mesh_of(2, 4), cfg, tmp_path, {"memory": program.memory(compiled)})
+  assert got["prediction"]["hardware"] == "h100" and got["prediction"]["t_overlapped_s"] > 0
+  assert got["memory"]["analytic"]["total"] > 0 and got["memory"]["compiled_over_analytic"] > 0
+  assert got["ledger"]["all-gather"]["fsdp"]["f32"]["forward_bytes"] > 0
+  trace = json.loads((tmp_path / "timeline.json").read_text())
+  spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+  names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+  assert {"compute", "comm fsdp", "comm tensor"} <= names and all(e["dur"] >= 0 <= e["ts"] for e in spans)
+  assert len(spans) == got["prediction"]["matmuls"] + got["prediction"]["collectives"]
+  assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memory_breakdown_by_hand():
+  """ANCHORS.md: fp32 master + grads + 2 Adam moments = 16 B per local parameter; gathered weights W[D, N_tp]
+  for prefetch+1 layers plus the embedding, unembedding and final norm kept for backward."""
+  from shardlab.analysis.memory_model import breakdown
+  cfg = tiny_config(prefetch=1)
+  cfg.mesh.fsdp, cfg.mesh.tensor = X, Y = 4, 2
+  m = cfg.model
+  D, F, H, K, V, NL = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers
+  mats = D * 3 * H * K + H * K * D + D * 2 * F + F * D
+  local = NL * (2 * D // X + mats // (X * Y)) + 2 * V * D // (X * Y) + D // X
+  got = breakdown(cfg)
+  assert (got["master_params"], got["grads"], got["optimizer"]) == (4 * local, 4 * local, 8 * local)
+  assert got["gathered_weights"] == 4 * (2 * (2 * D + mats // Y) + 2 * V * D // Y + D)
+  assert got["total"] == sum(v for k, v in got.items() if k != "total")

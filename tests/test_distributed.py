@@ -1,0 +1,56 @@
+"""Several processes, one mesh: 2 local processes with 4 fake CPU devices each (jax.distributed, gloo) train
+like 1 process with 8; only process 0 writes the run's files; both write their checkpoint shards."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from test_checkpoint import RUN, ref, run  # noqa: F401  (ref: the 1-process, 8-device run, shared)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path, request):
+  port, ck = free_port(), tmp_path / "ck"
+  logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+  procs = [subprocess.Popen([sys.executable, "-m", "shardlab", *RUN, "cpu_devices=4", "checkpoint.every=2",
+                             f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / f'p{i}'}",
+                             f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                             f"distributed.process_id={i}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=logs[i])
+           for i in range(2)]
+  _, ref_s = request.getfixturevalue("ref")   # made (if need be) while the two processes start
+  for i, p in enumerate(procs):
+    p.wait(timeout=600)
+    logs[i].close()
+    assert p.returncode == 0, (tmp_path / f"p{i}.log").read_text()[-3000:]
+  s = json.loads((tmp_path / "p0" / "summary.json").read_text())
+  assert s["status"] == "ok" and s["devices"] == 8 and s["mesh"] == {"fsdp": 4, "tensor": 2}
+  np.testing.assert_allclose(s["losses"], ref_s["losses"], rtol=1e-6)
+  assert not (tmp_path / "p1" / "summary.json").exists() and not (tmp_path / "p1" / "metrics.jsonl").exists()
+  assert sorted(os.listdir(ck)) == ["2", "4", "6"]
+
+
+BAD = [
+    (["distributed.num_processes=2"], "needs distributed.coordinator=HOST:PORT"),
+    (["distributed.coordinator=node0"], "distributed.coordinator=node0: must be HOST:PORT"),
+    (["distributed.coordinator=node0:1234", "distributed.num_processes=2", "distributed.process_id=2"],
+     "distributed.process_id=2: must be in 0..distributed.num_processes-1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_invalid_distributed_setting_is_one_line_before_starting(overrides, message, tmp_path):
+  from shardlab.mesh import ConfigError
+  with pytest.raises(ConfigError) as e:
+    run(tmp_path / "run", *overrides)
+  assert message in str(e.value) and "\n" not in str(e.value)
+  assert not (tmp_path / "run").exists()

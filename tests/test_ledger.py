@@ -1,0 +1,186 @@
+"""The communication ledger: bytes counted by hand from the tiny model's dims equal the ledger of the traced
+program on every mesh and schedule family; the traced program's ledger equals the compiled HLO's for every preset;
+no preset has a collective the program did not place; rings move exactly the bytes of the collectives they replace.
+
+Bytes are per device per step, bandwidth-optimal (ANCHORS.md, "Collective cost"): an all-gather or reduce-scatter
+of a full array of V bytes over n devices moves V (n-1)/n, an all-reduce 2 V (n-1)/n, a ppermute its operand.
+"""
+import functools
+
+import pytest
+
+from conftest import MESHES, compiled_grads, load_preset, mesh_of, preset_names, tiny_config
+
+FAMILIES = ["baseline", "collective_matmul", "collective_matmul_bidi", "megatron_allreduce", "keep_gathered",
+            "deferred_reduce"]
+
+
+@functools.lru_cache(maxsize=None)
+def knobs_of(preset: str) -> tuple:
+  return tuple(sorted((k, v) for k, v in load_preset(preset).items() if k != "name"))
+
+
+@functools.lru_cache(maxsize=None)
+def grad_fn_and_args(mesh_shape: tuple, knobs: tuple):
+  """The grad function conftest.compiled_grads compiles, and abstract arguments to trace it with."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from shardlab import params as PM, schedules, train as T
+  cfg = tiny_config(**dict(knobs))
+  mesh, decls = mesh_of(*mesh_shape), PM.declare(cfg.model)
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
+                        decls, is_leaf=PM.is_param)
+  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                sharding=NamedSharding(mesh, P("fsdp")))
+  return fn, (params, tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def program_rows(mesh_shape, knobs):
+  import jax
+  from shardlab.analysis import ledger
+  fn, args = grad_fn_and_args(mesh_shape, knobs)
+  with jax.numpy_dtype_promotion("strict"):
+    return ledger.from_program(jax.make_jaxpr(fn)(*args))
+
+
+def compiled_rows(mesh_shape, knobs):
+  from shardlab.analysis import hlo, ledger
+  mesh = mesh_of(*mesh_shape)
+  colls = hlo.collectives(compiled_grads(mesh_shape, knobs)[0].as_text(), mesh.device_ids, tuple(mesh.axis_names))
+  return colls, ledger.from_hlo(colls)
+
+
+def hand_ledger(mesh_shape, knobs: dict) -> dict:
+  """{(kind, axis): {"count", "bytes"}} of one step of make_grad_fn, from the model dims alone (float32)."""
+  cfg = tiny_config(**knobs)
+  m, s = cfg.model, cfg.schedule
+  D, F, H, K, V, NL, L = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers, m.seq_len
+  X, Y = mesh_shape
+  k = s.microbatches
+  b = cfg.train.batch_size // X // k                 # sequences per device per microbatch
+  out = {}
+
+  def add(kind, axis, elements, count=1):
+    n = {"fsdp": X, "tensor": Y}[axis]
+    if n == 1 or count == 0:
+      return                                          # nothing to move (XLA drops these too)
+    full = 4 * elements
+    moved = {"all-reduce": 2 * full * (n - 1) // n, "collective-permute": full}.get(kind, full * (n - 1) // n)
+    row = out.setdefault((kind, axis), {"count": 0, "bytes": 0})
+    row["count"] += count
+    row["bytes"] += count * moved
+
+  # FSDP: the gathered weight W[D, N_tp] of each parameter (dims sharded over tensor stay divided by Y).
+  norms, mats = [D, D], [D * 3 * H * K // Y, H * K * D // Y, D * 2 * F // Y, F * D // Y]
+  top = [V * D // Y, D, D * V // Y]                  # embed, final_norm, unembed
+  if s.grad_reduce == "deferred":                    # every parameter gathered and reduced once, as a stack
+    for e in [NL * e for e in norms + mats] + top:
+      add("all-gather", "fsdp", e)
+      add("reduce-scatter", "fsdp", e)
+  else:
+    for e in norms + mats:
+      add("all-gather", "fsdp", e, NL)               # forward
+      add("reduce-scatter", "fsdp", e, NL)           # each layer's gradient, in backward
+    for e in mats:                                    # backward re-gather (norm scales are not needed again:
+      add("all-gather", "fsdp", e, NL * s.reshard_after_forward)   # their backward reads saved activations)
+    for e in top:                                     # gathered once; plain AD keeps them for backward
+      add("all-gather", "fsdp", e)
+      add("reduce-scatter", "fsdp", e)
+  add("all-reduce", "fsdp", 1, k)                     # loss_sum, a scalar per microbatch
+
+  # TP: a sequence-sharded activation x[b, L_tp, D] gathers to `act` elements. Contractions: per layer
+  # column(qkv), row(out), column(wi), row(wd); plus the unembedding column; plus the embedding's reduce.
+  act, contractions = b * L * D, 4 * NL + 1
+  if s.tp == "allreduce":                             # psum per row + embed (fwd), per column input (bwd)
+    add("all-reduce", "tensor", act, k * (2 * NL + 1 + 2 * NL + 1))
+  else:
+    if s.tp == "allgather":                           # a column's all-gather, its transpose in backward, ...
+      add("all-gather", "tensor", act, k * contractions)
+      add("reduce-scatter", "tensor", act, k * contractions)
+    else:                                             # ... or their rings: n-1 blocks, twice as many half-blocks
+      halves = 2 if s.tp == "ring_bidi" else 1
+      add("collective-permute", "tensor", act // Y // halves, k * 2 * contractions * (Y - 1) * halves)
+    add("reduce-scatter", "tensor", act, k)           # embedding reduce (forward) ...
+    add("all-gather", "tensor", act, k)               # ... and its transpose
+    if s.grad_reduce == "deferred":                   # norm-scale gradients summed over tensor (sequence-parallel)
+      for e in [NL * D, NL * D, D]:
+        add("all-reduce", "tensor", e)
+    else:
+      add("all-reduce", "tensor", D, 2 * NL + 1)
+  add("all-reduce", "tensor", b * L, 3 * k)           # vocab-parallel loss: max, sum of exps, target logit
+  return out
+
+
+def without_arrays(totals: dict) -> dict:
+  return {key: {"count": t["count"], "bytes": t["bytes"]} for key, t in totals.items()}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_program_ledger_equals_hand_count(mesh_shape):
+  """Every schedule family, from the traced program (no compile): executions and bytes per (kind, axis)."""
+  from shardlab.analysis import ledger
+  for preset in FAMILIES:
+    got = without_arrays(ledger.totals(program_rows(mesh_shape, knobs_of(preset))))
+    assert got == hand_ledger(mesh_shape, dict(knobs_of(preset))), f"{preset} on {mesh_shape}"
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_compiled_ledger_equals_program_and_hand_count_and_nothing_unplanned(preset):
+  """One 2D mesh, every hand-placed preset: HLO ledger = program ledger = hand count; the audit finds nothing
+  unplanned (and, for a compiler-placed preset, flags every collective).
+  XLA's all-reduce combiner merges small all-reduces into one tuple-shaped instruction (vocab sums, norm
+  gradients): bytes and arrays per (kind, axis, dtype) must agree, executions may only drop, and only there."""
+  from shardlab.analysis import ledger, program
+  knobs = knobs_of(preset)
+  colls, compiled = compiled_rows((2, 4), knobs)
+  unplanned = program.audit(colls)["unplanned"]
+  if dict(knobs).get("impl", "explicit") != "explicit":   # e.g. gspmd: XLA places every collective, by design;
+    assert len(unplanned) == len(colls) > 0               # the audit must see all of them (a negative control)
+    return
+  assert unplanned == [], f"{preset}: compiler-inserted collectives"
+  prog = program_rows((2, 4), knobs)
+  assert ledger.compare(prog, compiled) == []
+  a, b = ledger.totals(prog), ledger.totals(compiled)
+  assert all(a[key]["count"] == b[key]["count"] for key in a if key[0] != "all-reduce"), (a, b)
+  assert {key: t["bytes"] for key, t in b.items()} == {
+      key: t["bytes"] for key, t in hand_ledger((2, 4), dict(knobs)).items()}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_rings_and_allreduce_move_the_bytes_of_the_collectives_they_replace(mesh_shape):
+  """Bandwidth-optimal TP: a ring of n-1 ppermutes moves (n-1)/n of the array, as the all-gather or
+  reduce-scatter it replaces; an all-reduce (2 V (n-1)/n) moves what a reduce-scatter plus an all-gather do."""
+  from shardlab.analysis import ledger
+
+  def tensor_bytes(preset, kinds):
+    t = ledger.totals([r for r in program_rows(mesh_shape, knobs_of(preset)) if r.scope not in (
+        "vocab_max", "vocab_sum", "replicated_weight")])
+    return sum(v["bytes"] for (kind, axis), v in t.items() if axis == "tensor" and kind in kinds)
+
+  plain = tensor_bytes("baseline", ("all-gather", "reduce-scatter"))
+  assert plain > 0
+  for ring in ("collective_matmul", "collective_matmul_bidi", "prefetch_ring"):
+    assert tensor_bytes(ring, ("all-gather", "reduce-scatter", "collective-permute")) == plain, ring
+  assert tensor_bytes("megatron_allreduce", ("all-reduce",)) == plain
+
+
+def test_dead_collectives_are_not_counted():
+  """The custom_vjp backward traces `jax.vjp(gather, ..)` for its transpose only: its forward all-gather is dead
+  and XLA drops it; the ledger must too (with it, the backward would count 6 more gathers per layer)."""
+  import jax
+  from jax.extend.core import jaxprs_in_params
+  from shardlab.analysis import ledger
+  fn, args = grad_fn_and_args((2, 4), knobs_of("baseline"))
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+
+  def gathers(j, times=1):
+    n = 0
+    for e in j.eqns:
+      n += times * (e.primitive.name == "all_gather" and e.params["axis_name"] == ("fsdp",))
+      n += sum(gathers(s, times * e.params.get("length", 1)) for s in jaxprs_in_params(e.params))
+    return n
+  live = ledger.totals(program_rows((2, 4), knobs_of("baseline")))[("all-gather", "fsdp")]["count"]
+  assert gathers(jaxpr) > live == hand_ledger((2, 4), dict(knobs_of("baseline")))[("all-gather", "fsdp")]["count"]
