@@ -104,6 +104,13 @@ class DistributedConfig:
 
 
 @dataclass
+class ProfileConfig:
+  enabled: bool = False           # write a jax.profiler trace (TensorBoard / Perfetto) to <run dir>/profile
+  start_step: int = 3             # after compilation and warm-up
+  steps: int = 3
+
+
+@dataclass
 class Config:
   cpu_devices: int = 8            # fake CPU devices, set before JAX starts; ignored on GPU/TPU
   mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -116,6 +123,8 @@ class Config:
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   distributed: DistributedConfig = field(default_factory=DistributedConfig)
   progress: bool = True
+  tensorboard: bool = True        # TensorBoard event files in <run dir>/tensorboard (process 0)
+  profile: ProfileConfig = field(default_factory=ProfileConfig)
   dry_run: bool = False           # compile and analyze only: no parameters allocated, no step run
 
 
@@ -143,8 +152,9 @@ def to_config(cfg: Any) -> Config:
   for f in dataclasses.fields(Config):
     if f.name not in cfg:
       continue
-    if f.name in GROUPS:
-      cls = GROUPS[f.name]
+    default = getattr(Config(), f.name)
+    if dataclasses.is_dataclass(default):
+      cls = type(default)
       names = {g.name for g in dataclasses.fields(cls)}
       out[f.name] = cls(**{k: v for k, v in cfg[f.name].items() if k in names})
     else:

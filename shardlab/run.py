@@ -94,11 +94,12 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
     tokens = cfg.train.batch_size * cfg.model.seq_len
     times = []
     try:
-      with _open_metrics(out, start, main) as f, CK.StopOnSignal() as stop:
+      with _open_metrics(out, start, main) as f, CK.StopOnSignal() as stop, _Logs(cfg, out, main, start) as logs:
         bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
                    disable=not cfg.progress or not main, desc="train")
         for step in bar:
           batch = data.batch(step)
+          logs.before(step)
           t = time.perf_counter()
           state, met = compiled(state, batch)
           loss, gnorm = float(met["loss"]), float(met["grad_norm"])   # waits for the step
@@ -108,6 +109,7 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
           rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
           f.write(json.dumps(rec) + "\n")
           f.flush()
+          logs.after(step, rec)
           bar.set_postfix(loss=f"{loss:.4f}")
           if not (math.isfinite(loss) and math.isfinite(gnorm)):   # this state is never saved
             good = f"checkpoint {ckpt.latest} in {ckpt.dir}" if ckpt.latest else "none"
@@ -133,6 +135,48 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   if main:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
+
+
+class _Logs:
+  """TensorBoard scalars beside metrics.jsonl (tensorboardX, process 0 only) and, with profile.enabled, a
+  jax.profiler trace of steps [profile.start_step, profile.start_step + profile.steps) in <run dir>/profile."""
+
+  def __init__(self, cfg: Config, out: Path, main: bool, start: int):
+    self.cfg, self.out, self.main = cfg, out, main
+    p = cfg.profile
+    self.window = range(max(p.start_step, start), max(p.start_step, start) + p.steps) if p.enabled else range(0)
+    self.tracing = False
+
+  def __enter__(self):
+    self.tb = None
+    if self.main and self.cfg.tensorboard:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(str(self.out / "tensorboard"))
+    return self
+
+  def before(self, step: int) -> None:
+    if step == self.window.start and self.window:
+      import jax
+      jax.profiler.start_trace(str(self.out / "profile"))
+      self.tracing = True
+
+  def after(self, step: int, rec: dict) -> None:
+    if self.tb is not None:
+      for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s"):
+        self.tb.add_scalar(f"train/{k}", rec[k], step)
+    if self.tracing and step == self.window[-1]:
+      self._stop()
+
+  def _stop(self) -> None:
+    import jax
+    jax.profiler.stop_trace()
+    self.tracing = False
+
+  def __exit__(self, *exc):
+    if self.tracing:
+      self._stop()
+    if self.tb is not None:
+      self.tb.close()
 
 
 def _open_metrics(out: Path, start: int, main: bool):

@@ -40,6 +40,8 @@ def test_default_run_writes_the_contract(default_run):
   assert [r["step"] for r in rows] == list(range(30)) and all(METRIC_KEYS <= r.keys() for r in rows)
   assert [r["loss"] for r in rows] == s["losses"] and s["final_loss"] == s["losses"][-1]
   assert s["config"]["schedule"]["name"] == "baseline" and s["config"]["train"]["steps"] == 30
+  events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+  assert len(events) == 1 and events[0].stat().st_size > 1000   # 30 steps x 4 scalars
 
 
 def test_loss_falls_over_30_steps(default_run):

@@ -29,7 +29,8 @@ def _sweep(out, *overrides):
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
   out = tmp_path_factory.mktemp("grid")
-  return out, _sweep(out, "schedule=baseline,collective_matmul", "mesh=4x2,1x8")
+  return out, _sweep(out, "schedule=baseline,collective_matmul", "mesh=4x2,1x8", "profile.enabled=true",
+                     "profile.start_step=1", "profile.steps=1")
 
 
 def test_sweep_summary_has_a_row_per_job(grid):
@@ -44,6 +45,7 @@ def test_sweep_summary_has_a_row_per_job(grid):
     assert (int(r["bytes_fsdp"] or 0) > 0) == (fsdp > 1) and (int(r["bytes_tensor"] or 0) > 0) == (tensor > 1)
     assert int(r["memory_peak_bytes"]) > 0
   assert (out / "summary.md").read_text().count("| ok |") == 4
+  assert all(list((out / r["job"] / "profile").rglob("*.xplane.pb")) for r in rows)   # profile.enabled
 
 
 def test_report_draws_the_sweep(grid):
