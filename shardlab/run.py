@@ -67,7 +67,7 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   compile_time = time.perf_counter() - t0
   analysis = analyze(compiled, mesh)
   from shardlab.analysis.costmodel import predict_run   # prediction + analytic memory; timeline.json/.png
-  analysis.update(predict_run(compiled, mesh, cfg, out_dir, analysis))
+  analysis.update(predict_run(compiled, mesh, cfg, out_dir, analysis, b))
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   devs = jax.devices()

@@ -4,8 +4,16 @@ Tests compile with LLVM's optimizations off (XLA's HLO passes, fusion and buffer
 halves compile time, and tests check numbers, bytes and memory, never speed.
 """
 import os
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# One persistent compilation cache for the whole run, shared by both xdist workers and every subprocess
+# (CLI runs, sweeps, several processes): each distinct program is compiled once per test session.
+_CACHE = Path(tempfile.gettempdir()) / f"shardlab-test-jax-cache-{os.getuid()}"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from shardlab.mesh import set_cpu_devices  # noqa: E402
 

@@ -101,7 +101,7 @@ def test_run_writes_prediction_timeline_and_memory(tmp_path):
   got = costmodel.predict_run(compiled, mesh_of(2, 4), cfg, tmp_path, {"memory": program.memory(compiled)})
   assert got["prediction"]["hardware"] == "h100" and got["prediction"]["t_overlapped_s"] > 0
   assert got["memory"]["analytic"]["total"] > 0 and got["memory"]["compiled_over_analytic"] > 0
-  assert got["ledger"]["all-gather"]["fsdp"]["f32"]["forward_bytes"] > 0
+  assert got["ledger"]["compiled"]["all-gather"]["fsdp"]["f32"]["forward_bytes"] > 0
   trace = json.loads((tmp_path / "timeline.json").read_text())
   spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
   names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
@@ -124,3 +124,13 @@ def test_memory_breakdown_by_hand():
   assert (got["master_params"], got["grads"], got["optimizer"]) == (4 * local, 4 * local, 8 * local)
   assert got["gathered_weights"] == 4 * (2 * (2 * D + mats // Y) + 2 * V * D // Y + D)
   assert got["total"] == sum(v for k, v in got.items() if k != "total")
+
+
+def test_widened_collectives_are_costed_at_the_program_bytes():
+  """XLA:CPU widens bf16 collectives to f32 (it has no bf16 collectives): the ledger of a bf16 program's HLO
+  shows twice its bytes, and the cost model scales those collectives back to the program's."""
+  from shardlab.analysis.ledger import Row, dtype_scale
+  row = lambda dtype, scope, full: Row("all-gather", "fsdp", dtype, scope, False, 4, 1, 3, full, full * 3 // 4)
+  program = [row("bf16", "fsdp_all_gather", 4096), row("f32", "vocab_max", 64)]
+  compiled = [row("f32", "fsdp_all_gather", 8192), row("f32", "vocab_max", 64)]
+  assert dtype_scale(program, compiled) == {("all-gather", "fsdp", "fsdp_all_gather"): 0.5}

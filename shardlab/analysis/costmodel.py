@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardlab.analysis import timeline as TL
+from shardlab.analysis import hlo, ledger, timeline as TL
 
 
 def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
@@ -68,12 +68,19 @@ def row(t: TL.Task, hw) -> str:
   return f"comm {t.coll.axis}{d}"
 
 
-def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: float = 0.0) -> tuple[dict, list]:
-  """(prediction, timeline events) for one compiled step's HLO text. `model_flops`: 6 P T / N per device, for MFU."""
+def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: float = 0.0,
+            program: list | None = None) -> tuple[dict, list]:
+  """(prediction, timeline events) for one compiled step's HLO text. `model_flops`: 6 P T / N per device, for MFU.
+  `program`: the traced step's ledger rows; collectives the compiler widened (bf16 -> f32 on XLA:CPU) are costed
+  at the program's bytes (ledger.dtype_scale)."""
   ici_axes = ici_axes or {}
   tasks = TL.build(text, mesh.device_ids, tuple(mesh.axis_names))
+  scale = {}
+  if program is not None:
+    scale = ledger.dtype_scale(program, ledger.from_hlo(hlo.collectives(text, mesh.device_ids, tuple(mesh.axis_names))))
+  bytes_of = lambda c: c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0)
   dur = [matmul_seconds(t.flops, hw) if t.kind == "compute" else
-         collective_seconds(t.coll.kind, t.coll.bytes_moved, t.coll.group_size, t.coll.axis, hw, ici_axes)
+         collective_seconds(t.coll.kind, bytes_of(t.coll), t.coll.group_size, t.coll.axis, hw, ici_axes)
          if t.kind == "comm" else 0.0 for t in tasks]
   res = [resources(t, hw) for t in tasks]
   r = TL.replay(tasks, dur, res)
@@ -119,28 +126,36 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
       "matmul_flops_per_device": sum(tasks[i].flops for i in compute),
       "model_flops_per_device": model_flops,
       "matmuls": len(compute), "collectives": len(comm),
+      "bytes_scaled_to_program": {"/".join(k): v for k, v in scale.items()},
       "note": "model prediction from the compiled HLO's dependency graph and the hardware preset, not a measurement",
   }
   return prediction, TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
 
 
-def predict_run(compiled, mesh, cfg, out_dir, analysis: dict) -> dict:
-  """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (the compiled
-  step's collectives by kind, axis and dtype, forward and backward bytes); timeline.json and timeline.png in
-  out_dir."""
+def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None = None) -> dict:
+  """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (collectives by
+  kind, axis and dtype with forward and backward bytes, from the traced program and from the compiled HLO, and
+  where they differ); timeline.json and timeline.png in out_dir (process 0). `built`: run.build's step and abstract
+  inputs, to trace the program (without it, the compiled ledger only)."""
+  import jax
   from shardlab import params as PM
-  from shardlab.analysis import hlo, ledger, memory_model
+  from shardlab.analysis import memory_model
+  program = None if built is None else ledger.from_program(
+      jax.make_jaxpr(built["step_fn"])(built["abstract_state"], built["abstract_batch"]))
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
   ici = {"fsdp": cfg.mesh.fsdp_ici_axes, "tensor": cfg.mesh.tensor_ici_axes}
-  pred, evs = predict(compiled.as_text(), mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size)
-  out = Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
-  TL.plot(evs, out / "timeline.png", title(cfg, pred))
+  pred, evs = predict(compiled.as_text(), mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size,
+                      program)
+  if jax.process_index() == 0:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
+    TL.plot(evs, out / "timeline.png", title(cfg, pred))
   rows = ledger.from_hlo(hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names)))
   return {"prediction": pred, "memory": {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"])},
-          "ledger": ledger.nested(rows)}
+          "ledger": {"program": program and ledger.nested(program), "compiled": ledger.nested(rows),
+                     "differences": program and ledger.compare(program, rows)}}
 
 
 def title(cfg, pred: dict) -> str:
