@@ -66,21 +66,11 @@ def init_state(params, opt, decls, mesh):
 
 def _jit(fn, mesh, in_specs, out_specs, shard_mapped: bool, **kw):
   """jit(shard_map(fn)) for explicit schedules; for compiler-sharded ones (gspmd), jit with the same
-  shardings on inputs and outputs and the mesh set for the sharding constraints inside."""
+  shardings on inputs and outputs."""
   if shard_mapped:
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs), **kw)
   named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))
-  jitted = jax.jit(fn, in_shardings=named(in_specs), out_shardings=named(out_specs), **kw)
-
-  class WithMesh:   # lower/call under the mesh, like the shard_map'd version
-    def __call__(self, *a):
-      with jax.set_mesh(mesh):
-        return jitted(*a)
-
-    def lower(self, *a):
-      with jax.set_mesh(mesh):
-        return jitted.lower(*a)
-  return WithMesh()
+  return jax.jit(fn, in_shardings=named(in_specs), out_shardings=named(out_specs), **kw)
 
 
 def make_grad_fn(cfg: Config, schedule, decls, mesh):
@@ -88,6 +78,8 @@ def make_grad_fn(cfg: Config, schedule, decls, mesh):
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   pspecs = specs(decls)
   fn = lambda p, b: schedule.loss_and_grads(p, b[:, :-1], b[:, 1:], n_tokens)
+  if hasattr(schedule, "bind"):
+    schedule.bind(mesh)
   return _jit(fn, mesh, (pspecs, P(FSDP)), (P(), pspecs), getattr(schedule, "shard_mapped", True))
 
 
@@ -97,6 +89,8 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
   sspecs = state_specs(opt, decls)
 
   shard_mapped = getattr(schedule, "shard_mapped", True)
+  if hasattr(schedule, "bind"):
+    schedule.bind(mesh)
 
   def step(state, batch_BL1):
     params = state["params"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
@@ -17,24 +17,25 @@ from shardlab.params import declare
 from shardlab.schedules.explicit import _remat_policy
 from shardlab.schedules.tp import IdentityOps
 
-_c = jax.lax.with_sharding_constraint
-
-
 class ConstrainedOps(IdentityOps):
   """Plain math on global arrays with the explicit schedule's activation layouts as sharding hints."""
 
   def __init__(self, seq_parallel: bool):
     self.residual = P(FSDP, TENSOR if seq_parallel else None, None)   # x[B_fsdp, L_tp, D]
+    self.mesh = None
+
+  def c(self, x, spec):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
   def column(self, x, w, eq):   # y[B_fsdp, L, .., N_tp]
     y = super().column(x, w, eq)
-    return _c(y, P(FSDP, *([None] * (y.ndim - 2)), TENSOR))
+    return self.c(y, P(FSDP, *([None] * (y.ndim - 2)), TENSOR))
 
   def row(self, h, w, eq):
-    return _c(super().row(h, w, eq), self.residual)
+    return self.c(super().row(h, w, eq), self.residual)
 
   def reduce(self, y):
-    return _c(y, self.residual)
+    return self.c(y, self.residual)
 
 
 class _Weights:
@@ -67,6 +68,10 @@ class GSPMDSchedule:
     self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather")
     self.policy = _remat_policy(cfg.remat)
 
+  def bind(self, mesh) -> None:
+    """The mesh the activation constraints refer to (set when the step is built)."""
+    self.ops.mesh = mesh
+
   def loss_and_grads(self, params, tokens_BL, targets_BL, n_tokens: int):
     """On global arrays, under jit with the mesh set. Gradients come back sharded like `params`."""
     def loss_fn(p, t, y):
@@ -77,7 +82,7 @@ class GSPMDSchedule:
     if k == 1:
       return vg(params, tokens_BL, targets_BL)
     # Microbatch j takes rows j, j+k, ...: every device keeps its own rows (batch sharded over fsdp).
-    mb = lambda a: _c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, FSDP))
+    mb = lambda a: self.ops.c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, FSDP))
 
     def micro(acc, b):
       loss, g = vg(params, *b)
