@@ -4,11 +4,11 @@ run), not measurements. Writes results.md and results.json here and copies some 
 
   python experiments/predict/predict.py          # every dry run, one after another (about 10 minutes on 2 cores)
   python experiments/predict/predict.py --table  # only rebuild the tables from outputs/predict/
+  python experiments/predict/predict.py gspmd    # only these presets (then the tables)
 """
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +33,11 @@ def presets() -> dict:
   return {**{n: [f"schedule={n}"] for n in names}, **VARIANTS}
 
 
-def run_all() -> None:
+def run_all(only: list[str]) -> None:
   for machine, args in MACHINES.items():
     for name, extra in presets().items():
+      if only and name not in only:
+        continue
       out = RUNS / machine / name
       cmd = [sys.executable, "-m", "shardlab", *COMMON, *args, *extra, *OVERRIDES.get((machine, name), []),
              f"hydra.run.dir={out}"]
@@ -44,14 +46,31 @@ def run_all() -> None:
 
 
 def row(name: str, s: dict) -> dict:
-  p, comm = s["prediction"], s["ledger"]["program"]      # the traced program's bytes (XLA:CPU widens bf16)
+  # bytes of the traced program (XLA:CPU widens bf16 collectives); gspmd places none, so its compiled ones (+)
+  comm = s["ledger"]["program"] or s["ledger"]["compiled"]
+  p = s["prediction"]
   moved = lambda axis: sum(t["bytes"] for a in comm.values() for t in a.get(axis, {}).values()) / 1e9
+  if not s["ledger"]["program"]:
+    name += " (+)"
   return {"schedule": name, "t_compute_ms": p["t_compute_s"] * 1e3,
-          "t_comm_fsdp_ms": p["t_comm_s"].get("fsdp", 0) * 1e3, "t_comm_tensor_ms": p["t_comm_s"].get("tensor", 0) * 1e3,
+          "t_comm_fsdp_ms": p["t_comm_s"].get("fsdp", 0) * 1e3,
+          "t_comm_tensor_ms": p["t_comm_s"].get("tensor", 0) * 1e3,
           "t_serial_ms": p["t_serial_s"] * 1e3, "t_overlapped_ms": p["t_overlapped_s"] * 1e3,
-          "exposed_comm_ms": p["exposed_comm_s"] * 1e3, "mfu": p["mfu"], "gb_fsdp": moved("fsdp"),
+          "exposed_comm_ms": p["exposed_comm_s"] * 1e3, "mfu": p["mfu"],
+          "critical_ms": {k: v * 1e3 for k, v in p["critical_path_s"].items()}, "gb_fsdp": moved("fsdp"),
           "gb_tensor": moved("tensor"), "peak_gb": s["memory"]["peak"] / 1e9,
           "analytic_gb": s["memory"]["analytic"]["total"] / 1e9, "compile_s": s["compile_time_s"]}
+
+
+def replot(run: Path, summary: dict, png: Path) -> None:
+  """timeline.png again from the run's timeline.json (the chart code may have changed since the run)."""
+  from shardlab.analysis import costmodel, timeline as TL
+  from shardlab.config import to_config
+  trace = json.loads((run / "timeline.json").read_text())
+  rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+  evs = [{"name": e["name"], "cat": e["cat"], "row": rows[e["tid"]], "start": e["ts"] / 1e6, "dur": e["dur"] / 1e6,
+          "args": e["args"]} for e in trace["traceEvents"] if e["ph"] == "X"]
+  TL.plot(evs, png, costmodel.title(to_config(summary["config"]), summary["prediction"]))
 
 
 def table() -> None:
@@ -67,22 +86,27 @@ def table() -> None:
       rows.append(row(name + "*" * ((machine, name) in OVERRIDES), s))
       if name in CHARTS:
         (HERE / "img").mkdir(exist_ok=True)
-        shutil.copy(f.parent / "timeline.png", HERE / "img" / f"{machine}_{name}.png")
+        replot(f.parent, s, HERE / "img" / f"{machine}_{name}.png")
     results[machine] = rows
     hw = json.loads((RUNS / machine / "baseline" / "summary.json").read_text())["config"]["hardware"]["name"]
     lines += [f"### {machine} ({hw}): " + " ".join(MACHINES[machine]), "",
               "| schedule | compute ms | fsdp comm ms | tensor comm ms | serial ms | **overlapped ms** | exposed ms "
-              "| MFU | GB fsdp | GB tensor | peak GB (XLA:CPU) | analytic GB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| critical path: compute / fsdp / tensor ms | MFU | GB fsdp | GB tensor | peak GB (XLA:CPU) "
+              "| analytic GB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
       if "error" in r:
-        lines.append(f"| {r['schedule']} | error: {r['error'][:80]} |" + " |" * 10)
+        lines.append(f"| {r['schedule']} | error: {r['error'][:80]} |" + " |" * 11)
         continue
-      lines.append(f"| {r['schedule']} | {r['t_compute_ms']:.1f} | {r['t_comm_fsdp_ms']:.1f} | {r['t_comm_tensor_ms']:.1f} "
+      lines.append(f"| {r['schedule']} | {r['t_compute_ms']:.1f} | {r['t_comm_fsdp_ms']:.1f} "
+                   f"| {r['t_comm_tensor_ms']:.1f} "
                    f"| {r['t_serial_ms']:.1f} | **{r['t_overlapped_ms']:.1f}** | {r['exposed_comm_ms']:.1f} "
+                   f"| {r['critical_ms']['compute']:.0f} / {r['critical_ms'].get('fsdp', 0):.0f} / "
+                   f"{r['critical_ms'].get('tensor', 0):.0f} "
                    f"| {r['mfu']:.0%} | {r['gb_fsdp']:.1f} | {r['gb_tensor']:.1f} | {r['peak_gb']:.0f} "
                    f"| {r['analytic_gb']:.0f} |")
-    notes = [f"{n}: {' '.join(v)}" for (m, n), v in OVERRIDES.items() if m == machine]
+    notes = [f"{n}: {' '.join(v)}" for (m, n), v in OVERRIDES.items() if m == machine] + [
+        "(+) compiler-placed: bytes and times as XLA:CPU widened them (bf16 collectives become f32)"]
     lines += [f"\\* {'; '.join(notes)}", ""] if notes else [""]
   (HERE / "results.json").write_text(json.dumps(results, indent=1))
   (HERE / "results.md").write_text("\n".join(lines))
@@ -91,5 +115,5 @@ def table() -> None:
 
 if __name__ == "__main__":
   if "--table" not in sys.argv:
-    run_all()
+    run_all([a for a in sys.argv[1:] if not a.startswith("-")])
   table()
