@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from conftest import MESHES, mesh_of
 from shardlab import collectives as C
 from shardlab.mesh import AXES, FSDP, TENSOR
-from shardlab.testing import assert_trees_close, rank_coded, where
+from shardlab import testing as K
+from shardlab.testing import assert_trees_close, block, owner, rank_coded, where
 
 MESHES_2D = [(2, 4), (4, 2)]
 OTHER = {FSDP: TENSOR, TENSOR: FSDP}
@@ -25,49 +26,13 @@ mesh_id = lambda s: f"{s[0]}x{s[1]}"
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-def devices(mesh):
-  """Every device's coordinates, as {axis: index}."""
-  return [dict(zip(AXES, c)) for c in np.ndindex(*(mesh.shape[a] for a in AXES))]
-
-
-def block(x, spec, coord, mesh):
-  """numpy: the block of global `x` that device `coord` holds under `spec` (one mesh axis per dim)."""
-  spec = tuple(spec) + (None,) * (x.ndim - len(spec))
-  idx = []
-  for d, ax in enumerate(spec):
-    if ax is None:
-      idx.append(slice(None))
-    else:
-      k = x.shape[d] // mesh.shape[ax]
-      idx.append(slice(coord[ax] * k, (coord[ax] + 1) * k))
-  return x[tuple(idx)]
-
-
-def owner(index, spec, shape, mesh):
-  """The device coordinates whose block under `spec` holds global `index` (axes that don't shard: '*')."""
-  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-  own = {a: "*" for a in AXES}
-  for d, ax in enumerate(spec):
-    if ax is not None:
-      own[ax] = index[d] // (shape[d] // mesh.shape[ax])
-  return own
-
-
 def per_device(mesh, fn, in_specs):
-  """jit(shard_map(fn)) whose output out[f, t, ...] is device (f, t)'s local result (every copy checked)."""
-  body = lambda *xs: fn(*xs)[None, None]
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(FSDP, TENSOR)))
+  """The kit's per_device, jitted: out[f, t, ...] is device (f, t)'s local result (every copy checked)."""
+  return jax.jit(K.per_device(fn, mesh, in_specs))
 
 
 def assert_rank_coded_equal(got, want, shape, label):
-  """Exact equality of rank-coded values; a mismatch says which global element arrived instead."""
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
-  bad = np.argwhere(got != want)
-  if len(bad):
-    i = tuple(int(k) for k in bad[0])
-    raise AssertionError(f"{label}: {len(bad)} of {got.size} values wrong; at {i} got element "
-                         f"{where(got[i], shape)} of the input, expected element {where(want[i], shape)}")
+  K.assert_rank_coded_equal(got, want, shape, label=label)
 
 
 # ------------------------------------------------------------------------------------- wrappers vs numpy
@@ -84,7 +49,7 @@ def test_all_gather(mesh_shape, axis, dim):
   out = per_device(mesh, lambda x: C.all_gather(x, axis, dim), (P(*spec),))(x)
   gathered = list(spec)
   gathered[dim] = None
-  for c in devices(mesh):
+  for c in K.coords(mesh):
     assert_rank_coded_equal(out[c[FSDP], c[TENSOR]], block(x, gathered, c, mesh), x.shape,
                             f"all_gather over {axis} of dim {dim}, device {c}")
 
@@ -105,7 +70,7 @@ def test_psum_scatter(mesh_shape, axis, dim):
   total = x.sum(0)  # sums of integers < 2**24: exact in any order
   out_spec = [None, None, OTHER[axis]]
   out_spec[dim] = axis
-  for c in devices(mesh):
+  for c in K.coords(mesh):
     np.testing.assert_array_equal(out[c[FSDP], c[TENSOR]], block(total, out_spec, c, mesh),
                                   err_msg=f"psum_scatter over {axis} of dim {dim}, device {c}")
 
@@ -118,7 +83,7 @@ def test_psum(mesh_shape, axes):
   out = per_device(mesh, lambda x: C.psum(x[0, 0], axes), (P(FSDP, TENSOR),))(x)
   summed = (0, 1) if axes == AXES else (0,) if axes == FSDP else (1,)
   want = x.sum(summed, keepdims=True)
-  for c in devices(mesh):
+  for c in K.coords(mesh):
     i, j = (0 if 0 in summed else c[FSDP]), (0 if 1 in summed else c[TENSOR])
     np.testing.assert_array_equal(out[c[FSDP], c[TENSOR]], want[i, j], err_msg=f"psum over {axes}, device {c}")
 
@@ -132,7 +97,7 @@ def test_ring_shift(mesh_shape, axis, shift):
   x = rank_coded((2 * mesh.shape[FSDP], 3 * mesh.shape[TENSOR]))
   out = per_device(mesh, lambda x: C.ring_shift(x, axis, shift), (spec,))(x)
   n = mesh.shape[axis]
-  for c in devices(mesh):
+  for c in K.coords(mesh):
     src = dict(c, **{axis: (c[axis] - shift) % n})  # device i's block arrives at i + shift
     got, want = np.asarray(out[c[FSDP], c[TENSOR]]), block(x, spec, src, mesh)
     if not np.array_equal(got, want):
@@ -178,7 +143,7 @@ def test_all_gather_backward_is_psum_scatter(mesh_shape, axis, dim):
   y, vjp = jax.vjp(fn, x)
   ct = rank_coded(y.shape)                    # a different cotangent on every device
   (dx,) = jax.jit(vjp)(ct)
-  for c in devices(mesh):
+  for c in K.coords(mesh):
     # psum_scatter of the cotangent: sum over the devices along `axis`, keep this device's block of `dim`.
     summed = sum(np.asarray(ct[(c | {axis: i})[FSDP], (c | {axis: i})[TENSOR]], np.float64)
                  for i in range(mesh.shape[axis]))
@@ -197,7 +162,7 @@ def test_psum_scatter_backward_is_all_gather(mesh_shape, axis, dim):
   y, vjp = jax.vjp(fn, x)
   ct = rank_coded(y.shape)
   (dx,) = jax.jit(vjp)(ct)
-  for c in devices(mesh):
+  for c in K.coords(mesh):
     # all_gather of the cotangent along `dim`, over the devices along `axis`.
     parts = [np.asarray(ct[(c | {axis: i})[FSDP], (c | {axis: i})[TENSOR]]) for i in range(mesh.shape[axis])]
     assert_rank_coded_equal(block(np.asarray(dx), spec, c, mesh)[0], np.concatenate(parts, axis=dim), ct.shape,
