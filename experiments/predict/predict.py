@@ -2,7 +2,7 @@
 TPU v5p slice. MODEL PREDICTIONS from dry runs (compile and analyze on fake CPU devices, nothing allocated, no step
 run), not measurements. Writes results.md and results.json here and copies some timeline charts to img/.
 
-  python experiments/predict/predict.py          # every dry run, one after another (about 10 minutes on 2 cores)
+  python experiments/predict/predict.py          # every dry run, one after another (about 4 minutes on 2 cores)
   python experiments/predict/predict.py --table  # only rebuild the tables from outputs/predict/
   python experiments/predict/predict.py gspmd    # only these presets (then the tables)
 """

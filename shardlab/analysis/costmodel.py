@@ -14,7 +14,9 @@ each mesh axis has its own links, in each direction: an all-gather, reduce-scatt
 directions of its axis, a ring ppermute one, so a bidirectional ring's two halves travel at once.
 
 Step time: t_serial = t_compute + every collective one after another (no overlap); t_overlapped = the replay's
-makespan; exposed communication = t_overlapped - t_compute (the compute stream waiting). MFU = 6 P T / N /
+makespan; exposed communication = t_overlapped - t_compute (the compute stream waiting); `critical_path_s` = the
+makespan split into the matmuls and each axis's collectives on its critical path (timeline.critical_path: a TP
+gather queued behind FSDP gathers on a shared link charges the FSDP ones). MFU = 6 P T / N /
 (C t_overlapped) (ANCHORS.md: "6 * params * tokens"); `matmul_utilization` = t_compute / t_overlapped counts
 every matmul the program runs (attention, recomputation) instead.
 """
@@ -91,10 +93,10 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   t_compute = sum(dur[i] for i in compute)
   axes = sorted({tasks[i].coll.axis for i in comm})
   t_comm = {a: sum(dur[i] for i in comm if tasks[i].coll.axis == a) for a in ("fsdp", "tensor", *axes)}
-  exposed = {}
-  for a in t_comm:
-    u = TL.union((r.start[i], r.finish[i]) for i in comm if tasks[i].coll.axis == a)
-    exposed[a] = TL.length(u) - TL.overlap(u, busy)
+  critical = {"compute": 0.0, **dict.fromkeys(t_comm, 0.0)}
+  for i in TL.critical_path(tasks, r):
+    k = "compute" if tasks[i].kind == "compute" else tasks[i].coll.axis
+    critical[k] += dur[i]
 
   def hidden(select) -> float:   # fraction of the selected collectives' time during which compute is busy
     u = TL.union((r.start[i], r.finish[i]) for i in comm if select(tasks[i]))
@@ -116,7 +118,7 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
       "mfu": model_flops / (hw.peak_flops * t) if t > 0 else 0.0,
       "matmul_utilization": t_compute / t if t > 0 else 0.0,
       "exposed_comm_s": t - t_compute,
-      "exposed_comm_by_axis_s": exposed,
+      "critical_path_s": critical,
       "t_bound_s": t_bound,
       "overlap_efficiency": (t_serial - t) / (t_serial - t_bound) if t_serial > t_bound else 1.0,
       "fsdp_gather_hidden_fraction": {    # of FSDP all-gather time, the part that runs behind a matmul
@@ -140,8 +142,8 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   import jax
   from shardlab import params as PM
   from shardlab.analysis import memory_model
-  program = None if built is None else ledger.from_program(
-      jax.make_jaxpr(built["step_fn"])(built["abstract_state"], built["abstract_batch"]))
+  program = None if built is None else ledger.from_program(   # traced as .lower() traces it
+      built["step_fn"].trace(built["abstract_state"], built["abstract_batch"]).jaxpr)
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
   ici = {"fsdp": cfg.mesh.fsdp_ici_axes, "tensor": cfg.mesh.tensor_ici_axes}
@@ -153,9 +155,11 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
     TL.plot(evs, out / "timeline.png", title(cfg, pred))
   rows = ledger.from_hlo(hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names)))
+  led = {"program": None, "compiled": ledger.nested(rows), "differences": None}
+  if program is not None:
+    led.update(program=ledger.nested(program), differences=ledger.compare(program, rows))
   return {"prediction": pred, "memory": {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"])},
-          "ledger": {"program": program and ledger.nested(program), "compiled": ledger.nested(rows),
-                     "differences": program and ledger.compare(program, rows)}}
+          "ledger": led}
 
 
 def title(cfg, pred: dict) -> str:

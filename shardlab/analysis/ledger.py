@@ -170,7 +170,8 @@ def markdown(rows: list[Row]) -> str:
   """A table: kind, axis, dtype, executions, arrays, bytes forward and backward (per device per step)."""
   big = max((r.total_bytes for r in rows), default=0) >= 1e7
   scale, unit = (1e6, "MB") if big else (1e3, "KB")
-  lines = [f"| kind | axis | dtype | executions | arrays | {unit} fwd | {unit} bwd |", "|---|---|---|---:|---:|---:|---:|"]
+  lines = [f"| kind | axis | dtype | executions | arrays | {unit} fwd | {unit} bwd |",
+           "|---|---|---|---:|---:|---:|---:|"]
   for kind, axes in sorted(nested(rows).items()):
     for axis, dts in sorted(axes.items()):
       for dt, t in sorted(dts.items()):

@@ -109,7 +109,8 @@ def build(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Task]:
         c = colls[(comp, ins.name)]
         d = ""
         if c.kind == "collective-permute":
-          pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", ins.attrs.split("source_target_pairs=")[1])]
+          pairs = re.findall(r"\{(\d+),(\d+)\}", ins.attrs.split("source_target_pairs=")[1])
+          pairs = [(int(a), int(b)) for a, b in pairs]
           d = _direction(pairs, device_ids, axis_names, c.axis)
         i = add(Task("comm", deps, f"{c.kind} {c.axis} ({c.scope})", coll=c, direction=d, backward=bwd, iteration=it))
       elif op == "conditional":
@@ -128,7 +129,7 @@ def build(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Task]:
 
 
 def _short(op_name: str) -> str:
-  """The last two components of a jax op_name: 'jit(f)/../jvp(bld,dtf->bltf)/dot_general' -> 'jvp(bld,..)/dot_general'."""
+  """The last two components of an op_name: 'jit(f)/../jvp(bld,dtf->bltf)/dot_general' -> 'jvp(..)/dot_general'."""
   return "/".join(op_name.split("/")[-2:])
 
 
@@ -137,6 +138,7 @@ class Replay:
   start: list
   finish: list
   makespan: float
+  behind: list          # the task that last held the resource a task waited for (-1: none)
 
 
 def replay(tasks: list[Task], duration: list[float], resources: list[tuple]) -> Replay:
@@ -152,9 +154,10 @@ def replay(tasks: list[Task], duration: list[float], resources: list[tuple]) -> 
   level = [0.0] * n                                 # longest path from the task's start to the end of the step
   for i in range(n - 1, -1, -1):
     level[i] = duration[i] + max((level[s] for s in succ[i]), default=0.0)
-  start, finish, ready = [0.0] * n, [0.0] * n, [0.0] * n
+  start, finish, ready, behind = [0.0] * n, [0.0] * n, [0.0] * n, [-1] * n
   queues: dict = defaultdict(list)
   free: dict = defaultdict(float)
+  holder: dict = {}
   running: list = []
 
   def release(first: int, t: float):
@@ -187,8 +190,9 @@ def replay(tasks: list[Task], duration: list[float], resources: list[tuple]) -> 
         if queues[key] and all(free[r] <= t for r in key):
           _, i = heapq.heappop(queues[key])
           start[i], finish[i] = t, t + duration[i]
+          behind[i] = holder.get(max(key, key=lambda r: free[r]), -1)
           for r in key:
-            free[r] = finish[i]
+            free[r], holder[r] = finish[i], i
           heapq.heappush(running, (finish[i], i))
           dispatched = True
     if not running:
@@ -196,7 +200,27 @@ def replay(tasks: list[Task], duration: list[float], resources: list[tuple]) -> 
     t, i = heapq.heappop(running)
     release(i, t)
   assert not any(waiting), "the replay stalled: the graph has a cycle"
-  return Replay(start, finish, max(finish, default=0.0))
+  return Replay(start, finish, max(finish, default=0.0), behind)
+
+
+def critical_path(tasks: list[Task], r: Replay) -> list[int]:
+  """The timed tasks on the chain that sets the makespan, last first: from the task that finishes last, step to
+  whatever made each task start when it did (the operand that finished last, or the task it waited behind on a
+  busy stream). Their durations add up to the makespan."""
+  eps = 1e-12 * max(r.makespan, 1e-30)
+  cur = max(range(len(tasks)), key=lambda i: r.finish[i], default=-1)
+  path = []
+  while cur >= 0:
+    if tasks[cur].kind:
+      path.append(cur)
+    dep = max(tasks[cur].deps, key=lambda d: r.finish[d], default=-1)
+    if dep >= 0 and r.finish[dep] >= r.start[cur] - eps:
+      cur = dep
+    elif r.behind[cur] >= 0 and r.finish[r.behind[cur]] >= r.start[cur] - eps:
+      cur = r.behind[cur]
+    else:
+      break
+  return path
 
 
 # ---- intervals ----
@@ -258,9 +282,10 @@ def events(tasks: list[Task], r: Replay, duration: list[float], rows: list[str])
   for i, t in enumerate(tasks):
     if not t.kind:
       continue
-    args = {"flops": t.flops, "iteration": list(t.iteration)} if t.kind == "compute" else {"iteration": list(t.iteration),
+    args = {"flops": t.flops} if t.kind == "compute" else {
         "kind": t.coll.kind, "axis": t.coll.axis, "bytes_moved": t.coll.bytes_moved, "group_size": t.coll.group_size,
         "scope": t.coll.scope, "hlo": t.coll.name}
+    args["iteration"] = list(t.iteration)
     out.append({"name": t.label, "cat": category(t), "row": rows[i], "start": r.start[i], "dur": duration[i],
                 "args": args})
   return out
@@ -300,10 +325,10 @@ def plot(evs: list[dict], path, title: str, zoom: tuple[float, float] = (0.15, 0
     ax.set_xlim(lo * scale, hi * scale)
     ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
-  axes[0].set_title(title, fontsize=10, loc="left")
+  axes[0].set_title(title, fontsize=10, loc="left", pad=22)
   axes[1].set_title(f"zoom: {zoom[0]:.0%}-{zoom[1]:.0%} of the step", fontsize=9, loc="left")
   present = {e["cat"] for e in evs}
   axes[0].legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k in present],
-                 loc="upper right", fontsize=8, ncol=3, framealpha=0.9)
+                 loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=6, frameon=False)
   fig.savefig(path, dpi=110)
   plt.close(fig)
