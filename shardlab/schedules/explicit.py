@@ -49,13 +49,12 @@ def _put(bufs, values, l):
 def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs):
   """`carry, bufs = body(l, carry, W_l, bufs)` for l = 0..n-1 (n-1..0 if reverse), W_l = fetch(l) issued
   `depth` layers ahead and held in the loop carry. The last `depth` layers fetch nothing (no extra bytes).
-  `w, carry = fetch(l, carry)` may tie itself to the carry at the time it is issued (see `bwd`)."""
+  `fetch(l, carry)` sees the loop carry at the time it is issued (see `bwd`)."""
   order = (lambda j: n - 1 - j) if reverse else (lambda j: j)
   k = depth if fetch is not None else 0
   ahead = ()
   for j in range(k):
-    w, carry = fetch(order(j), carry)
-    ahead += (w,)
+    ahead += (fetch(order(j), carry),)
 
   def step(state, j):
     carry, ahead, bufs = state
@@ -63,10 +62,9 @@ def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs):
     if fetch is None:
       w = None
     elif k == 0:
-      w, carry = fetch(l, carry)
+      w = fetch(l, carry)
     else:
-      nxt, carry = fetch(order(j + k), carry)                 # W_{l+k} in flight while layer l runs
-      w, ahead = ahead[0], ahead[1:] + (nxt,)
+      w, ahead = ahead[0], ahead[1:] + (fetch(order(j + k), carry),)   # W_{l+k} in flight during layer l
     carry, bufs = body(l, carry, w, bufs)
     return (carry, ahead, bufs), None
 
@@ -96,11 +94,11 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
 
   @jax.custom_vjp
   def stack(x, stacked):
-    fetch = lambda l, c: (gather(_take(stacked, l)), c)
+    fetch = lambda l, _: gather(_take(stacked, l))
     return pipeline(n, depth, False, fetch, lambda l, x, w, b: (layer_fn(x, w), b), x, ())[0]
 
   def fwd(x, stacked):
-    fetch = lambda l, c: (gather(_take(stacked, l)), c)
+    fetch = lambda l, _: gather(_take(stacked, l))
     # Shapes (and varying axes) of one layer's residuals, from an abstract trace that emits nothing.
     def probe(x, stacked):
       _, leaves, treedef, where_w = residuals(x, gather(_take(stacked, 0)))
@@ -127,7 +125,7 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
       # a value of dx makes the two differ: `dx == dx` holds unless dx is NaN, and XLA does not fold it.
       probe = jax.tree.leaves(dx)[0].reshape(-1)[0]
       l = jnp.where(probe == probe, l, n)   # n: out of range (clamped), so never equal to l
-      return gather(_take(stacked, l)), dx
+      return gather(_take(stacked, l))
     grads = jax.tree.map(C.zeros_like, stacked)
 
     def body(l, dx, w, grads):
