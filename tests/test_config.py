@@ -36,6 +36,12 @@ BAD = [
     (["schedule.prefetch=7"], "schedule.prefetch=7"),
     (["schedule=deferred_reduce", "schedule.prefetch=1"], "schedule.grad_reduce=deferred"),
     (["precision.compute_dtype=float16"], "precision.compute_dtype=float16"),
+    (["checkpoint.every=-1"], "checkpoint.every=-1: must be >= 0"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
+    (["distributed.num_processes=2"], "needs distributed.coordinator=HOST:PORT"),
+    (["distributed.coordinator=node0"], "distributed.coordinator=node0: must be HOST:PORT"),
+    (["distributed.coordinator=node0:1234", "distributed.num_processes=2", "distributed.process_id=2"],
+     "distributed.process_id=2: must be in 0..distributed.num_processes-1"),
 ]
 
 
