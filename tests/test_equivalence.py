@@ -78,8 +78,32 @@ def test_one_optimizer_step_matches_reference():
   assert int(state["step"]) == 1
 
 
-def test_dtype_knob_halves_nothing_numerically_in_fp32():
+def test_gather_dtype_compute_is_exact_in_fp32():
   """gather_dtype=compute in float32 is the same program's numbers (the cast is the identity)."""
   a = compiled_grads((4, 2), tuple(sorted(dict(gather_dtype="compute").items())))[1]
   b = compiled_grads((4, 2), ())[1]
   assert_trees_close(a, b, rtol=0, atol=0)
+
+
+def test_bfloat16_compute_trains_the_same_model_and_gathers_half_the_bytes():
+  """precision.compute_dtype=bfloat16: bf16 matmuls and, with gather_dtype=compute, bf16 FSDP gathers (half
+  the bytes of fp32 in the traced program); loss and gradients stay close to the fp32 reference."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from conftest import batch, mesh_of
+  from shardlab import params as PM, schedules, train as T
+  from shardlab.analysis import ledger
+  cfg = tiny_config(gather_dtype="compute", prefetch=1)
+  mesh = mesh_of(2, 4)
+  decls = PM.declare(cfg.model)
+  params = PM.init_sharded(0, decls, cfg.model, mesh)
+  b = jax.device_put(batch(), NamedSharding(mesh, P("fsdp")))
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.bfloat16), decls, mesh)
+  loss, grads = fn(params, b)
+  ref_loss, ref_grads = reference_loss_and_grads()
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-2)
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))      # master gradients stay fp32
+  cos = lambda a, e: float(np.vdot(a, e) / (np.linalg.norm(a) * np.linalg.norm(e) + 1e-30))
+  for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+    assert cos(np.asarray(g, np.float64).ravel(), np.asarray(r, np.float64).ravel()) > 0.99, path
+  gathers = ledger.nested(ledger.from_program(jax.make_jaxpr(fn)(params, b)))["all-gather"]["fsdp"]
+  assert set(gathers) == {"bf16"}, gathers
