@@ -35,17 +35,22 @@ def assert_rank_coded_equal(got, want, shape, label):
   K.assert_rank_coded_equal(got, want, shape, label=label)
 
 
+def _split(axis, dim):
+  """x[8, 8, 3] sharded over `axis` on `dim` and over the other axis on the other dim: every block distinct."""
+  spec = [None, None, None]
+  spec[dim], spec[1 - dim] = axis, OTHER[axis]
+  return spec
+
+
 # ------------------------------------------------------------------------------------- wrappers vs numpy
 
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("axis", [FSDP, TENSOR])
 @pytest.mark.parametrize("mesh_shape", MESHES_2D, ids=mesh_id)
 def test_all_gather(mesh_shape, axis, dim):
-  # x[8, 8, 3] sharded over `axis` on `dim` and over the other axis on the other dim: every block distinct.
   mesh = mesh_of(*mesh_shape)
   x = rank_coded((8, 8, 3))
-  spec = [None, None, None]
-  spec[dim], spec[1 - dim] = axis, OTHER[axis]
+  spec = _split(axis, dim)
   out = per_device(mesh, lambda x: C.all_gather(x, axis, dim), (P(*spec),))(x)
   gathered = list(spec)
   gathered[dim] = None
@@ -137,8 +142,7 @@ def test_pvary_is_identity_forward_and_psum_backward(mesh_shape, axis):
 def test_all_gather_backward_is_psum_scatter(mesh_shape, axis, dim):
   mesh = mesh_of(*mesh_shape)
   x = rank_coded((8, 8, 3))
-  spec = [None, None, None]
-  spec[dim], spec[1 - dim] = axis, OTHER[axis]
+  spec = _split(axis, dim)
   fn = per_device(mesh, lambda x: C.all_gather(x, axis, dim), (P(*spec),))
   y, vjp = jax.vjp(fn, x)
   ct = rank_coded(y.shape)                    # a different cotangent on every device
