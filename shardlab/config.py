@@ -126,6 +126,9 @@ class Config:
   tensorboard: bool = True        # TensorBoard event files in <run dir>/tensorboard (process 0)
   profile: ProfileConfig = field(default_factory=ProfileConfig)
   dry_run: bool = False           # compile and analyze only: no parameters allocated, no step run
+  # local: analyze the program compiled for the devices here; target: compile the same step for the hardware
+  # preset's real devices (shardlab/target.py) and analyze that program (a non-dry run still trains here)
+  compile_for: str = "local"
 
 
 GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, "train": TrainConfig,

@@ -1,4 +1,5 @@
-"""Hardware presets for prediction (conf/hardware/*.yaml). Numbers and sources: ../shared/ANCHORS.md.
+"""Hardware presets (conf/hardware/*.yaml): peak rates for the closed-form planner, the achieved rates the
+calibrated cost model uses, and the description of the real target that `compile_for=target` compiles for.
 
 Bandwidth of one mesh axis (what the planner divides bytes by), `axis_bandwidth(m)`:
 
@@ -7,9 +8,10 @@ Bandwidth of one mesh axis (what the planner divides bytes by), `axis_bandwidth(
     W_ici * m. This is the Scaling Book's M_X / M_Y (training.md: "T_comms is reduced by a factor of M_Y").
   * GPU (`torus: false`): `ici_bandwidth` is the per-GPU egress bandwidth of the switched fabric (NVLink within a
     node; the node's NIC egress beyond it). Every GPU reaches every other through the switch at that rate, however
-    the mesh axis is laid out, so the axis gets `ici_bandwidth` and m is ignored (gpus.md, W_collective).
+    the mesh axis is laid out, so the axis gets `ici_bandwidth` and m is ignored (Scaling Book gpus.md).
 
-All bandwidths are bytes/s, all FLOP/s are dense bf16 peaks (C).
+All bandwidths are bytes/s, all FLOP/s are dense bf16 peaks (C). The `*_efficiency` fields are achieved fractions
+of those peaks (1.0: the peak-rate ceiling); each preset's YAML gives the source of every number.
 """
 from __future__ import annotations
 
@@ -29,6 +31,21 @@ class HardwareConfig:
   source: str = ""
   domain_devices: int = 0           # devices that share the fast interconnect (8: one NVLink node; 0: no limit)
   note: str = ""                    # caveat printed by the planner (e.g. "nominal numbers")
+  # ---- the real target (compile_for=target; shardlab/target.py) ----
+  target_platform: str = ""         # cuda | tpu | "" (no target: compile_for=target refuses this preset)
+  target_config: str = ""           # cuda: GpuTargetConfig text file in shardlab/targets/
+  tpu_type: str = ""                # tpu: the topology name's prefix (v5p, v5litepod..)
+  devices_per_host: int = 8         # GPUs per node / TPU chips per host: how a device count becomes hosts
+  topology: str = ""                # "" derive from the mesh; else as get_topology_desc takes it ("1x8x8", "4x4x4")
+  # ---- achieved rates (the calibrated cost model; 1.0 everywhere = the peak-rate ceiling) ----
+  gemm_efficiency: float = 1.0      # fraction of peak_flops a large, well-shaped GEMM reaches
+  gemm_tile: int = 128              # GEMM output tile edge (a tile is gemm_tile x 2 gemm_tile): wave quantization
+  compute_units: int = 0            # SMs (GPU) / cores: tiles run in waves of this many (0: no quantization)
+  hbm_efficiency: float = 1.0       # fraction of hbm_bandwidth a memory-bound kernel reaches
+  link_efficiency: float = 1.0      # achieved collective bus bandwidth / ici_bandwidth for large messages
+  link_half_bytes: float = 0.0      # message size at which a collective reaches half its bus bandwidth
+  collective_latency_s: float = 0.0  # fixed cost of one collective (launch, synchronization)
+  kernel_launch_s: float = 0.0      # fixed cost of one compute kernel
 
   def axis_bandwidth(self, physical_axes: int = 1) -> float:
     """Bytes/s one device moves on a mesh axis spanning `physical_axes` interconnect axes (see module doc)."""
@@ -37,3 +54,9 @@ class HardwareConfig:
   def physical_axes(self, physical_axes: int) -> int:
     """The M the Scaling Book's formulas should see: the mesh config's value on a torus, 1 on a switch."""
     return max(1, physical_axes) if self.torus else 1
+
+  def peak(self) -> "HardwareConfig":
+    """This preset with every achieved rate at its peak: the ceiling the calibrated model is compared with."""
+    import dataclasses
+    return dataclasses.replace(self, gemm_efficiency=1.0, compute_units=0, hbm_efficiency=1.0, link_efficiency=1.0,
+                               link_half_bytes=0.0, collective_latency_s=0.0, kernel_launch_s=0.0)

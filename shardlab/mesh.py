@@ -1,6 +1,9 @@
 """The 2D `fsdp x tensor` mesh: axis names defined once, devices checked, fake CPU devices set in one place."""
 from __future__ import annotations
 
+import glob
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -20,6 +23,9 @@ def set_cpu_devices(n: int) -> None:
   if n < 1:
     raise ConfigError(f"cpu_devices={n}: must be >= 1")
   try:
+    if os.environ.get("JAX_PLATFORMS") is None and not accelerator_present():
+      # Installed GPU/TPU plugins (the target-compilation extras) would otherwise try to start, and log, here.
+      jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
   except RuntimeError:  # the backend already started (a second run in one process)
     have = len(jax.devices("cpu"))
@@ -27,13 +33,20 @@ def set_cpu_devices(n: int) -> None:
                       f"run one process per device count (sweeps: hydra/launcher=submitit_local)") from None
 
 
+def accelerator_present() -> bool:
+  """An NVIDIA GPU or a TPU is attached to this machine (its device files exist)."""
+  return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def make_mesh(fsdp: int, tensor: int, devices=None) -> Mesh:
   """A `fsdp x tensor` mesh over exactly fsdp*tensor devices (JAX would silently take a subset)."""
   devices = jax.devices() if devices is None else devices
   if fsdp < 1 or tensor < 1:
     raise ConfigError(f"mesh.fsdp={fsdp} mesh.tensor={tensor}: axis sizes must be >= 1")
-  if fsdp * tensor != len(devices):
+  if fsdp * tensor != np.size(devices):
     raise ConfigError(f"mesh.fsdp={fsdp} x mesh.tensor={tensor} = {fsdp * tensor} devices, but "
-                      f"{len(devices)} are present; choose a mesh whose product is {len(devices)}")
-  # Auto axes: shard_map takes inputs placed with NamedSharding, and check_grads works (see DESIGN.md).
-  return Mesh(np.asarray(devices).reshape(fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 2)
+                      f"{np.size(devices)} are present; choose a mesh whose product is {np.size(devices)}")
+  # Auto axes: shard_map takes inputs placed with NamedSharding, and jax.test_util.check_grads works.
+  devices = np.asarray(devices)
+  grid = devices if devices.shape == (fsdp, tensor) else devices.reshape(fsdp, tensor)
+  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 2)

@@ -17,16 +17,17 @@ from shardlab.mesh import ConfigError
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def build(cfg: Config):
+def build(cfg: Config, devices=None):
   """Everything a run needs before it has data: mesh, parameter declarations, schedule, optimizer and the
-  jitted step, plus the abstract (shape, dtype, sharding) state and batch it compiles for."""
+  jitted step, plus the abstract (shape, dtype, sharding) state and batch it compiles for. `devices`: lay the
+  mesh over these (a target's, target.devices) instead of the local ones."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from shardlab import params as PM, schedules, train as T
   from shardlab.mesh import FSDP, make_mesh
-  mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor)
+  mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor, devices)
   decls = PM.declare(cfg.model)
   sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype])
   opt = T.make_optimizer(cfg, decls)
@@ -51,30 +52,52 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
   initialize(cfg.distributed)                     # jax.distributed, when this is one of several processes
   import jax
-  validate(cfg, len(jax.devices()))               # the mesh against every process's devices; before compile
+  on_target = cfg.compile_for == "target"
+  n_mesh = cfg.mesh.fsdp * cfg.mesh.tensor
+  if on_target:
+    from shardlab import target as TG
+    topo = TG.check(cfg.hardware, n_mesh)         # the extra installed, the topology valid: before any compile
+  # The mesh against every process's devices (a dry run for a target needs none of them); before compile.
+  validate(cfg, None if on_target and cfg.dry_run else len(jax.devices()))
   from jax.sharding import NamedSharding, PartitionSpec as P
   from tqdm import tqdm
 
   from shardlab import params as PM, train as T
-  from shardlab.analysis.program import analyze
+  from shardlab.analysis.program import Program, analyze
   from shardlab.data import MarkovData
   from shardlab.mesh import FSDP
 
-  b = build(cfg)
-  mesh = b["mesh"]
-  t0 = time.perf_counter()
-  compiled = b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile()
-  compile_time = time.perf_counter() - t0
-  analysis = analyze(compiled, mesh)
+  b = compiled = None
+  compile_time = {}
+  if not (on_target and cfg.dry_run):             # the local program: what trains here
+    b = build(cfg)
+    t0 = time.perf_counter()
+    compiled = b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile()
+    compile_time["local"] = time.perf_counter() - t0
+  a = b                                           # the program every analysis reads
+  if on_target:                                   # the same step, compiled by the target's compiler
+    devs = TG.devices(cfg.hardware, n_mesh)
+    a = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
+    t0 = time.perf_counter()
+    a["compiled"] = TG.compile_(a["step_fn"].lower(a["abstract_state"], a["abstract_batch"]))
+    compile_time["target"] = time.perf_counter() - t0
+  else:
+    a["compiled"] = compiled
+  prog = Program.of(a["compiled"], a["mesh"])     # the compiled HLO, parsed once
+  analysis = analyze(a["compiled"], a["mesh"], prog)
   from shardlab.analysis.costmodel import predict_run   # prediction + analytic memory; timeline.json/.png
-  analysis.update(predict_run(compiled, mesh, cfg, out_dir, analysis, b))
+  analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
+  if on_target:
+    analysis["target"] = TG.describe(devs, topo)
+  mesh = (b or a)["mesh"]
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   devs = jax.devices()
   summary = {
       "status": "ok", "mesh": {"fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}, "devices": len(devs),
       "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.name,
-      "n_params": PM.count(b["decls"]), "compile_time_s": compile_time, "jax_version": jax.__version__,
+      "n_params": PM.count(a["decls"]), "compile_time_s": sum(compile_time.values()),
+      "compile_times_s": compile_time, "compile_for": cfg.compile_for, "jax_version": jax.__version__,
       **analysis, "config": resolved if resolved is not None else _asdict(cfg)}
 
   main = jax.process_index() == 0                 # only process 0 writes the run's files

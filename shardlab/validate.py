@@ -22,6 +22,9 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     raise ConfigError(f"mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor} = {mesh.fsdp * mesh.tensor} devices, "
                       f"but {n_devices} are present; choose a mesh whose product is {n_devices}"
                       + (" (or set cpu_devices)" if cfg.cpu_devices != n_devices else ""))
+  if cfg.compile_for not in ("local", "target"):
+    raise ConfigError(f"compile_for={cfg.compile_for}: choose local (the devices here) or target (the hardware "
+                      f"preset's real devices, compiled on this machine)")
   if cfg.cpu_devices < 1:
     raise ConfigError(f"cpu_devices={cfg.cpu_devices}: must be >= 1")
   for name in ("param_dtype", "compute_dtype"):

@@ -1,7 +1,7 @@
 """Predicted step time on a hardware preset: each collective and matmul of the compiled step costed, the step's
 dependency graph replayed with and without overlap (timeline.py). These are MODEL PREDICTIONS, not measurements.
 
-Costs (../shared/ANCHORS.md; n devices on the axis, W its bandwidth from `HardwareConfig.axis_bandwidth`,
+Costs (NCCL tests doc/PERFORMANCE.md and the Scaling Book's sharding.md; n devices on the axis, W its bandwidth from `HardwareConfig.axis_bandwidth`,
 T_hop the preset's hop latency, bytes = what one device sends, ledger.py):
   AllGather, ReduceScatter   max(T_hop n / 2, bytes / W)       bytes = V (n-1)/n  (bidirectional ring)
   AllReduce                  max(T_hop n, bytes / W)           bytes = 2 V (n-1)/n (a reduce-scatter + an all-gather)
@@ -17,8 +17,12 @@ Step time: t_serial = t_compute + every collective one after another (no overlap
 makespan; exposed communication = t_overlapped - t_compute (the compute stream waiting); `critical_path_s` = the
 makespan split into the matmuls and each axis's collectives on its critical path (timeline.critical_path: a TP
 gather queued behind FSDP gathers on a shared link charges the FSDP ones). MFU = 6 P T / N /
-(C t_overlapped) (ANCHORS.md: "6 * params * tokens"); `matmul_utilization` = t_compute / t_overlapped counts
+(C t_overlapped) (Scaling Book training.md: "6 * params * tokens"); `matmul_utilization` = t_compute / t_overlapped counts
 every matmul the program runs (attention, recomputation) instead.
+
+That peak-rate replay of the dependency graph is the ceiling. A program compiled for a real target and scheduled by
+its compiler (GPU) is also replayed in its own scheduled order at achieved rates (analysis/calibrated.py): that
+calibrated figure is the prediction, and the peak-rate one stays beside it as `ceiling`.
 """
 from __future__ import annotations
 
@@ -75,11 +79,13 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   """(prediction, timeline events) for one compiled step's HLO text. `model_flops`: 6 P T / N per device, for MFU.
   `program`: the traced step's ledger rows; collectives the compiler widened (bf16 -> f32 on XLA:CPU) are costed
   at the program's bytes (ledger.dtype_scale)."""
+  from shardlab.analysis.program import Program
   ici_axes = ici_axes or {}
-  tasks = TL.build(text, mesh.device_ids, tuple(mesh.axis_names))
+  prog = text if isinstance(text, Program) else Program(text, mesh.device_ids, tuple(mesh.axis_names))
+  tasks = TL.build(prog)
   scale = {}
   if program is not None:
-    scale = ledger.dtype_scale(program, ledger.from_hlo(hlo.collectives(text, mesh.device_ids, tuple(mesh.axis_names))))
+    scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives))
   bytes_of = lambda c: c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0)
   dur = [matmul_seconds(t.flops, hw) if t.kind == "compute" else
          collective_seconds(t.coll.kind, bytes_of(t.coll), t.coll.group_size, t.coll.axis, hw, ici_axes)
@@ -131,10 +137,36 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
       "bytes_scaled_to_program": {"/".join(k): v for k, v in scale.items()},
       "note": "model prediction from the compiled HLO's dependency graph and the hardware preset, not a measurement",
   }
-  return prediction, TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
+  evs = TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
+  if prog.scheduled and prog.platform != "cpu":
+    return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, prediction), evs
+  return prediction, evs
 
 
-def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None = None) -> dict:
+def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: dict, ceiling: dict) -> dict:
+  """The target's scheduled order replayed at the preset's achieved rates (calibrated.py), with the peak-rate
+  dependency-graph replay kept as `ceiling`."""
+  from shardlab.analysis import calibrated
+  r = calibrated.replay(prog, hw, ici_axes, scale)
+  peak = calibrated.replay(prog, hw.peak(), ici_axes, scale)
+  t = r.t_total_s
+  comm = {a: r.t_comm_s.get(a, 0.0) for a in (*prog.axis_names, *sorted(r.t_comm_s))}
+  pred = {
+      "hardware": hw.name, "model": "calibrated: the target's scheduled order at achieved rates",
+      "t_compute_s": r.t_compute_s, "t_gemm_s": r.t_gemm_s, "t_other_kernels_s": r.t_other_kernels_s,
+      "t_comm_s": comm, "t_serial_s": r.t_compute_s + sum(comm.values()), "t_overlapped_s": t,
+      "exposed_comm_s": r.t_exposed_comm_s, "mfu": model_flops / (hw.peak_flops * t) if t > 0 else 0.0,
+      "kernels": r.kernels, "model_flops_per_device": model_flops,
+      "scheduled_order_at_peak_s": peak.t_total_s,
+      "ceiling": ceiling,
+      "bytes_scaled_to_program": ceiling.get("bytes_scaled_to_program", {}),
+      "note": "model prediction (the target compiler's schedule replayed at the preset's achieved rates), "
+              "not a measurement"}
+  pred["_events"] = r.events
+  return pred
+
+
+def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None = None, prog=None) -> dict:
   """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (collectives by
   kind, axis and dtype with forward and backward bytes, from the traced program and from the compiled HLO, and
   where they differ); timeline.json and timeline.png in out_dir (process 0). `built`: run.build's step and abstract
@@ -147,19 +179,43 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
   ici = {"fsdp": cfg.mesh.fsdp_ici_axes, "tensor": cfg.mesh.tensor_ici_axes}
-  pred, evs = predict(compiled.as_text(), mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size,
-                      program)
+  from shardlab.analysis.program import Program
+  prog = prog or Program.of(compiled, mesh)
+  pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program)
+  evs = pred.pop("_events", evs)
   if jax.process_index() == 0:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
     TL.plot(evs, out / "timeline.png", title(cfg, pred))
-  rows = ledger.from_hlo(hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names)))
+  rows = ledger.from_hlo(prog.collectives)
   led = {"program": None, "compiled": ledger.nested(rows), "differences": None}
+  audit = dict(analysis.get("audit") or prog.audit())
   if program is not None:
     led.update(program=ledger.nested(program), differences=ledger.compare(program, rows))
-  return {"prediction": pred, "memory": {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"])},
-          "ledger": led}
+    audit = reconcile_audit(audit, program, rows, prog)
+  mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"])}
+  mem["compiled_by"] = prog.platform
+  if prog.platform != "cpu":                     # the target compiler's buffers against the preset's HBM
+    mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=analysis["memory"]["peak"] <= cfg.hardware.hbm_bytes,
+               headroom_bytes=cfg.hardware.hbm_bytes - analysis["memory"]["peak"])
+  return {"prediction": pred, "memory": mem, "ledger": led, "audit": audit}
+
+
+def reconcile_audit(audit: dict, program: list, rows: list, prog) -> dict:
+  """A collective the compiler built by combining several planned ones (GPU: all-reduces concatenated into one
+  buffer) carries no op_name, hence no scope. It is `combined`, not unplanned, when its kind, axis and dtype move
+  exactly the bytes the traced program placed; anything else without a scope stays unplanned."""
+  bad = {tuple(d.split(":")[0].split("/")) for d in ledger.compare(program, rows)}
+  names = {c.name: c for c in prog.collectives}
+  keep, combined = [], []
+  for u in audit["unplanned"]:
+    c = names.get(u["name"])
+    if c is not None and not c.op_name and (c.kind, c.axis, c.dtype) not in bad:
+      combined.append(u)
+    else:
+      keep.append(u)
+  return {**audit, "unplanned": keep, "combined": combined}
 
 
 def title(cfg, pred: dict) -> str:

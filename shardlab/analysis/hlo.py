@@ -165,7 +165,7 @@ class Collective:
 
 
 def moved_bytes(kind: str, full: int, n: int) -> int:
-  """Per-device bytes of a bandwidth-optimal collective over n devices (ANCHORS.md: NCCL PERFORMANCE.md)."""
+  """Per-device bytes of a bandwidth-optimal collective over n devices (NCCL tests, doc/PERFORMANCE.md)."""
   if kind == "all-reduce":
     return 2 * full * (n - 1) // n
   if kind == "collective-permute":
@@ -176,7 +176,12 @@ def moved_bytes(kind: str, full: int, n: int) -> int:
 def collectives(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Collective]:
   """Every collective in the compiled program, with its mesh axis, bytes and execution count."""
   comps, entry = parse(text)
-  mult = multiplicities(comps, entry)
+  return collectives_in(comps, multiplicities(comps, entry), device_ids, axis_names)
+
+
+def collectives_in(comps: dict, mult: dict, device_ids, axis_names=("fsdp", "tensor")) -> list[Collective]:
+  """`collectives` of an already parsed program. An async pair (`all-gather-start` .. `all-gather-done`, as GPU
+  programs have) is one collective: its start."""
   out = []
   for comp, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}
@@ -197,7 +202,7 @@ def collectives(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Co
       full = shape_bytes(ins.shape) if kind == "all-gather" else operand_bytes
       if kind == "all-gather" and ins.opcode.endswith("-start"):   # async (GPU): the result tuple holds the operand
         full = operand_bytes * n
-      dtype = re.match(r"\(?([a-z]+\d*)", ins.shape).group(1)
+      dtype = re.search(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[", ins.shape).group(1)
       scope = scope_of(ins.op_name)
       out.append(Collective(kind, axis_of(groups, device_ids, axis_names), dtype, n, full,
                             moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name, len(ins.operands),
@@ -239,8 +244,12 @@ def _compute_comps(comps: dict) -> set:
 
 
 def _is_dot(ins: Instr) -> bool:
-  return ins.opcode in ("dot", "convolution") or (ins.opcode == "custom-call" and bool(
-      re.search(r"gemm|matmul", ins.attrs, re.I)))
+  return ins.opcode in ("dot", "convolution") or is_gemm_call(ins)
+
+
+def is_gemm_call(ins: Instr) -> bool:
+  """A library matmul: cuBLAS / cuBLASLt custom calls on GPU (`__cublas$gemm`, `__cublas$lt$matmul`)."""
+  return ins.opcode == "custom-call" and bool(re.search(r'custom_call_target="[^"]*(gemm|matmul)', ins.attrs, re.I))
 
 
 @dataclass
@@ -258,13 +267,17 @@ def overlap_structure(text: str) -> list[OverlapRow]:
   """For every collective: how many matmuls of its computation it could run behind (no data dependency
   either way). A prefetched gather should be independent of all of its layer's matmuls; a ring step's
   ppermute of at least the matmul of its step."""
-  comps, _ = parse(text)
+  return overlap_rows(parse(text)[0])
+
+
+def overlap_rows(comps: dict) -> list[OverlapRow]:
+  """`overlap_structure` of a parsed program."""
   dot_comps = _compute_comps(comps)
   bodies = {b for instrs in comps.values() for i in instrs if i.opcode == "while"
             for b in re.findall(r"body=%?([\w.\-]+)", i.attrs)}
   rows = []
   for comp, instrs in comps.items():
-    colls = [i for i in instrs if i.opcode.removesuffix("-start") in COLLECTIVES]
+    colls = [i for i in instrs if i.opcode.removesuffix("-start") in COLLECTIVES and not i.opcode.endswith("-done")]
     if not colls:
       continue
     is_mm = {i.name for i in instrs if _is_dot(i) or any(

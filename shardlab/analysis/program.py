@@ -1,8 +1,147 @@
-"""What a compiled train step does, read from the compiler: collectives (the ledger), anything the compiler
-added (the audit), memory and FLOPs per device."""
+"""One compiled step, parsed once: the program object every analysis reads.
+
+`Program.of(compiled, mesh)` parses the optimized HLO text a single time into its computations, the number of
+times each runs (while loops x known_trip_count), its collectives (kind, mesh axis, bytes, count; an async
+`-start`/`-done` pair is one collective) and, for programs the compiler scheduled (GPU: `is_scheduled=true`), the
+order in which each computation issues its instructions. The ledger, the audit, the overlap report, the FLOPs,
+the cost model and the timeline all read this object, whichever compiler made it: XLA:CPU for the local fake
+devices, or the real GPU / TPU compiler for a target (shardlab/target.py).
+"""
 from __future__ import annotations
 
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
 from shardlab.analysis import hlo
+
+# Instructions that launch no kernel (bookkeeping); anything else between a collective's start and done is work.
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done", "while", "call", "conditional"}
+
+
+@dataclass
+class AsyncPair:
+  """One async collective of a scheduled program and what the compiler scheduled between its start and done."""
+  coll: hlo.Collective
+  computation: str
+  start: int               # positions in the computation's instruction order
+  done: int
+  gemms: int               # matmul kernels issued between start and done
+  kernels: int             # every kernel (matmuls included) issued between them
+  flops: float             # matmul FLOPs between them
+  in_loop: bool            # the computation is a while body (the layer loop)
+  wraps: bool              # done comes before start: the pair spans the loop's back edge (a pipelined collective)
+  is_sync: bool            # the compiler marked it synchronous (nothing to hide it behind)
+
+
+class Program:
+  """A compiled program's HLO, parsed once (module doc)."""
+
+  def __init__(self, text: str, device_ids, axis_names: tuple, platform: str = "cpu", compiled=None):
+    self.text, self.platform, self.compiled = text, platform, compiled
+    self.device_ids, self.axis_names = device_ids, tuple(axis_names)
+    self.comps, self.entry = hlo.parse(text)
+    self.mult = hlo.multiplicities(self.comps, self.entry)
+    self.collectives = hlo.collectives_in(self.comps, self.mult, device_ids, self.axis_names)
+    self.scheduled = bool(re.search(r"^HloModule [^\n]*is_scheduled=true", text, re.M))
+    self.loop_bodies = {b for instrs in self.comps.values() for i in instrs if i.opcode == "while"
+                        for b in re.findall(r"body=%?([\w.\-]+)", i.attrs)}
+
+  @classmethod
+  def of(cls, compiled, mesh) -> "Program":
+    platform = next(iter(mesh.devices.flat)).platform
+    return cls(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names), platform, compiled)
+
+  # ---- what the compiler reports ----
+
+  def memory(self) -> dict:
+    """compiled.memory_analysis() per device; peak = arguments + outputs + temporaries - donated aliases."""
+    return memory(self.compiled)
+
+  def flops(self) -> tuple[float, str]:
+    """FLOPs per device per step and where the figure comes from: the compiler's cost analysis where it gives one
+    (XLA:CPU, TPU), else the matmuls counted from the HLO (GPU compiles report none)."""
+    cost = self.compiled.cost_analysis() if self.compiled is not None else None
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if cost and cost.get("flops"):
+      return float(cost["flops"]), "cost_analysis"
+    return self.matmul_flops(), "hlo_matmuls"
+
+  def matmul_flops(self) -> float:
+    """Matmul FLOPs per device per step, every loop iteration counted."""
+    f = flops_fn(self.comps)
+    fused = {c for instrs in self.comps.values() for i in instrs if i.opcode in ("fusion", "custom-call")
+             for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)}   # counted through the instruction that calls them
+    return sum(f(i, {x.name: x.shape for x in instrs}) * self.mult.get(c, 0)
+               for c, instrs in self.comps.items() if c not in fused for i in instrs
+               if i.opcode not in ("while", "call"))
+
+  # ---- the collectives ----
+
+  def audit(self) -> dict:
+    return audit(self.collectives)
+
+  def async_pairs(self) -> list[AsyncPair]:
+    """Every async collective with what its computation issues between start and done (scheduled programs)."""
+    by_name = {(c.computation, c.name): c for c in self.collectives}
+    f = flops_fn(self.comps)
+    out = []
+    for comp, instrs in self.comps.items():
+      if not self.mult.get(comp):
+        continue
+      shapes = {i.name: i.shape for i in instrs}
+      pos = {i.name: k for k, i in enumerate(instrs)}
+      for k, ins in enumerate(instrs):
+        if not ins.opcode.endswith("-done") or not ins.operands or (comp, ins.operands[0]) not in by_name:
+          continue
+        s = pos[ins.operands[0]]
+        between = instrs[s + 1:k] if s < k else instrs[s + 1:] + instrs[:k]
+        work = [i for i in between if i.opcode not in _FREE and not i.opcode.endswith(("-start", "-done"))]
+        mm = [i for i in work if f(i, shapes) > 0]
+        start = instrs[s]
+        out.append(AsyncPair(by_name[(comp, start.name)], comp, s, k, len(mm), len(work),
+                             sum(f(i, shapes) for i in mm), comp in self.loop_bodies, s > k,
+                             '"is_sync":true' in start.attrs))
+    return out
+
+  def overlap(self) -> dict:
+    """summary.json's `overlap`: per collective kind and mesh axis, `count` (executions per step) and `overlapped`
+    (those with at least one kernel scheduled between start and done), `with_matmul` (a matmul among them),
+    `matmuls_between` (per execution, mean), and `not_realized`: collectives the dependency graph lets overlap
+    a matmul (hlo.overlap_structure) that the scheduler left with no matmul between start and done."""
+    if self.platform == "cpu" or not self.scheduled:
+      why = ("XLA:CPU runs collectives synchronously: no start/done pairs" if self.platform == "cpu" else
+             f"the {self.platform} program's HLO shows its collectives synchronous (its backend schedules them)")
+      return {"available": False, "why": why}
+    pairs = self.async_pairs()
+    could = {(r.computation, r.collective) for r in hlo.overlap_rows(self.comps) if r.independent_matmuls}
+    table: dict = {}
+    missed = defaultdict(int)
+    for p in pairs:
+      c = p.coll
+      row = table.setdefault(c.kind, {}).setdefault(c.axis, {"count": 0, "overlapped": 0, "with_matmul": 0,
+                                                             "matmuls_between": 0.0})
+      row["count"] += c.count
+      row["overlapped"] += c.count if p.kernels else 0
+      row["with_matmul"] += c.count if p.gemms else 0
+      row["matmuls_between"] += c.count * p.gemms
+      if (p.computation, c.name) in could and not p.gemms:
+        missed[f"{c.kind} {c.axis} ({c.scope})"] += c.count
+    for axes in table.values():
+      for row in axes.values():
+        row["matmuls_between"] = row["matmuls_between"] / row["count"] if row["count"] else 0.0
+    return {"available": True, "by_kind": table, "not_realized": dict(missed),
+            "pairs": [{"name": p.coll.name, "kind": p.coll.kind, "axis": p.coll.axis, "scope": p.coll.scope,
+                       "count": p.coll.count, "in_loop": p.in_loop, "matmuls_between": p.gemms,
+                       "kernels_between": p.kernels, "wraps_loop": p.wraps, "is_sync": p.is_sync}
+                      for p in pairs]}
+
+
+def flops_fn(comps: dict):
+  """flops(instruction, shapes) -> matmul FLOPs it performs (a dot, or a fusion or custom call wrapping one)."""
+  from shardlab.analysis.timeline import _flops_fn
+  return _flops_fn(comps)
 
 
 def memory(compiled) -> dict:
@@ -17,7 +156,7 @@ def memory(compiled) -> dict:
 def flops(compiled) -> float:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get("flops", 0.0))
+  return float((cost or {}).get("flops", 0.0))
 
 
 def audit(colls) -> dict:
@@ -28,7 +167,9 @@ def audit(colls) -> dict:
   return {"unplanned": unplanned, "collectives": len(colls)}
 
 
-def analyze(compiled, mesh) -> dict:
-  colls = hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names))
-  return {"comm": hlo.ledger(colls), "audit": audit(colls), "memory": memory(compiled),
-          "flops_per_device": flops(compiled)}
+def analyze(compiled, mesh, prog: Program | None = None) -> dict:
+  """summary.json's `comm`, `audit`, `memory`, `flops_per_device` (and `flops_source`) and `overlap`."""
+  prog = prog or Program.of(compiled, mesh)
+  fl, src = prog.flops()
+  return {"comm": hlo.ledger(prog.collectives), "audit": prog.audit(), "memory": prog.memory(),
+          "flops_per_device": fl, "flops_source": src, "overlap": prog.overlap()}

@@ -51,6 +51,15 @@ def _dot_flops(ins: hlo.Instr, shapes: dict) -> float:
   return 2.0 * math.prod(dims(ins.shape)) * contracted
 
 
+def _gemm_call_flops(ins: hlo.Instr, shapes: dict) -> float:
+  """A cuBLAS custom call: its backend_config holds the dot's dimension numbers; the result is the tuple's first
+  array (a workspace follows)."""
+  lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+  m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+  contracted = math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1))) if m and lhs else 1
+  return 2.0 * math.prod(dims(ins.shape)) * contracted
+
+
 def _flops_fn(comps: dict):
   """flops(instruction, computation) -> matmul FLOPs it performs (dots, inside fusions too)."""
   memo = {}
@@ -65,6 +74,8 @@ def _flops_fn(comps: dict):
   def of_ins(ins, shapes):
     if ins.opcode == "dot":
       return _dot_flops(ins, shapes)
+    if hlo.is_gemm_call(ins):
+      return _gemm_call_flops(ins, shapes)
     if ins.opcode in ("fusion", "custom-call"):
       return sum(of_comp(c) for c in re.findall(r"calls=%?([\w.\-]+)", ins.attrs))
     return 0.0
@@ -83,10 +94,14 @@ def _direction(pairs, device_ids: np.ndarray, axis_names: tuple, axis: str) -> s
   return "-" if n > 2 and (pos[t] - pos[s]) % n == n - 1 else "+"
 
 
-def build(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Task]:
-  """The step's dependency graph, while loops unrolled; tasks are in a topological order (deps first)."""
-  comps, entry = hlo.parse(text)
-  colls = {(c.computation, c.name): c for c in hlo.collectives(text, device_ids, axis_names)}
+def build(prog, device_ids=None, axis_names=("fsdp", "tensor")) -> list[Task]:
+  """The step's dependency graph, while loops unrolled; tasks are in a topological order (deps first).
+  `prog`: an analysis.program.Program (or HLO text, parsed here, with the mesh's device_ids and axis names)."""
+  if isinstance(prog, str):
+    from shardlab.analysis.program import Program
+    prog = Program(prog, device_ids, axis_names)
+  comps, entry, device_ids, axis_names = prog.comps, prog.entry, prog.device_ids, prog.axis_names
+  colls = {(c.computation, c.name): c for c in prog.collectives}
   flops = _flops_fn(comps)
   tasks: list[Task] = []
 

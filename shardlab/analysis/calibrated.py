@@ -1,0 +1,174 @@
+"""The calibrated cost model: the target compiler's own scheduled order, replayed at achieved rates.
+
+A GPU program compiled for a target is scheduled (`is_scheduled=true`): each computation lists its instructions in
+the order the device issues them, async collectives as `-start` ... `-done` pairs placed by XLA's latency-hiding
+scheduler. The replay walks that order (while bodies x trip count) with one compute stream and one collective
+stream (NCCL runs collectives one after another on its own stream):
+
+  kernel      GEMM (a dot fusion or cuBLAS call): FLOPs / (C gemm_efficiency q), q the wave-quantization of its
+              output tiles over the device's compute units, or its bytes at HBM rate if that is longer;
+              any other kernel: bytes accessed / (hbm_bandwidth hbm_efficiency); each + kernel_launch_s
+  -start      the collective starts when the compute stream issues it and the collective stream is free, and
+              takes collective_latency_s + bytes / (W link_efficiency r(bytes)), r(S) = S / (S + link_half_bytes)
+              the ramp of bus bandwidth with message size (NCCL reaches its plateau only for large messages)
+  -done       the compute stream waits until that collective has finished
+  synchronous collective (no pair)   the compute stream waits for it whole
+
+Bytes accessed of a kernel are read from its fused computation: a parameter read only through dynamic-slices
+counts the slices, an in-place dynamic-update-slice counts the update (a layer's slice of a stacked buffer, not
+the stack). Every constant is in the hardware preset with its source (conf/hardware/). The same replay at peak
+rates (HardwareConfig.peak) is the ceiling it is compared with. MODEL PREDICTIONS, not measurements.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from shardlab.analysis import hlo
+from shardlab.analysis.program import _FREE, flops_fn
+from shardlab.analysis.timeline import dims
+
+
+@dataclass
+class Replayed:
+  t_total_s: float
+  t_compute_s: float           # the compute stream busy (kernels)
+  t_gemm_s: float
+  t_other_kernels_s: float
+  t_comm_s: dict               # per mesh axis: collective time on the collective stream
+  t_exposed_comm_s: float      # the compute stream waiting for a collective
+  kernels: int
+  events: list                 # timeline events (the format of timeline.events)
+
+
+def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:
+  """A matmul kernel: compute at the shape's achieved rate, or its bytes at HBM rate, whichever is longer."""
+  q = 1.0
+  if hw.compute_units and len(out_dims) >= 2:
+    m, n = out_dims[-2], out_dims[-1]
+    tiles = math.ceil(m / hw.gemm_tile) * math.ceil(n / (2 * hw.gemm_tile)) * math.prod(out_dims[:-2])
+    q = tiles / (math.ceil(tiles / hw.compute_units) * hw.compute_units)
+  return max(flops / (hw.peak_flops * hw.gemm_efficiency * q), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+
+
+def collective_seconds(c: hlo.Collective, hw, ici_axes: dict, nbytes: float | None = None) -> float:
+  """One collective at achieved bus bandwidth (module doc); on a torus the axis' links add up (costmodel)."""
+  from shardlab.analysis.costmodel import axis_bandwidth
+  b = c.bytes_moved if nbytes is None else nbytes
+  if c.group_size <= 1 or b <= 0:
+    return 0.0
+  ramp = b / (b + hw.link_half_bytes) if hw.link_half_bytes else 1.0
+  w = axis_bandwidth(c.axis, hw, ici_axes) * hw.link_efficiency * ramp
+  if c.kind == "collective-permute" and hw.torus:
+    w /= 2
+  hops = c.group_size / 2 if c.kind != "collective-permute" else 1
+  return hw.collective_latency_s + max(hw.hop_latency_s * hops * (2 if c.kind == "all-reduce" else 1), b / w)
+
+
+def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
+  """Bytes a kernel reads and writes (module doc)."""
+  called = re.findall(r"calls=%?([\w.\-]+)", ins.attrs)
+  out = hlo.shape_bytes(ins.shape)
+  if ins.opcode != "fusion" or not called or called[0] not in comps:
+    return out + sum(hlo.shape_bytes(shapes.get(o, "")) for o in ins.operands)
+  body = comps[called[0]]
+  users: dict = {}
+  for i in body:
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+  inner = {i.name: i.shape for i in body}
+  params = [i for i in body if i.opcode == "parameter"]
+  total = 0.0
+  for p in params:
+    us = users.get(p.name, [])
+    if us and all(u.opcode == "dynamic-slice" for u in us):
+      total += sum(hlo.shape_bytes(u.shape) for u in us)
+    elif us and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in us):
+      total += 0.0                                  # updated in place: only the update is touched
+    else:
+      total += hlo.shape_bytes(p.shape)
+  root = body[-1] if body else None
+  roots = [root] if root is not None and root.opcode != "tuple" else [
+      next((i for i in body if i.name == o), None) for o in (root.operands if root is not None else [])]
+  for r in roots:
+    if r is not None and r.opcode == "dynamic-update-slice":
+      out -= hlo.shape_bytes(r.shape) - hlo.shape_bytes(inner.get(r.operands[1], ""))
+  return total + max(out, 0)
+
+
+def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) -> Replayed:
+  """Walk the scheduled program (module doc). `scale`: {(kind, axis, scope): factor} on collective bytes."""
+  ici_axes, scale = ici_axes or {}, scale or {}
+  comps, f = prog.comps, flops_fn(prog.comps)
+  colls = {(c.computation, c.name): c for c in prog.collectives}
+  st = {"t": 0.0, "link": 0.0, "gemm": 0.0, "other": 0.0, "exposed": 0.0, "kernels": 0}
+  comm: dict = {}
+  events: list = []
+  finish: dict = {}
+
+  def coll_time(c):
+    return collective_seconds(c, hw, ici_axes, c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0))
+
+  def run(comp: str, it: tuple):
+    instrs = comps[comp]
+    shapes = {i.name: i.shape for i in instrs}
+    for ins in instrs:
+      op = ins.opcode
+      if op == "while":
+        trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs).group(1))
+        body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
+        for k in range(trips):
+          run(body, it + (k,))
+      elif op == "call":
+        run(re.search(r"to_apply=%?([\w.\-]+)", ins.attrs).group(1), it)
+      elif op == "conditional":
+        raise ValueError(f"conditional {ins.name}: no static schedule to replay")
+      elif (comp, ins.name) in colls:              # a collective: async start, or synchronous
+        c = colls[(comp, ins.name)]
+        d = coll_time(c)
+        s = max(st["t"], st["link"])
+        st["link"] = finish[ins.name] = s + d
+        comm[c.axis] = comm.get(c.axis, 0.0) + d
+        events.append(_event(f"{c.kind} {c.axis} ({c.scope})", "comm", f"comm {c.axis}", s, d, it,
+                             {"kind": c.kind, "axis": c.axis, "bytes_moved": c.bytes_moved, "scope": c.scope,
+                              "hlo": c.name}, c))
+        if not op.endswith("-start"):
+          _wait(st, finish[ins.name])
+      elif op.endswith("-done"):
+        if ins.operands and ins.operands[0] in finish:
+          _wait(st, finish[ins.operands[0]])
+      elif op in _FREE or op.endswith("-start"):
+        continue
+      else:
+        fl = f(ins, shapes)
+        nbytes = kernel_bytes(ins, shapes, comps)
+        d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw) if fl > 0 else
+             nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency)) + hw.kernel_launch_s
+        st["gemm" if fl > 0 else "other"] += d
+        st["kernels"] += 1
+        if fl > 0 or d > 2e-6:                      # small elementwise kernels: counted, not drawn
+          events.append(_event(_short(ins.op_name) or ins.name, "compute", "compute", st["t"], d, it,
+                               {"flops": fl, "bytes": nbytes}, None, "transpose(" in ins.op_name))
+        st["t"] += d
+
+  run(prog.entry, ())
+  total = max(st["t"], st["link"])
+  return Replayed(total, st["gemm"] + st["other"], st["gemm"], st["other"], comm, st["exposed"], st["kernels"],
+                  events)
+
+
+def _wait(st: dict, until: float) -> None:
+  if until > st["t"]:
+    st["exposed"] += until - st["t"]
+    st["t"] = until
+
+
+def _short(op_name: str) -> str:
+  return "/".join(op_name.split("/")[-2:])
+
+
+def _event(name, kind, row, start, dur, it, args, coll=None, backward=False) -> dict:
+  from shardlab.analysis.timeline import Task, category
+  cat = category(Task(kind, coll=coll, backward=backward))
+  return {"name": name, "cat": cat, "row": row, "start": start, "dur": dur, "args": {**args, "iteration": list(it)}}

@@ -1,0 +1,113 @@
+"""Devices of hardware that is not here: the real H100 / TPU compiler, run on this machine.
+
+`jax.experimental.topologies.get_topology_desc` describes a GPU or TPU system without touching one; a mesh laid
+over its devices lowers and compiles the train step into the program that system would run (its async collective
+schedule, its fusions and custom calls, its buffer assignment), with nothing allocated. What it needs:
+
+  GPU  the CUDA PJRT plugin (`pip install "shardlab[cuda12]"`), the preset's GpuTargetConfig text (shardlab/targets/)
+       and a topology "slices x hosts x devices per host" ("1x1x8": one node of 8; "1x8x8": 8 nodes of 8).
+       JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 keeps the plugin from looking for a driver.
+  TPU  libtpu, pinned to the version JAX pins (`pip install "shardlab[tpu]"`), and a topology name
+       ("v5p:2x2x2", "v5litepod:2x4"). ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets several compiling processes share it.
+
+The local devices stay what they were (the fake CPU devices a run trains on): mesh.set_cpu_devices keeps JAX on
+the CPU wherever no accelerator is present, so an installed plugin neither initializes nor logs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+from shardlab.hardware import HardwareConfig
+from shardlab.mesh import ConfigError
+
+TARGETS_DIR = Path(__file__).resolve().parent / "targets"
+EXTRA = {"cuda": ("jax_cuda12_plugin", "cuda12"), "tpu": ("libtpu", "tpu")}
+
+
+def check(hw: HardwareConfig, n_devices: int) -> str:
+  """The topology `hw` compiles for with `n_devices`, or a ConfigError naming what is missing (before JAX runs)."""
+  if hw.target_platform not in EXTRA:
+    have = "cuda/tpu" if not hw.target_platform else hw.target_platform
+    raise ConfigError(f"compile_for=target: hardware={hw.name} describes no real target (hardware.target_platform="
+                      f"{have!r}); choose hardware=h100, h200, h100_multinode, tpu_v5p or tpu_v5e")
+  module, extra = EXTRA[hw.target_platform]
+  if importlib.util.find_spec(module) is None:
+    raise ConfigError(f"compile_for=target with hardware={hw.name} needs the {hw.target_platform} compiler "
+                      f"({module} is not installed): pip install \"shardlab[{extra}]\"")
+  if hw.target_platform == "cuda" and not (TARGETS_DIR / hw.target_config).is_file():
+    raise ConfigError(f"hardware.target_config={hw.target_config!r}: no such file in {TARGETS_DIR}")
+  return topology(hw, n_devices)
+
+
+def topology(hw: HardwareConfig, n: int) -> str:
+  """GPU: "1 x hosts x per-host"; TPU: "<type>:<shape>", the most cube-like (v5p, 3D) or square (2D) slice."""
+  per_host = max(1, hw.devices_per_host)
+  if hw.target_platform == "cuda":
+    if hw.topology:
+      return hw.topology
+    if n > per_host and n % per_host:
+      raise ConfigError(f"{n} devices do not fill whole nodes of hardware.devices_per_host={per_host}; "
+                        f"choose a mesh of a multiple of {per_host} devices or set hardware.topology=1xHOSTSxGPUS")
+    return f"1x{max(1, n // per_host)}x{min(n, per_host)}"
+  if hw.topology:
+    return hw.topology if ":" in hw.topology else f"{hw.tpu_type}:{hw.topology}"
+  if n & (n - 1):
+    raise ConfigError(f"{n} TPU chips: slices come in powers of two; choose a mesh of 4, 8, 16, ... devices or "
+                      f"set hardware.topology")
+  rank = 2 if hw.tpu_type.startswith(("v5litepod", "v5e", "v6e")) else 3
+  dims = [1] * rank
+  for _ in range(int(math.log2(n))):
+    dims[dims.index(min(dims))] *= 2
+  return f"{hw.tpu_type}:{'x'.join(map(str, sorted(dims)))}"
+
+
+def devices(hw: HardwareConfig, n_devices: int) -> list:
+  """`n_devices` devices of the preset's target, in the order a mesh should be laid over them."""
+  topo = check(hw, n_devices)
+  from jax.experimental import topologies
+  if hw.target_platform == "cuda":
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    desc = topologies.get_topology_desc(platform="cuda", topology=topo,
+                                        target_config=(TARGETS_DIR / hw.target_config).read_text())
+  else:
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo)
+  devs = list(desc.devices)
+  if len(devs) != n_devices:
+    raise ConfigError(f"hardware.topology={topo!r} has {len(devs)} devices, the mesh {n_devices}")
+  return devs
+
+
+def compile_(lowered):
+  """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
+  cached executable: JAX would warn and compile anyway)."""
+  import jax
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    return lowered.compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
+def describe(devs: list, topo: str = "") -> dict:
+  """summary.json's `target`: platform, device kind, device count (and hosts, topology)."""
+  return {"platform": devs[0].platform, "device_kind": devs[0].device_kind, "devices": len(devs),
+          "hosts": len({getattr(d, "process_index", 0) for d in devs}), "topology": topo}
+
+
+def mesh_devices(devs: list, shape: tuple) -> "object":
+  """The devices as an array of the mesh's shape: on a TPU, JAX's physical-topology-aware assignment (so that a
+  mesh axis rides whole torus rings); elsewhere in order (a GPU node is a switch: every order is the same)."""
+  import numpy as np
+  if devs[0].platform == "tpu":
+    from jax.experimental import mesh_utils
+    try:
+      return mesh_utils.create_device_mesh(shape, devices=devs)
+    except (ValueError, NotImplementedError, AssertionError):
+      pass
+  return np.asarray(devs).reshape(shape)

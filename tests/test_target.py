@@ -1,0 +1,165 @@
+"""Compiling for the real target on this CPU machine (shardlab/target.py): the H100 compiler's program has the
+collectives the code placed, at the program's dtypes (no XLA:CPU widening), async start/done pairs whose overlap
+is reported, its own memory, and a calibrated prediction; `predict_fn` costs any program.
+
+Needs the CUDA compiler plugin (`pip install "shardlab[cuda12]"`; .ci/run installs it); skipped without it.
+"""
+import functools
+
+import pytest
+
+pytest.importorskip("jax_cuda12_plugin", reason="target compilation needs the cuda12 extra: pip install 'shardlab[cuda12]'")
+
+from conftest import load_preset, preset_names, tiny_config  # noqa: E402
+
+H100 = None
+
+
+def h100():
+  global H100
+  if H100 is None:
+    from shardlab.analysis.predict import hardware_preset
+    H100 = hardware_preset("h100")
+  return H100
+
+
+@functools.lru_cache(maxsize=None)
+def target_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
+  """(Program of the grad step compiled for 8 x H100, the traced program's ledger rows, the mesh)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from shardlab import params as PM, schedules, target as TG, train as T
+  from shardlab.analysis import ledger
+  from shardlab.analysis.program import Program
+  from shardlab.mesh import make_mesh
+  cfg = tiny_config(**dict(knobs))
+  mesh = make_mesh(*mesh_shape, TG.mesh_devices(TG.devices(h100(), 8), mesh_shape))
+  decls = PM.declare(cfg.model)
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, getattr(jnp, compute)), decls, mesh)
+  params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
+                        decls, is_leaf=PM.is_param)
+  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                sharding=NamedSharding(mesh, P("fsdp")))
+  program = ledger.from_program(jax.make_jaxpr(fn)(params, tokens))
+  return Program.of(TG.compile_(fn.lower(params, tokens)), mesh), program, mesh
+
+
+def knobs_of(preset: str) -> tuple:
+  return tuple(sorted((k, v) for k, v in load_preset(preset).items() if k != "name"))
+
+
+EXPLICIT = [p for p in preset_names() if load_preset(p).get("impl", "explicit") == "explicit"]
+
+
+@pytest.mark.parametrize("preset", EXPLICIT)
+def test_target_ledger_equals_program(preset):
+  """Every byte the code placed, and nothing else, in the H100 program: bytes and arrays per kind, axis and dtype
+  equal the traced program's (executions may only drop, where the GPU combiner merged collectives); every
+  collective is planned, or a combination of planned ones; async collectives are one collective each."""
+  from shardlab.analysis import costmodel, ledger
+  prog, program, _ = target_grads((2, 4), knobs_of(preset))
+  assert prog.platform == "gpu" and prog.scheduled
+  rows = ledger.from_hlo(prog.collectives)
+  assert ledger.compare(program, rows) == []
+  audit = costmodel.reconcile_audit(prog.audit(), program, rows, prog)
+  assert audit["unplanned"] == []
+  assert len(prog.async_pairs()) == len([c for c in prog.collectives])   # every collective: one start/done pair
+
+
+def test_bf16_collectives_stay_bf16():
+  """XLA:CPU widens bf16 collectives to f32 (twice the bytes); the GPU program keeps them bf16."""
+  from shardlab.analysis import ledger
+  prog, program, _ = target_grads((4, 2), knobs_of("fsdp_prefetch") + (("gather_dtype", "compute"),), "bfloat16")
+  rows = ledger.from_hlo(prog.collectives)
+  assert ledger.compare(program, rows) == []
+  gathers = ledger.totals(rows, ("kind", "axis", "dtype"))
+  assert ("all-gather", "fsdp", "bf16") in gathers and ("all-gather", "fsdp", "f32") not in gathers
+
+
+def _loop_gathers(prog):
+  return [p for p in prog.async_pairs() if p.coll.kind == "all-gather" and p.coll.axis == "fsdp" and p.in_loop]
+
+
+def test_overlap_baseline_vs_prefetch():
+  """What XLA's GPU scheduler does with the hand-placed FSDP gathers of the layer loops (8x1, 4 layers), pinned:
+  in `baseline` each layer's gather feeds that layer's first matmul, so no matmul runs between its start and done.
+  With `fsdp_prefetch` the forward loop's gather of layer l+1 encloses layer l's matmuls (the overlap prefetch
+  claims), but the backward loop's re-gather encloses none: the scheduler issues it and waits for it before the
+  layer's backward matmuls, and the report lists it under `not_realized`."""
+  base, _, _ = target_grads((8, 1), knobs_of("baseline"))
+  pre, _, _ = target_grads((8, 1), knobs_of("fsdp_prefetch"))
+  b, p = _loop_gathers(base), _loop_gathers(pre)
+  assert b and all(x.gemms == 0 for x in b), [(x.coll.name, x.gemms) for x in b]
+  fwd = [x for x in p if "transpose(" not in x.coll.op_name]
+  bwd = [x for x in p if "transpose(" in x.coll.op_name]
+  assert fwd and all(x.gemms >= 4 for x in fwd), [(x.coll.name, x.gemms) for x in fwd]
+  assert bwd and all(x.gemms == 0 for x in bwd), [(x.coll.name, x.gemms) for x in bwd]
+  ob, op = base.overlap(), pre.overlap()
+  assert ob["by_kind"]["all-gather"]["fsdp"]["with_matmul"] < op["by_kind"]["all-gather"]["fsdp"]["with_matmul"]
+  assert op["not_realized"].get("all-gather fsdp (fsdp_all_gather)", 0) > 0
+
+
+def test_calibrated_prediction_and_memory():
+  """The calibrated replay of the target's order is slower than its peak-rate ceiling, and each of its parts is
+  counted; memory comes from the GPU compiler."""
+  from shardlab.analysis import costmodel
+  prog, program, mesh = target_grads((8, 1), knobs_of("fsdp_prefetch"))
+  pred, evs = costmodel.predict(prog, mesh, h100(), {}, 1e9, program)
+  assert pred["model"].startswith("calibrated") and evs
+  assert pred["t_overlapped_s"] > pred["scheduled_order_at_peak_s"] > 0
+  assert pred["t_overlapped_s"] >= pred["t_compute_s"]
+  assert pred["t_overlapped_s"] <= pred["t_serial_s"] + 1e-12
+  assert pred["t_compute_s"] == pytest.approx(pred["t_gemm_s"] + pred["t_other_kernels_s"])
+  assert pred["t_comm_s"]["fsdp"] > 0
+  m = prog.memory()
+  assert m["peak"] > m["argument"] > 0
+
+
+def test_predict_fn_collective_matmul():
+  """predict_fn on the all-gather + matmul of the JAX Pallas collective-matmul doc (8 x H100): the gather moves
+  (n-1)/n of A in bf16, and the prediction holds the compute and the communication."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from shardlab.analysis import predict_fn
+
+  def build(mesh):
+    f = jax.shard_map(lambda a, b: jax.lax.all_gather(a, "x", tiled=True) @ b, mesh=mesh,
+                      in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
+    return jax.jit(f), (jax.ShapeDtypeStruct((8 * 1024, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P("x"))),
+                        jax.ShapeDtypeStruct((4096, 8 * 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "x"))))
+  r = predict_fn(build, hardware="h100", axes={"x": 8})
+  assert r["target"]["devices"] == 8 and r["target"]["platform"] == "gpu"
+  assert r["collectives"]["all-gather"]["x"]["bf16"]["bytes"] == 8 * 1024 * 4096 * 2 * 7 // 8
+  flops = 2 * 8 * 1024 * 4096 * 4096
+  assert r["flops_per_device"] == flops
+  assert r["t_compute_s"] > flops / 9.9e14 and r["t_comm_s"]["x"] > 0
+  assert max(r["t_compute_s"], r["t_comm_s"]["x"]) <= r["t_overlapped_s"] <= r["t_serial_s"] + 1e-12
+  assert r["memory"]["peak"] > 0
+  for k in ("t_serial_s", "t_overlapped_s", "t_compute_s", "t_comm_s", "memory", "collectives"):
+    assert k in r
+
+
+def test_missing_extra_is_one_line(monkeypatch):
+  import importlib.util
+  from shardlab import target as TG
+  from shardlab.mesh import ConfigError
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+  from shardlab.analysis.predict import hardware_preset
+  with pytest.raises(ConfigError, match=r'pip install "shardlab\[tpu\]"'):
+    TG.check(hardware_preset("tpu_v5p"), 8)
+  with pytest.raises(ConfigError, match="describes no real target"):
+    TG.check(hardware_preset("cpu"), 8)
+
+
+def test_topologies():
+  from shardlab import target as TG
+  from shardlab.analysis.predict import hardware_preset
+  from shardlab.mesh import ConfigError
+  assert TG.topology(h100(), 8) == "1x1x8" and TG.topology(h100(), 64) == "1x8x8" and TG.topology(h100(), 2) == "1x1x2"
+  assert TG.topology(hardware_preset("tpu_v5p"), 64) == "v5p:4x4x4"
+  assert TG.topology(hardware_preset("tpu_v5e"), 8) == "v5litepod:2x4"
+  with pytest.raises(ConfigError, match="whole nodes"):
+    TG.topology(h100(), 12)
