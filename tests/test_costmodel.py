@@ -1,4 +1,4 @@
-"""The cost model and the timeline: collective costs as ANCHORS.md states them, the replay's scheduling rules on
+"""The cost model and the timeline: collective costs as NCCL tests and the Scaling Book state them, the replay's scheduling rules on
 hand-made graphs, and on compiled tiny programs: bounds, matmul FLOPs counted by hand, FSDP prefetch hiding the
 gathers that the baseline leaves exposed, the Chrome trace and the chart, the analytic memory breakdown."""
 import json
@@ -17,7 +17,7 @@ def knobs(preset):
 
 
 def test_collective_costs_follow_anchors():
-  """ANCHORS.md: AllGather/ReduceScatter V (n-1)/n / W, AllReduce twice that, latency floor T_hop n / 2; a ring
+  """NCCL tests / Scaling Book: AllGather/ReduceScatter V (n-1)/n / W, AllReduce twice that, latency floor T_hop n / 2; a ring
   ppermute uses one direction of a torus link (W/2); a mesh axis over M torus axes gets M W_ici."""
   from shardlab.analysis.costmodel import collective_seconds as t
   V = 1e9
@@ -117,7 +117,7 @@ def test_run_writes_prediction_timeline_and_memory(tmp_path):
 
 
 def test_memory_breakdown_by_hand():
-  """ANCHORS.md: fp32 master + grads + 2 Adam moments = 16 B per local parameter; gathered weights W[D, N_tp]
+  """ZeRO (arXiv:1910.02054): fp32 master + grads + 2 Adam moments = 16 B per local parameter; gathered weights W[D, N_tp]
   for prefetch+1 layers plus the embedding, unembedding and final norm kept for backward."""
   from shardlab.analysis.memory_model import breakdown
   cfg = tiny_config(prefetch=1)

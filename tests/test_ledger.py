@@ -2,7 +2,7 @@
 program on every mesh and schedule family; the traced program's ledger equals the compiled HLO's for every preset;
 no preset has a collective the program did not place; rings move exactly the bytes of the collectives they replace.
 
-Bytes are per device per step, bandwidth-optimal (ANCHORS.md, "Collective cost"): an all-gather or reduce-scatter
+Bytes are per device per step, bandwidth-optimal (NCCL tests, doc/PERFORMANCE.md): an all-gather or reduce-scatter
 of a full array of V bytes over n devices moves V (n-1)/n, an all-reduce 2 V (n-1)/n, a ppermute its operand.
 """
 import functools

@@ -2,7 +2,7 @@
 (`compiled.memory_analysis()`, program.memory): their ratio says how much the compiler adds (temporaries,
 copies, fusion buffers) or saves (buffer reuse) against the textbook count.
 
-ANCHORS.md, "Memory per device": fp32 master weights, fp32 gradients and two fp32 Adam moments are 16 B/param,
+ZeRO-3 (arXiv:1910.02054): fp32 master weights, fp32 gradients and two fp32 Adam moments are 16 B/param,
 sharded over every device (ZeRO-3); the compute-dtype copy, the gathered weights (one layer at prefetch 0, k+1 at
 depth k, every layer when they are kept for backward or gathered once per step) and the activations come on top.
 Local sizes here are exact (from the parameter declarations and the mesh); activations are the planner's estimate
