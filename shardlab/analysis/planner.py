@@ -293,13 +293,13 @@ def memory_affine(cfg) -> tuple[float, float]:
   return one["total"] - one["activations"], one["activations"]
 
 
-def batch_window(cfg) -> dict[str, float]:
+def batch_window(cfg, affine: tuple[float, float] | None = None) -> dict[str, float]:
   """The largest batch that fits in HBM on cfg.mesh: whole sequences per fsdp shard, a multiple of
   schedule.microbatches. max_batch_per_device_tokens = sequences * L / Y (B / N, the book's per-device batch);
   0 when not one sequence per shard fits. `..._tokens_unrounded`: the same limit in tokens, as the book counts
   a batch (a shard holding part of a sequence needs sequence sharding, which shardlab does not do)."""
   m, mesh, mb = cfg.model, cfg.mesh, max(1, cfg.schedule.microbatches)
-  fixed, per_seq = memory_affine(cfg)
+  fixed, per_seq = affine or memory_affine(cfg)
   seqs = max(0, math.floor((cfg.hardware.hbm_bytes - fixed) / per_seq)) if per_seq > 0 else 0
   seqs -= seqs % mb
   while seqs > 0 and fixed + seqs * per_seq > cfg.hardware.hbm_bytes:   # floating point at the boundary
@@ -310,6 +310,18 @@ def batch_window(cfg) -> dict[str, float]:
           "max_sequences_per_fsdp_shard": seqs,
           "max_global_batch_tokens": seqs * mesh.fsdp * m.seq_len, "fixed_bytes": fixed,
           "bytes_per_local_sequence": per_seq}
+
+
+def calibrated_batch_window(cfg, peaks: dict[int, float]) -> dict[str, float]:
+  """batch_window from measured memory instead of the analytic model: `peaks` maps sequences per fsdp shard to
+  the compiled peak bytes per device (`compiled.memory_analysis()`, two or more batch sizes); the least-squares
+  line through them gives the fixed and per-sequence bytes. How a compile confirms the window."""
+  if len(peaks) < 2:
+    raise ValueError("calibrated_batch_window needs compiled peaks at two or more batch sizes")
+  xs, ys = list(peaks), list(peaks.values())
+  mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+  return batch_window(cfg, (my - slope * mx, slope))
 
 
 def microbatches_to_fit(cfg) -> int | None:
