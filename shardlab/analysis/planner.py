@@ -440,8 +440,8 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   if mem["total"] > hbm:
     k = microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
-               f"{state / 1e9:.1f} GB: {state / param_count(m):.3g} B/param over fsdp x tensor = {fsdp * tensor})"
-               + (f"; fits with {k} microbatches" if k else ""))
+               f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
+               f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k}" if k else ""))
   need = {"fsdp": block.fsdp / block.math, "tensor": block.tensor_floor / block.math, "data": block.data / block.math / 2}
   what = {"fsdp": "the weight AllGather", "tensor": "the activation AllGather/ReduceScatter",
           "data": "the gradient AllReduce"}
@@ -471,8 +471,8 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
 def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
   """Every data x fsdp x tensor factorization of the device count (default mesh.fsdp * mesh.tensor), laid out
   tensor innermost, then fsdp, then data, ranked best first: qualifying layouts (they fit and are compute-bound)
-  by step time, then the smallest worst comm/math ratio (the most slack); then the rejected ones, those that fit
-  first."""
+  by step time, then the smallest worst comm/math ratio (the most slack), then memory; then the rejected ones:
+  those that fit (by step time), then those that do not, least memory first."""
   hw = cfg.hardware
   n = devices or cfg.mesh.fsdp * cfg.mesh.tensor
   if n < 1:
@@ -498,8 +498,8 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
       layout["rejected_because"].insert(0, f"sharding: {data}x{fsdp}x{tensor} does not tile the torus "
                                            f"{'x'.join(map(str, dims))}")
     out.append(layout)
-  out.sort(key=lambda l: (bool(l["rejected_because"]), not l["fits"], l["step_time_s"],
-                          max(l["comm_to_math"].values()), l["memory_per_device_bytes"]))
+  out.sort(key=lambda l: (bool(l["rejected_because"]), not l["fits"], 0 if l["fits"] else l["memory_per_device_bytes"],
+                          l["step_time_s"], max(l["comm_to_math"].values()), l["memory_per_device_bytes"]))
   return out
 
 
