@@ -26,7 +26,7 @@ SEQS = (1, 2, 4, 8)
 def main() -> None:
   print("| schedule.remat | compiled peak MiB at 1 / 2 / 4 / 8 seqs per shard | fixed MiB: analytic / compiled "
         "| per sequence KiB: analytic / compiled (ratio) | budget MiB | max seqs per shard in it: analytic / "
-        "compiled |\n|---|---|---|---|---|")
+        "compiled |\n|---|---|---|---|---|---|")
   for remat in ("none", "full"):
     cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), schedule=ScheduleConfig(remat=remat))
     peaks = {}
