@@ -46,8 +46,9 @@ def row(l: dict) -> str:
                      f"{100 * l['mfu']:.0f}%", "; ".join(l["rejected_because"]) or "qualifies"])
 
 
-HEAD = ("| data x fsdp x tensor | torus axes M (d / f / t) | GB/s per axis (d / f / t) | GB/device | margin GB | fits "
-        "| comm / math (d / f / t) | compute-bound | critical B/N tokens (binding axis) | step ms | MFU | rejected because |\n"
+HEAD = ("| data x fsdp x tensor | torus axes M (d / f / t) | GB/s per axis (d / f / t) | GB/device | margin GB "
+        "| fits | comm / math (d / f / t) | compute-bound | critical B/N tokens (binding axis) | step ms | MFU "
+        "| rejected because |\n"
         "|---|---|---|---:|---:|---|---|---|---|---:|---:|---|")
 
 

@@ -240,14 +240,18 @@ class BlockCosts:
     return {"fsdp": self.fsdp / (self.math * b), "tensor": self.tensor_time(b) / (self.math * b),
             "data": self.data / (2 * self.math * b)}
 
+  def critical_batches(self) -> dict[str, float | None]:
+    """Per axis, the per-device tokens below which its communication exceeds the math it overlaps. fsdp:
+    b > fsdp / math. data: b > data / (2 math). tensor: None (never compute-bound) when its per-token time
+    exceeds the math's (Y > M_Y F / alpha, whatever the batch), else where its latency floor meets the math."""
+    tensor = None if self.tensor_per_token > self.math else self.tensor_floor / self.math
+    return {"fsdp": self.fsdp / self.math, "tensor": tensor, "data": self.data / (2 * self.math)}
+
   def critical_batch(self) -> tuple[float | None, str]:
-    """(per-device tokens below which some axis's communication exceeds the math it overlaps, that axis).
-    fsdp: b > fsdp / math. data: b > data / (2 math). tensor: never compute-bound when its per-token time
-    exceeds the math's (Y > M_Y F / alpha, batch-independent: None), else only its latency floor binds."""
-    if self.tensor_per_token > self.math:
+    """(the largest of critical_batches, its axis): None and "tensor" when TP binds at any batch."""
+    need = self.critical_batches()
+    if need["tensor"] is None:
       return None, "tensor"
-    need = {"fsdp": self.fsdp / self.math, "data": self.data / (2 * self.math),
-            "tensor": self.tensor_floor / self.math if self.tensor_per_token else 0.0}
     axis = max(need, key=need.get)
     return (need[axis], axis) if need[axis] > 0 else (0.0, "none")
 
@@ -442,12 +446,12 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
                f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
                f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k}" if k else ""))
-  need = {"fsdp": block.fsdp / block.math, "tensor": block.tensor_floor / block.math, "data": block.data / block.math / 2}
+  need = block.critical_batches()
   what = {"fsdp": "the weight AllGather", "tensor": "the activation AllGather/ReduceScatter",
           "data": "the gradient AllReduce"}
   for axis, r in ratios.items():
     if r > 1:
-      at = ("at any batch (tensor > M_Y F / alpha)" if axis == "tensor" and block.tensor_per_token > block.math
+      at = ("at any batch (tensor > M_Y F / alpha)" if need[axis] is None
             else f"per-device batch {b:.0f} < {need[axis]:.0f} tokens")
       why.append(f"communication: {axis}: {what[axis]} takes {r:.2f}x the math it overlaps, {at}")
 
