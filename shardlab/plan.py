@@ -7,6 +7,16 @@
 Takes the same Hydra overrides as `python -m shardlab`, composes conf/, and prints one JSON object (keys and
 formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override prints one
 line to stderr and exits with status 2.
+
+Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
+  search=true        rank every data x fsdp x tensor layout of the devices: the JSON gains `layouts`, best first
+  top=K              list only the K best layouts (implies search=true)
+  devices=N          the device count searched (default mesh.fsdp * mesh.tensor)
+  torus=16x16x16     the TPU slice's torus (default: the most nearly cubic one of the preset's rank)
+  plot=PATH.png      the efficiency curve: step time and MFU against per-device batch, for the configured mesh
+                     or, with search, the best (top, default 3) layouts
+  plot_layouts=1x1024x4,1x4096x1   plot these data x fsdp x tensor layouts instead (implies search=true)
+  confirm=true       compile the top layouts for the target (not available yet: exits 2)
 """
 from __future__ import annotations
 
@@ -37,15 +47,84 @@ def _one_line(e: BaseException) -> str:
   return " | ".join(parts) or name
 
 
+# The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
+OPTIONS = {"search": "bool", "top": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
+           "plot_layouts": "layouts"}
+
+
+def split_options(argv: list[str]) -> tuple[dict, list[str]]:
+  """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
+  opts = {"search": False, "top": 0, "devices": 0, "torus": None, "plot": None, "confirm": False, "plot_layouts": []}
+  rest = []
+  for arg in argv:
+    key, eq, value = arg.partition("=")
+    name = key.removeprefix("plan.")
+    if not eq or name not in OPTIONS:
+      rest.append(arg)
+      continue
+    kind = OPTIONS[name]
+    if kind == "bool":
+      if value.lower() not in ("true", "false"):
+        raise ValueError(f"{arg}: {name} must be true or false")
+      opts[name] = value.lower() == "true"
+    elif kind == "int":
+      if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{arg}: {name} must be a positive integer")
+      opts[name] = int(value)
+    elif kind == "dims":
+      dims = value.lower().split("x")
+      if not all(d.isdigit() and int(d) >= 1 for d in dims):
+        raise ValueError(f"{arg}: torus must look like 16x16x16")
+      opts[name] = tuple(int(d) for d in dims)
+    elif kind == "layouts":
+      shapes = [v.lower().split("x") for v in value.split(",")]
+      if not all(len(d) == 3 and all(n.isdigit() and int(n) >= 1 for n in d) for d in shapes):
+        raise ValueError(f"{arg}: plot_layouts must look like 1x1024x4,1x4096x1 (data x fsdp x tensor)")
+      opts[name] = [tuple(int(n) for n in d) for d in shapes]
+    else:
+      if not value:
+        raise ValueError(f"{arg}: {name} needs a file name")
+      opts[name] = value
+  opts["search"] = opts["search"] or bool(opts["top"]) or opts["confirm"] or bool(opts["plot_layouts"])
+  return opts, rest
+
+
+def run(argv: list[str]) -> dict:
+  """The plan of argv (options and overrides), with `layouts` when searching; writes the figure if asked."""
+  from shardlab.analysis import planner
+  opts, overrides = split_options(argv)
+  cfg = compose(overrides)
+  result = planner.plan(cfg)
+  chosen = None
+  if opts["search"]:
+    layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
+    result["search"] = {"devices": opts["devices"] or cfg.mesh.fsdp * cfg.mesh.tensor, "considered": len(layouts),
+                        "qualifying": sum(not l["rejected_because"] for l in layouts)}
+    result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
+    chosen = layouts[:opts["top"] or 3]
+    if opts["plot_layouts"]:
+      by_shape = {(l["data"], l["fsdp"], l["tensor"]): l for l in layouts}
+      missing = [s for s in opts["plot_layouts"] if s not in by_shape]
+      if missing:
+        raise ValueError(f"plot_layouts: {'x'.join(map(str, missing[0]))} is not a data x fsdp x tensor layout of "
+                         f"the {result['search']['devices']} devices searched")
+      chosen = [by_shape[s] for s in opts["plot_layouts"]]
+    if opts["confirm"]:
+      planner.confirm_on_target(layouts, cfg, opts["top"] or 3)
+  if opts["plot"]:
+    from shardlab.analysis.plan_figure import efficiency_curve
+    result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
+  return result
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if any(a in ("-h", "--help") for a in argv):
     print(__doc__)
     return 0
-  from shardlab.analysis.planner import plan
   try:
-    result = plan(compose(argv))
-  except Exception as e:  # Hydra/OmegaConf errors and planner.check's ValueError: one line, exit 2
+    result = run(argv)
+  except Exception as e:  # Hydra/OmegaConf errors, planner.check's ValueError, ConfigError: one line, exit 2
     print(f"shardlab.plan: error: {_one_line(e)}", file=sys.stderr)
     return 2
   print(json.dumps(result, indent=2))

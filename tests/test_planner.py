@@ -8,6 +8,7 @@ Where the book prints a rounded number we compare with its own arithmetic and sa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -203,3 +204,191 @@ def test_cli_bad_override_exits_2_with_one_line(bad):
   r = subprocess.run([sys.executable, "-m", "shardlab.plan", bad], cwd=REPO, capture_output=True, text=True)
   assert r.returncode == 2 and r.stdout == ""
   assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("shardlab.plan: error:")
+
+
+# ------------------------------------------------------------------------------ batch window and critical batch
+
+def _cfg(model, hw, x, y, tokens, **kw):
+  return Config(mesh=MeshConfig(fsdp=x, tensor=y, **kw.pop("mesh", {})), model=model, precision=BF16,
+                schedule=ScheduleConfig(gather_dtype="compute", **kw.pop("schedule", {})), hardware=hw,
+                train=TrainConfig(global_batch_tokens=tokens, mfu=0.4))
+
+
+def test_batch_window_is_the_memory_boundary():
+  # The largest whole number of sequences per fsdp shard (a multiple of the microbatches) whose memory fits:
+  # one more microbatch's worth does not. LLaMA-2 13B, 4096-token sequences, on 64 x 4 v5p.
+  for remat, mb in [("none", 1), ("full", 1), ("none", 2)]:
+    cfg = _cfg(LLAMA2_13B, V5P, 64, 4, 64 * 4096, schedule={"remat": remat, "microbatches": mb})
+    w = planner.batch_window(cfg)
+    seqs = w["max_sequences_per_fsdp_shard"]
+    assert seqs >= mb and seqs % mb == 0
+
+    def total(s):
+      return planner.memory_per_device(planner._with(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
+    assert total(seqs) <= V5P.hbm_bytes < total(seqs + mb)
+    assert w["max_batch_per_device_tokens"] == seqs * 4096 / 4
+    assert seqs * 4096 / 4 <= w["max_batch_per_device_tokens_unrounded"] < (seqs + mb) * 4096 / 4
+    assert planner.plan(cfg)["max_batch_per_device_tokens"] == w["max_batch_per_device_tokens"]
+
+
+def test_microbatches_fit_the_global_batch():
+  # 16 sequences per fsdp shard do not fit at once; the fewest microbatches (a divisor of 16) that fit are
+  # chosen, and one divisor fewer does not fit.
+  cfg = _cfg(LLAMA2_13B, V5P, 64, 4, 16 * 64 * 4096)
+  k = planner.microbatches_to_fit(cfg)
+  assert k is not None and k > 1 and 16 % k == 0
+  mem = lambda mb: planner.memory_per_device(planner._with(cfg, schedule={"microbatches": mb}))["total"]
+  smaller = max(d for d in range(1, k) if 16 % d == 0)
+  assert mem(k) <= V5P.hbm_bytes < mem(smaller)
+  assert planner.plan(cfg)["microbatches"] == k and not planner.plan(cfg)["fits_in_hbm"]
+  # The gradient accumulator of microbatching is counted: one more sharded copy of the fp32 gradients.
+  one, two = (planner.memory_per_device(planner._with(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
+  assert two["grads"] == pytest.approx(2 * one["grads"])
+
+
+def test_batch_window_against_compiled_memory():
+  """The window confirmed by compiling (XLA:CPU, the tiny model on 4x2): the compiled peak is affine in the batch,
+  so the window of a line through two compiles holds at a third and fourth: its max batch fits the budget and
+  one more sequence per shard does not. The analytic model's batch-independent bytes (state, gathered weights)
+  match the compile's; its activations do not (XLA:CPU keeps ~2.6x more per sequence: docs/planning.md), so
+  the analytic window itself is not what this checks."""
+  from shardlab.analysis.program import memory
+  from shardlab.run import build
+
+  def peak(seqs):          # sequences per fsdp shard -> compiled peak bytes per device
+    cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), train=TrainConfig(batch_size=4 * seqs))
+    b = build(cfg)
+    return memory(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile())["peak"]
+
+  cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2))
+  measured = {1: peak(1), 4: peak(4)}
+  slope = (measured[4] - measured[1]) / 3
+  fixed = measured[1] - slope
+  analytic_fixed, analytic_per_seq = planner.memory_affine(cfg)
+  assert analytic_fixed == pytest.approx(fixed, rel=0.1)
+  budget = fixed + 6.5 * slope                       # between 6 and 7 sequences per shard on the line
+  w = planner.calibrated_batch_window(planner._with(cfg, hardware={"hbm_bytes": budget}), measured)
+  seqs = w["max_sequences_per_fsdp_shard"]
+  assert seqs == 6 and w["max_batch_per_device_tokens"] == 6 * cfg.model.seq_len / 2
+  assert peak(seqs) <= budget < peak(seqs + 1)
+
+
+def _ffn_mesh(x, y, per_device, m_x=1):
+  ffn = ModelConfig(name="ffn", kind="ffn", d_model=8192, d_ff=32_768, n_layers=4, seq_len=4096)
+  return _cfg(ffn, V5P, x, y, per_device * x * y, mesh={"fsdp_ici_axes": m_x})
+
+
+def test_binding_axis_flips_where_the_closed_forms_say():
+  # TP binds at any batch once T_tp > T_math: 4 B D (Y-1)/Y / (X W) > 4 B D F / (N C), i.e. Y - 1 > F / alpha
+  # (the book's Y > M_Y F / alpha with the ring's (Y-1)/Y): F = 32768, alpha = 2550 -> between Y = 13 and 14.
+  a = planner.alpha(V5P)
+  assert 13 - 1 < 32_768 / a < 14 - 1
+  crit = lambda x, y: planner.plan(_ffn_mesh(x, y, 4096))["critical_batch_per_device"]
+  assert crit(14, 13)["binding_axis"] == "fsdp" and crit(13, 14) == {**crit(13, 14), "this_mesh": None,
+                                                                     "binding_axis": "tensor"}
+  # Below the flip FSDP binds at B/N = alpha / (Y M_X) (X-1)/X: T_fsdp = 4DF/(Y W M_X) (X-1)/X = T_math.
+  for x, y, m_x in [(16, 8, 2), (64, 1, 1), (64, 1, 3)]:
+    c = crit_m = planner.plan(_ffn_mesh(x, y, 4096, m_x))["critical_batch_per_device"]
+    assert c["binding_axis"] == "fsdp"
+    assert close(crit_m["this_mesh"], a / (y * m_x) * (x - 1) / x)
+    # ... and the planner's own compute_bound flips there.
+    assert planner.plan(_ffn_mesh(x, y, c["this_mesh"] * 1.01, m_x))["compute_bound"]
+    assert not planner.plan(_ffn_mesh(x, y, c["this_mesh"] * 0.99, m_x))["compute_bound"]
+  # With no sharded axis nothing binds.
+  assert crit(1, 1) == {**crit(1, 1), "this_mesh": 0.0, "binding_axis": "none"}
+
+
+# --------------------------------------------------------------------------------------------- layout search
+
+def _book_exercise(seq_len=32_768):
+  # training.md Q3: LLaMA-2 13B, "32k sequence length and a total batch size of 3M tokens on a TPUv5p 16x16x16
+  # slice", bf16 weights (gathered and reduced in bf16), 40% MFU. Activations: remat=full (the book
+  # checkpoints only after the big matmuls).
+  return Config(mesh=MeshConfig(fsdp=1024, tensor=4), model=dataclasses.replace(LLAMA2_13B, seq_len=seq_len),
+                precision=BF16, schedule=ScheduleConfig(gather_dtype="compute", remat="full"), hardware=V5P,
+                train=TrainConfig(global_batch_tokens=3_000_000, mfu=0.4))
+
+
+def test_torus_placement_and_gpu_switch_bandwidths():
+  assert planner.default_torus(V5P, 4096) == (16, 16, 16)
+  # tensor 4 inside one torus axis, fsdp 1024 over the rest: the book's M_X = 2, M_Y = 1 (sqrt(... * 2 ...)).
+  assert [m for m, _ in planner.torus_axes([4, 1024, 1], (16, 16, 16))] == [1, 2, 1]
+  assert [m for m, _ in planner.torus_axes([1, 4096, 1], (16, 16, 16))] == [1, 3, 1]   # "3 axes": 2550 / 3
+  assert planner.torus_axes([1, 3, 1], (16, 16, 16)) is None
+  # GPU: NVLink inside the node; the data axis of one GPU per node gets that GPU's NIC (50 GB/s); an axis with all
+  # 8 GPUs of each node in it gets the node's 400 GB/s (gpus.md; the h100_multinode preset's W).
+  h100 = compose(["hardware=h100"]).hardware
+  assert planner.switch_bandwidths(h100, [1, 8, 8]) == [4.5e11, 4.5e11, 5e10]
+  assert planner.switch_bandwidths(h100, [1, 64, 1]) == [4.5e11, 4e11, 4.5e11]
+  assert planner.switch_bandwidths(h100, [2, 4, 8]) == [4.5e11, 4.5e11, 5e10]
+
+
+def test_search_works_the_scaling_book_exercise():
+  cfg = _book_exercise()
+  layouts = planner.search(cfg)
+  assert len(layouts) == 91                            # data x fsdp x tensor = 2^12: C(14, 2) factorizations
+  by = {(l["data"], l["fsdp"], l["tensor"]): l for l in layouts}
+  # Q3.1 pure DP: the replicated state alone exceeds HBM (the book: 10 B/param ~ 130 GB > 96 GB; ours 16 B/param),
+  # and its gradient AllReduce is comm-bound like FSDP (B/N = 732 < 2550 / 3).
+  dp = by[(4096, 1, 1)]
+  assert not dp["fits"] and not dp["compute_bound"]
+  assert any(r.startswith("memory:") for r in dp["rejected_because"])
+  assert any(r.startswith("communication: data:") for r in dp["rejected_because"])
+  # Q3.2 pure FSDP: fits ("safely under the HBM limit"), but "850 * 4096 = 3.48M ... we're actually comms-bound".
+  fsdp = by[(1, 4096, 1)]
+  assert fsdp["fits"] and not fsdp["compute_bound"] and fsdp["ici_axes"]["fsdp"] == 3
+  assert any(r.startswith("communication: fsdp:") for r in fsdp["rejected_because"])
+  assert not any(r.startswith("memory:") for r in fsdp["rejected_because"])
+  assert close(fsdp["critical_batch_per_device"]["this_mesh"] * 4096, 3.48e6)
+  # Q3.3 FSDP + TP: "roughly 1024 way DP and 4 way TP" (X_opt = 1333), "300ms" (the expression: 310 ms) at 40%.
+  best = layouts[0]
+  x_opt = planner.x_opt(3e6, LLAMA2_13B.d_ff, 4096, 2, 1)
+  assert best["data"] == 1 and best["tensor"] == 4 and x_opt / 2 <= best["fsdp"] <= 2 * x_opt
+  assert best["fits"] and best["compute_bound"] and best["rejected_because"] == []
+  assert close(best["step_time_s"], 6 * 3e6 * 13e9 / (4096 * 4.6e14 * 0.4)) and close(best["mfu"], 0.4)
+  # Every qualifying layout fits and is compute-bound, and comes before every rejected one.
+  ok = [bool(l["rejected_because"]) for l in layouts]
+  assert ok == sorted(ok) and all(l["fits"] and l["compute_bound"] for l in layouts if not l["rejected_because"])
+  # Tensor 8 is comm-bound at any batch: Y = 8 > M_Y F / alpha (4 D (Y-1) alpha / P_layer > 1 for our block).
+  assert by[(1, 512, 8)]["critical_batch_per_device"] == {"this_mesh": None, "binding_axis": "tensor"}
+
+
+def test_hsdp_replicates_state_over_data_and_reduces_gradients_over_it():
+  cfg = _book_exercise(4096)
+  layouts = {(l["data"], l["fsdp"], l["tensor"]): l for l in planner.search(cfg)}
+  p = planner.param_count(LLAMA2_13B)
+  hsdp, fsdp = layouts[(4, 256, 4)], layouts[(1, 1024, 4)]
+  state = lambda l: l["memory_per_device_bytes"] - planner.memory_per_device(planner._with(
+      cfg, mesh={"fsdp": l["fsdp"], "tensor": l["tensor"]},
+      train={"global_batch_tokens": 3e6 / l["data"]}))["activations"] - planner.memory_per_device(planner._with(
+      cfg, mesh={"fsdp": l["fsdp"], "tensor": l["tensor"]}))["compute_params"]
+  assert close(state(hsdp), 16 * p / (256 * 4)) and close(state(fsdp), 16 * p / 4096)
+  assert hsdp["comm_to_math"]["data"] > 0 == fsdp["comm_to_math"]["data"]
+
+
+# ------------------------------------------------------------------------------------------------------- the CLI
+
+def test_cli_search_top_and_plot(tmp_path):
+  args = ["hardware=tpu_v5p", "model=llama2_13b", "mesh.fsdp=1024", "mesh.tensor=4", "model.seq_len=32768",
+          "train.global_batch_tokens=3000000", "train.mfu=0.4", "precision.compute_dtype=bfloat16",
+          "schedule.gather_dtype=compute", "schedule.remat=full", "plan.top=3", f"plot={tmp_path / 'curve.png'}"]
+  r = subprocess.run([sys.executable, "-m", "shardlab.plan", *args], cwd=REPO, capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout)
+  assert len(out["layouts"]) == 3 and out["search"]["considered"] == 91
+  keys = {"data", "fsdp", "tensor", "fits", "compute_bound", "step_time_s", "mfu", "rejected_because",
+          "memory_per_device_bytes", "memory_margin_bytes"}
+  assert all(keys <= set(l) for l in out["layouts"])
+  assert (out["layouts"][0]["fsdp"], out["layouts"][0]["tensor"]) == (1024, 4)
+  assert {"this_mesh", "binding_axis"} <= set(out["critical_batch_per_device"])
+  assert out["max_batch_per_device_tokens"] > 0 and out["microbatches"] == 1
+  assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("bad", ["top=0", "search=maybe", "torus=16x16", "plot_layouts=1x2", "confirm=true",
+                                 "plot_layouts=3x1x1"])
+def test_cli_bad_planner_option_exits_2_with_one_line(bad, capsys, tmp_path):
+  from shardlab.plan import main
+  assert main(["search=true", bad]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("shardlab.plan: error:")

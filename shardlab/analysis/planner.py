@@ -21,7 +21,9 @@ W_in [D,F], W_out [F,D] only.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,6 +94,8 @@ def memory_per_device(cfg) -> dict[str, float]:
   activations: what backward needs, for the local batch B / X / microbatches tokens, / Y (heads, F and, with
     sequence parallelism, the residual are sharded over tensor). FSDP shards state, not activations: these do
     not shrink with more FSDP at a fixed per-device batch. Plus fp32 logits [B_X, V_Y].
+  grads: plus the gradient accumulator when schedule.microbatches > 1.
+  Every term but activations is independent of the batch; activations are linear in it (see batch_window).
   """
   m, mesh, prec, sched = cfg.model, cfg.mesh, cfg.precision, cfg.schedule
   x, y = mesh.fsdp, mesh.tensor
@@ -112,7 +116,10 @@ def memory_per_device(cfg) -> dict[str, float]:
   if m.kind != "ffn":
     act += tokens * m.vocab_size * 4 / y                     # fp32 logits for the loss
 
-  out = {"master_params": p * pb / n, "grads": p * pb / n, "optimizer": 2 * p * pb / n,
+  # Microbatches accumulate gradients: a sharded fp32 accumulator (per_layer), or, when the reduce-scatter is
+  # deferred to the end of the step, every layer's unreduced gradient W[D, F_Y] (as memory_model.breakdown).
+  accum = 0 if sched.microbatches <= 1 else p * pb / (y if sched.grad_reduce == "deferred" else n)
+  out = {"master_params": p * pb / n, "grads": p * pb / n + accum, "optimizer": 2 * p * pb / n,
          "compute_params": gathered * per_param / y, "activations": act}
   out["total"] = sum(out.values())
   return out
@@ -175,12 +182,14 @@ def step_time(n_params: int, tokens: float, peak_flops: float, n_devices: int, m
 
 # --------------------------------------------------------------------------------- times under the configured mesh
 
-def collective_time(v_bytes: float, n: int, bandwidth: float, hop_latency_s: float) -> float:
+def collective_time(v_bytes: float, n: int, bandwidth: float, hop_latency_s: float,
+                    hops: float | None = None) -> float:
   """AllGather / ReduceScatter of V bytes (the full array) over n devices: max(V (n-1)/n / W, T_hop n / 2)
-  (ANCHORS.md, bidirectional ring). Zero when n = 1."""
+  (ANCHORS.md, bidirectional ring). Zero when n = 1. `hops` replaces n / 2 where the collective runs over
+  several torus axes at once (one ring per axis: the sum of their n_i / 2)."""
   if n <= 1:
     return 0.0
-  return max(v_bytes * (n - 1) / n / bandwidth, hop_latency_s * n / 2)
+  return max(v_bytes * (n - 1) / n / bandwidth, hop_latency_s * (n / 2 if hops is None else hops))
 
 
 def layer_times(cfg) -> dict[str, float]:
@@ -194,19 +203,77 @@ def layer_times(cfg) -> dict[str, float]:
     (V = B D / X activations) at the tensor axis bandwidth; backward does the transposes, so 2x per step.
   Forward is the pass with the most communication per FLOP (training.md), hence the compute-bound test.
   """
+  mesh, hw = cfg.mesh, cfg.hardware
+  c = block_costs(cfg, hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.axis_bandwidth(mesh.tensor_ici_axes))
+  b = global_tokens(cfg) / (mesh.fsdp * mesh.tensor)
+  math_fwd, tensor_fwd = c.math * b, c.tensor_time(b)
+  return {"math_fwd": math_fwd, "fsdp_fwd": c.fsdp, "tensor_fwd": tensor_fwd,
+          "math": 3 * math_fwd, "fsdp": (1 + c.fsdp_bwd_passes) * c.fsdp, "tensor": 2 * tensor_fwd}
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+  """One block's per-device seconds as functions of the per-device batch b = B / N tokens (N = data fsdp tensor):
+  forward math = math * b, the fsdp AllGather = fsdp (no b: it moves weights), the tensor AllGather +
+  ReduceScatter pairs = tensor_time(b) (bytes grow with b, down to a latency floor), and the gradient AllReduce
+  over the data (HSDP replica) axis in backward = data. Backward: 2x the math, the same tensor traffic
+  (transposes), fsdp_bwd_passes gathers/reduce-scatters."""
+  math: float                 # s per token: 2 P_layer / C
+  fsdp: float                 # s
+  tensor_per_token: float     # s per token: 2 sublayers a_bytes D (Y - 1) / W_Y
+  tensor_floor: float         # s: 2 sublayers T_hop Y / 2
+  data: float                 # s: AllReduce = 2 x ReduceScatter of the W[D_X, F_Y] gradient shard over data
+  fsdp_bwd_passes: int        # re-gather (reshard_after_forward) + ReduceScatter: 2; kept weights: 1
+
+  def tensor_time(self, b: float) -> float:
+    return max(self.tensor_per_token * b, self.tensor_floor) if self.tensor_per_token else 0.0
+
+  def forward(self, b: float) -> float:
+    """Roofline seconds of the forward pass: comms overlap each other and the math (the book's current form)."""
+    return max(self.math * b, self.fsdp, self.tensor_time(b))
+
+  def backward(self, b: float) -> float:
+    return max(2 * self.math * b, self.fsdp_bwd_passes * self.fsdp, self.tensor_time(b), self.data)
+
+  def comm_to_math(self, b: float) -> dict[str, float]:
+    """Forward fsdp and tensor, backward data: each axis's communication over the math it can hide behind."""
+    return {"fsdp": self.fsdp / (self.math * b), "tensor": self.tensor_time(b) / (self.math * b),
+            "data": self.data / (2 * self.math * b)}
+
+  def critical_batches(self) -> dict[str, float | None]:
+    """Per axis, the per-device tokens below which its communication exceeds the math it overlaps. fsdp:
+    b > fsdp / math. data: b > data / (2 math). tensor: None (never compute-bound) when its per-token time
+    exceeds the math's (Y > M_Y F / alpha, whatever the batch), else where its latency floor meets the math."""
+    tensor = None if self.tensor_per_token > self.math else self.tensor_floor / self.math
+    return {"fsdp": self.fsdp / self.math, "tensor": tensor, "data": self.data / (2 * self.math)}
+
+  def critical_batch(self) -> tuple[float | None, str]:
+    """(the largest of critical_batches, its axis): None and "tensor" when TP binds at any batch."""
+    need = self.critical_batches()
+    if need["tensor"] is None:
+      return None, "tensor"
+    axis = max(need, key=need.get)
+    return (need[axis], axis) if need[axis] > 0 else (0.0, "none")
+
+
+def block_costs(cfg, w_x: float, w_y: float, data: int = 1, w_d: float = 1.0, params: int | None = None,
+                hops: dict[str, float] | None = None) -> BlockCosts:
+  """BlockCosts of one block (or, with `params` = embed_params and no TP traffic, the embeddings) on cfg.mesh
+  (fsdp X, tensor Y) with `data` HSDP replicas, at the given per-axis bandwidths (and latency hops per axis,
+  default n / 2)."""
   m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
   x, y = mesh.fsdp, mesh.tensor
-  tokens = global_tokens(cfg)
+  hops = hops or {}
   w_bytes, a_bytes = comm_bytes(cfg)
-  p_l = layer_params(m)
-  w_x, w_y = hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.axis_bandwidth(mesh.tensor_ici_axes)
-  sublayers = 1 if m.kind == "ffn" else 2
-  fsdp_fwd = collective_time(w_bytes * p_l / y, x, w_x, hw.hop_latency_s)
-  tensor_fwd = sublayers * 2 * collective_time(a_bytes * tokens * m.d_model / x, y, w_y, hw.hop_latency_s)
-  math_fwd = 2 * p_l * tokens / (x * y * hw.peak_flops)
-  return {"math_fwd": math_fwd, "fsdp_fwd": fsdp_fwd, "tensor_fwd": tensor_fwd,
-          "math": 3 * math_fwd, "fsdp": (3 if cfg.schedule.reshard_after_forward else 2) * fsdp_fwd,
-          "tensor": 2 * tensor_fwd}
+  p_l = layer_params(m) if params is None else params
+  sublayers = 0 if params is not None else 1 if m.kind == "ffn" else 2
+  return BlockCosts(
+      math=2 * p_l / hw.peak_flops,
+      fsdp=collective_time(w_bytes * p_l / y, x, w_x, hw.hop_latency_s, hops.get("fsdp")),
+      tensor_per_token=2 * sublayers * a_bytes * m.d_model * (y - 1) / w_y if y > 1 else 0.0,
+      tensor_floor=2 * sublayers * hw.hop_latency_s * hops.get("tensor", y / 2) if y > 1 else 0.0,
+      data=2 * collective_time(w_bytes * p_l / (x * y), data, w_d, hw.hop_latency_s, hops.get("data")),
+      fsdp_bwd_passes=2 if cfg.schedule.reshard_after_forward else 1)
 
 
 def comm_bytes(cfg) -> tuple[int, int]:
@@ -214,6 +281,238 @@ def comm_bytes(cfg) -> tuple[int, int]:
   cb = dtype_bytes(cfg.precision.compute_dtype)
   wb = dtype_bytes(cfg.precision.param_dtype) if cfg.schedule.gather_dtype == "param" else cb
   return wb, cb
+
+
+# ---------------------------------------------------------------------------------------- batch window of a mesh
+
+def _with(cfg, **groups):
+  """A copy of cfg with fields of some groups replaced: _with(cfg, mesh={"fsdp": 8}, train={...})."""
+  return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
+
+
+def memory_affine(cfg) -> tuple[float, float]:
+  """(bytes per device independent of the batch, bytes per sequence of an fsdp shard's local batch B / X): the
+  memory of `memory_per_device` is fixed + per_sequence * B / (X L) at the configured schedule."""
+  one = memory_per_device(_with(cfg, train={"global_batch_tokens": cfg.mesh.fsdp * cfg.model.seq_len}))
+  return one["total"] - one["activations"], one["activations"]
+
+
+def batch_window(cfg, affine: tuple[float, float] | None = None) -> dict[str, float]:
+  """The largest batch that fits in HBM on cfg.mesh: whole sequences per fsdp shard, a multiple of
+  schedule.microbatches. max_batch_per_device_tokens = sequences * L / Y (B / N, the book's per-device batch);
+  0 when not one sequence per shard fits. `..._tokens_unrounded`: the same limit in tokens, as the book counts
+  a batch (a shard holding part of a sequence needs sequence sharding, which shardlab does not do)."""
+  m, mesh, mb = cfg.model, cfg.mesh, max(1, cfg.schedule.microbatches)
+  fixed, per_seq = affine or memory_affine(cfg)
+  seqs = max(0, math.floor((cfg.hardware.hbm_bytes - fixed) / per_seq)) if per_seq > 0 else 0
+  seqs -= seqs % mb
+  while seqs > 0 and fixed + seqs * per_seq > cfg.hardware.hbm_bytes:   # floating point at the boundary
+    seqs -= mb
+  free = max(0.0, cfg.hardware.hbm_bytes - fixed)
+  return {"max_batch_per_device_tokens": seqs * m.seq_len / mesh.tensor,
+          "max_batch_per_device_tokens_unrounded": free / per_seq * m.seq_len / mesh.tensor if per_seq else 0.0,
+          "max_sequences_per_fsdp_shard": seqs,
+          "max_global_batch_tokens": seqs * mesh.fsdp * m.seq_len, "fixed_bytes": fixed,
+          "bytes_per_local_sequence": per_seq}
+
+
+def calibrated_batch_window(cfg, peaks: dict[int, float]) -> dict[str, float]:
+  """batch_window from measured memory instead of the analytic model: `peaks` maps sequences per fsdp shard to
+  the compiled peak bytes per device (`compiled.memory_analysis()`, two or more batch sizes); the least-squares
+  line through them gives the fixed and per-sequence bytes. How a compile confirms the window."""
+  if len(peaks) < 2:
+    raise ValueError("calibrated_batch_window needs compiled peaks at two or more batch sizes")
+  xs, ys = list(peaks), list(peaks.values())
+  mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+  return batch_window(cfg, (my - slope * mx, slope))
+
+
+def microbatches_to_fit(cfg) -> int | None:
+  """Fewest microbatches (dividing each fsdp shard's sequences) with which the configured global batch fits in
+  HBM; None when even one sequence at a time does not (or a shard holds less than one whole sequence and does
+  not fit)."""
+  local = global_tokens(cfg) / cfg.mesh.fsdp / cfg.model.seq_len
+  whole = local >= 1 and local == int(local)
+  for k in ([d for d in range(1, int(local) + 1) if int(local) % d == 0] if whole else [1]):
+    if memory_per_device(_with(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
+      return k
+  return None
+
+
+# ----------------------------------------------------------------------------------------------- layout search
+
+# Torus rank of the TPU presets (Scaling Book, tpus.md: v4 and v5p are 3D tori, v5e and v6e 2D).
+TORUS_RANK = {"tpu_v4": 3, "tpu_v5p": 3, "tpu_v5e": 2, "tpu_v6e": 2}
+
+
+def default_torus(hw, n: int) -> tuple[int, ...]:
+  """The most nearly cubic torus of n chips with the preset's rank: 4096 -> 16x16x16 on v5p, 256 -> 16x16 on
+  v5e (prime factors, largest first, each onto the smallest axis so far)."""
+  dims, left, f = [1] * TORUS_RANK.get(hw.name, 3), n, 2
+  factors = []
+  while left > 1:
+    while left % f == 0:
+      factors.append(f)
+      left //= f
+    f += 1
+  for f in sorted(factors, reverse=True):
+    dims[dims.index(min(dims))] *= f
+  return tuple(sorted(dims, reverse=True))
+
+
+def torus_axes(sizes: list[int], dims: tuple[int, ...]) -> list[tuple[int, float]] | None:
+  """(M, hops) of each mesh axis (sizes innermost first) laid out in order over the torus. M: the whole torus
+  axes (wraparound rings) it covers, at least 1; tensor 4, fsdp 1024 on 16x16x16: tensor takes 4 of the first
+  axis (M_Y = 1), fsdp the other 4 of it and the two other axes (M_X = 2), the book's M_X M_Y = 2 for X = 1024,
+  Y = 4. hops: the latency of one collective, a ring per physical axis spanned, the sum of their sizes / 2.
+  None when the sizes do not tile the dims."""
+  left, out = list(dims), []
+  for size in sizes:
+    need, whole, hops = size, 0, 0.0
+    for i, r in enumerate(left):
+      g = math.gcd(need, r)
+      if g > 1:
+        whole += g == dims[i]
+        hops += g / 2
+        left[i] //= g
+        need //= g
+    if need != 1:
+      return None
+    out.append((max(1, whole), hops))
+  return out
+
+
+def switch_bandwidths(hw, sizes: list[int]) -> list[float]:
+  """Bytes/s of each mesh axis (innermost first) on a GPU switch: inside a node every axis gets the GPU's NVLink
+  egress (ici_bandwidth); an axis that crosses nodes gets the NICs of its g members in each node, g x
+  dcn_bandwidth (gpus.md: 8 x 400 Gbps = 400 GB/s per node, so the data axis of one GPU per node gets 50 GB/s).
+  Presets without a node size (domain_devices 0) or NICs give every axis ici_bandwidth."""
+  dom, inner, out = hw.domain_devices, 1, []
+  for size in sizes:
+    if size == 1 or not dom or not hw.dcn_bandwidth or inner * size <= dom:
+      out.append(hw.ici_bandwidth)
+    else:
+      out.append(min(hw.ici_bandwidth, max(1, dom // inner) * hw.dcn_bandwidth))
+    inner *= size
+  return out
+
+
+def _factorizations(n: int):
+  for data in range(1, n + 1):
+    if n % data == 0:
+      for fsdp in range(1, n // data + 1):
+        if (n // data) % fsdp == 0:
+          yield data, fsdp, n // data // fsdp
+
+
+def _sharding_problems(m, fsdp: int, tensor: int) -> list[str]:
+  """What shardlab cannot shard (the divisibility rules of validate.py, without importing JAX)."""
+  rules = [("model.d_model", m.d_model, "fsdp", fsdp)]
+  if m.kind != "ffn":
+    rules += [("model.n_heads", m.n_heads, "tensor", tensor), ("model.vocab_size", m.vocab_size, "tensor", tensor)]
+  rules += [("model.d_ff", m.d_ff, "tensor", tensor)]
+  return [f"sharding: {name}={v} is not divisible by {axis}={size}" for name, v, axis, size in rules if v % size]
+
+
+def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str, float],
+                    ici_axes: dict[str, int], hops: dict[str, float] | None = None) -> dict[str, Any]:
+  """One data x fsdp x tensor layout at the configured global batch: memory, compute-bound, step time and MFU.
+
+  data is the HSDP replica axis: parameters replicated over it (state 16 B/param / (fsdp tensor)), the batch
+  sharded over data x fsdp, each block's gradient AllReduced over data in backward. Roofline: per block,
+  max(math, each axis's comms) forward and backward (comms overlap each other and the math, the book's current
+  form), plus the embeddings as one more block without TP traffic. Step time = roofline / train.mfu (the
+  fraction of its roofline a compute-bound step reaches: the book's 40% gives its 300 ms), so a comm-bound
+  layout is slower by its comm / math. compute_bound is the book's test: every axis's comms within the math of
+  its pass. mfu = 6 P B / (N C step).
+  """
+  m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
+  tokens = global_tokens(cfg)
+  b = tokens / (data * fsdp * tensor)
+  sub = _with(cfg, mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": ici_axes["fsdp"],
+                         "tensor_ici_axes": ici_axes["tensor"]}, train={"global_batch_tokens": tokens / data})
+  args = (bandwidth["fsdp"], bandwidth["tensor"], data, bandwidth["data"])
+  block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
+  step = (m.n_layers * (block.forward(b) + block.backward(b)) + embed.forward(b) + embed.backward(b)) / cfg.train.mfu
+  ratios = block.comm_to_math(b)
+  mem = memory_per_device(sub)
+  state = mem["master_params"] + mem["grads"] + mem["optimizer"]
+  critical, binding = block.critical_batch()
+
+  why = _sharding_problems(m, fsdp, tensor)
+  if mem["total"] > hbm:
+    k = microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
+    why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
+               f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
+               f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k}" if k else ""))
+  need = block.critical_batches()
+  what = {"fsdp": "the weight AllGather", "tensor": "the activation AllGather/ReduceScatter",
+          "data": "the gradient AllReduce"}
+  for axis, r in ratios.items():
+    if r > 1:
+      at = ("at any batch (tensor > M_Y F / alpha)" if need[axis] is None
+            else f"per-device batch {b:.0f} < {need[axis]:.0f} tokens")
+      why.append(f"communication: {axis}: {what[axis]} takes {r:.2f}x the math it overlaps, {at}")
+
+  notes = []
+  local_seqs = tokens / (data * fsdp) / m.seq_len
+  if local_seqs != int(local_seqs) or local_seqs < 1:
+    notes.append(f"each batch shard holds {local_seqs:.3g} sequences: shardlab shards whole sequences over "
+                 "data x fsdp (fractions need sequence sharding)")
+  return {
+      "data": data, "fsdp": fsdp, "tensor": tensor, "fits": mem["total"] <= hbm,
+      "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
+      "mfu": 6 * param_count(m) * b / (hw.peak_flops * step), "rejected_because": why,
+      "memory_per_device_bytes": mem["total"], "memory_margin_bytes": hbm - mem["total"],
+      "batch_per_device_tokens": b, "comm_to_math": ratios,
+      "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
+      **{k: v for k, v in batch_window(sub).items() if k.startswith("max_batch_per_device")},
+      "ici_axes": ici_axes, "axis_bandwidth": bandwidth, "latency_hops": hops, "notes": notes,
+  }
+
+
+def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+  """Every data x fsdp x tensor factorization of the device count (default mesh.fsdp * mesh.tensor), laid out
+  tensor innermost, then fsdp, then data, ranked best first: qualifying layouts (they fit and are compute-bound)
+  by step time, then the smallest worst comm/math ratio (the most slack), then memory; then the rejected ones:
+  those that fit (by step time), then those that do not, least memory first."""
+  hw = cfg.hardware
+  n = devices or cfg.mesh.fsdp * cfg.mesh.tensor
+  if n < 1:
+    raise ValueError(f"devices={n} must be >= 1")
+  if torus is not None and not hw.torus:
+    raise ValueError(f"torus={'x'.join(map(str, torus))}: hardware={hw.name} is a switch, not a torus")
+  dims = (torus or default_torus(hw, n)) if hw.torus else None
+  if dims is not None and math.prod(dims) != n:
+    raise ValueError(f"torus={'x'.join(map(str, dims))} holds {math.prod(dims)} chips, not the {n} devices searched")
+  out = []
+  for data, fsdp, tensor in _factorizations(n):
+    sizes = [tensor, fsdp, data]                   # innermost first
+    names = ("tensor", "fsdp", "data")
+    placed = torus_axes(sizes, dims) if dims is not None else None
+    if placed:
+      axes, hops = [a for a, _ in placed], dict(zip(names, [h for _, h in placed]))
+      bws = [hw.axis_bandwidth(a) for a in axes]
+    else:                                          # a switch (or sizes that do not tile the torus)
+      axes, hops = [1, 1, 1], None
+      bws = switch_bandwidths(hw, sizes) if dims is None else [hw.ici_bandwidth] * 3
+    layout = evaluate_layout(cfg, data, fsdp, tensor, dict(zip(names, bws)), dict(zip(names, axes)), hops)
+    if dims is not None and not placed:
+      layout["rejected_because"].insert(0, f"sharding: {data}x{fsdp}x{tensor} does not tile the torus "
+                                           f"{'x'.join(map(str, dims))}")
+    out.append(layout)
+  out.sort(key=lambda l: (bool(l["rejected_because"]), not l["fits"], 0 if l["fits"] else l["memory_per_device_bytes"],
+                          l["step_time_s"], max(l["comm_to_math"].values()), l["memory_per_device_bytes"]))
+  return out
+
+
+def confirm_on_target(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str, Any]]:
+  """Compile the best k layouts for the target and report the compiled memory and calibrated step time beside
+  the closed forms. Needs compilation for the target hardware, which shardlab does not have yet."""
+  from shardlab.mesh import ConfigError
+  raise ConfigError(f"confirm=true: compiling the best {k} layouts for {cfg.hardware.name} is not available yet "
+                    "(needs compilation for the target); top=K lists them by the closed forms")
 
 
 # ------------------------------------------------------------------------------------------------------ the plan
@@ -253,6 +552,9 @@ def plan(cfg) -> dict[str, Any]:
   w_bytes, a_bytes = comm_bytes(cfg)
 
   per_layer = layer_times(cfg)
+  critical, binding = block_costs(cfg, hw.axis_bandwidth(mesh.fsdp_ici_axes),
+                                  hw.axis_bandwidth(mesh.tensor_ici_axes)).critical_batch()
+  window = batch_window(cfg)
   # The embedding / unembedding are gathered over fsdp like a layer; their TP traffic (logits) is left out.
   emb_fsdp = ((3 if cfg.schedule.reshard_after_forward else 2) * collective_time(
       w_bytes * embed_params(m) / y, x, hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.hop_latency_s))
@@ -278,6 +580,9 @@ def plan(cfg) -> dict[str, Any]:
       "memory_per_device_bytes": mem,
       "hbm_bytes": hw.hbm_bytes,
       "fits_in_hbm": mem["total"] <= hw.hbm_bytes,
+      "max_batch_per_device_tokens": window["max_batch_per_device_tokens"],
+      "batch_window": window,
+      "microbatches": microbatches_to_fit(cfg),
       "min_devices_to_fit": min_devices_to_fit(p, hw.hbm_bytes, 4 * dtype_bytes(cfg.precision.param_dtype)),
       "alpha": a,
       "axis_bandwidth": {"fsdp": hw.axis_bandwidth(mesh.fsdp_ici_axes),
@@ -287,6 +592,8 @@ def plan(cfg) -> dict[str, Any]:
           "dp": critical_batch_dp(a, m_x, w_bytes),
           "fsdp": critical_batch_fsdp(a, m_x, w_bytes),
           "fsdp_tp": critical_batch_fsdp_tp(a, m.d_ff, m_x, m_y, w_bytes, a_bytes),
+          "this_mesh": critical,       # below it a block's forward fsdp or tensor comms exceed its math
+          "binding_axis": binding,     # the axis that binds there (tensor with this_mesh null: at any batch)
       },
       "critical_batch_form": "overlapped (current Scaling Book): fsdp_tp = alpha^2/(M_X M_Y F); additive is 4x",
       "tensor_max_width": tensor_max_width(a, m.d_ff, m_y, a_bytes),
@@ -313,5 +620,7 @@ def plan(cfg) -> dict[str, Any]:
           "scaled by the configured comm bytes (the book's bf16 is 2 and 2)",
           "GPU presets ignore *_ici_axes: a switch gives each GPU the same egress on any mesh axis",
           "activations are an estimate (plain attention saves [B,H,T,T] probs); measure with memory_analysis()",
+          "max_batch_per_device_tokens: whole sequences per fsdp shard that fit in HBM by this memory model; "
+          "microbatches: the fewest that fit the global batch (null: none does)",
       ],
   }
