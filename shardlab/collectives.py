@@ -85,7 +85,8 @@ def _block(x, dim: int, index, size: int):
 
 def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool = False,
                       name: str = "ag_matmul_ring"):
-  """f(all_gather(x, axis, dim)) by a ring: x[.., L_axis, ..] -> f(x)[.., L, ..].
+  """f(all_gather(x, axis, dim)) by a ring: x[.., L_axis, ..] -> f(x)[.., L, ..]. `f` may return a tuple
+  (several contractions of the same block: one ring for all of them).
 
   Unidirectional: n-1 ppermutes of one block each, (n-1)/n of the gathered bytes, as the all-gather it
   replaces. Bidirectional: the block is split in halves travelling opposite ways; same bytes, half the
@@ -99,14 +100,14 @@ def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool =
     return f(x)
   r = jax.lax.axis_index(axis)
   with jax.named_scope(name):
+    put = lambda out, y, block: jax.tree.map(
+        lambda o, b: jax.lax.dynamic_update_slice_in_dim(o, b, block * b.shape[dim], axis=dim), out, y)
     if not bidirectional:
       blk = x
-      outs = []
       for s in range(n):
-        outs.append((r - s) % n)        # after s shifts of +1, this device holds the block of rank r-s
-        y = f(blk)
-        out = y_full(y, dim, n) if s == 0 else out
-        out = jax.lax.dynamic_update_slice_in_dim(out, y, outs[-1] * y.shape[dim], axis=dim)
+        y = f(blk)                      # after s shifts of +1, this device holds the block of rank r-s
+        out = jax.tree.map(lambda b: y_full(b, dim, n), y) if s == 0 else out
+        out = put(out, y, (r - s) % n)
         if s < n - 1:
           blk = ring_shift(blk, axis, +1)
       return out
@@ -115,10 +116,9 @@ def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool =
     for s in range(n):
       y_lo, y_hi = f(lo), f(hi)         # lo travels +1 (holds rank r-s), hi travels -1 (holds rank r+s)
       if s == 0:
-        out = y_full(y_lo, dim, 2 * n)
-      hs = y_lo.shape[dim]
-      out = jax.lax.dynamic_update_slice_in_dim(out, y_lo, ((r - s) % n) * 2 * hs, axis=dim)
-      out = jax.lax.dynamic_update_slice_in_dim(out, y_hi, ((r + s) % n) * 2 * hs + hs, axis=dim)
+        out = jax.tree.map(lambda b: y_full(b, dim, 2 * n), y_lo)
+      out = put(out, y_lo, 2 * ((r - s) % n))        # in half-blocks
+      out = put(out, y_hi, 2 * ((r + s) % n) + 1)
       if s < n - 1:
         lo, hi = ring_shift(lo, axis, +1), ring_shift(hi, axis, -1)
     return out

@@ -31,15 +31,24 @@ class ModelConfig:
   d_ff: int = 128
   n_layers: int = 2
   n_heads: int = 8
+  n_kv_heads: int = 0        # key/value heads (grouped-query attention); 0: = n_heads (multi-head attention)
   vocab_size: int = 256
   seq_len: int = 32
   rope_theta: float = 10000.0
   init_std: float = 0.02
   norm_eps: float = 1e-6
+  attention: str = "plain"   # plain (materialises [B, H, L, L]) | blockwise (online softmax, O(L) memory)
+                             # | dot_product (jax.nn.dot_product_attention: cuDNN flash attention on GPU)
+  attention_block: int = 512  # blockwise: queries and keys per block (min(this, seq_len))
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: n_kv_heads, or n_heads when it is 0."""
+    return self.n_kv_heads or self.n_heads
 
 
 @dataclass
@@ -52,7 +61,7 @@ class ScheduleConfig:
   tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce
   grad_reduce: str = "per_layer"  # per_layer | deferred (reduce-scatter once per step, after all microbatches)
   microbatches: int = 1
-  remat: str = "none"             # none | full | save_matmuls
+  remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_attn_out | save_matmuls_and_attn
 
 
 @dataclass

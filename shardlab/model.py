@@ -1,12 +1,14 @@
-"""The model's math on one device's view: a decoder-only transformer (RMSNorm, causal multi-head attention
-with RoPE, SwiGLU MLP, vocabulary-parallel cross-entropy).
+"""The model's math on one device's view: a decoder-only transformer (RMSNorm, causal grouped-query attention
+with RoPE (attention.py), SwiGLU MLP, vocabulary-parallel cross-entropy).
 
 The math never names a collective or a mesh axis. Where a contraction runs over a sharded dimension it asks
 `ops` (the schedule's TP contractions):
   ops.column(x, w, eq)  x[B, L_tp, D] (or x[B, L, D]) . w[D, .., N_tp] -> y[B, L, .., N_tp]
+  ops.columns(x, ws, eqs)  several column contractions of one x, gathered once (Q and K/V)
   ops.row(h, w, eq)     h[B, L, .., N_tp] . w[.., N_tp, D] -> y[B, L_tp, D] (reduced over tensor)
   ops.reduce(y)         y[B, L, D]{U_tp} -> y[B, L_tp, D]
-  ops.vocab_max/vocab_sum/vocab_start, ops.batch_sum: reductions over the vocab and batch shards.
+  ops.vocab_max/vocab_sum/vocab_start, ops.batch_sum: reductions over the vocab and batch shards;
+  ops.head_start: the first query head this device holds.
 With `IdentityOps` every one of these is the plain operation: that is the unsharded model.
 Weights come from `w.get(name)` (gathered by the schedule) and the layer stack runs as `w.layers(x, layer)`.
 """
@@ -14,8 +16,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from shardlab import attention as A
 from shardlab.config import ModelConfig
+
+QKV_PROJ = "qkv_proj"   # checkpoint names the remat policies keep (schedules/explicit.py: REMAT)
+ATTN_OUT = A.ATTN_OUT   # the attention output (named by attention.attend)
 
 
 def rms_norm(x_BLD, scale_D, eps):
@@ -34,21 +41,34 @@ def rope(x_BLHK, theta):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
 
 
-def attention(q_BLHK, k_BLHK, v_BLHK):
-  L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
-  s_BHLL = jnp.einsum("blhk,bmhk->bhlm", q_BLHK, k_BLHK, preferred_element_type=jnp.float32) / jnp.sqrt(K)
-  causal_LL = jnp.tril(jnp.ones((L, L), bool))
-  s_BHLL = jnp.where(causal_LL, s_BHLL, -jnp.inf)
-  p_BHLL = jax.nn.softmax(s_BHLL, axis=-1).astype(v_BLHK.dtype)
-  return jnp.einsum("bhlm,bmhk->blhk", p_BHLL, v_BLHK)
+def local_kv(ops, m: ModelConfig, wkv_D2GK, h_local: int):
+  """This device's K/V weights and, per local query head, the K/V head it reads (None: in order, R each).
+
+  K/V heads sharded like the query heads (or not sharded): local query head j reads local K/V head j // R.
+  Replicated over tensor (tensor does not divide G): the device slices the K/V heads its query heads
+  h0..h0+h_local-1 read (h // R), so it computes no K/V it does not use; one head when tensor is a multiple
+  of G (each device's query heads in one group), else an index per query head."""
+  R, G = m.n_heads // m.kv_heads, m.kv_heads
+  if wkv_D2GK.shape[2] * R == h_local:
+    return wkv_D2GK, None
+  T = m.n_heads // h_local
+  need = max(((r + 1) * h_local - 1) // R - (r * h_local) // R + 1 for r in range(T))
+  h0 = ops.head_start(h_local)
+  start = jnp.minimum(h0 // R, G - need)
+  w_D2NK = jax.lax.dynamic_slice_in_dim(wkv_D2GK, start, need, axis=2)
+  return w_D2NK, (None if need == 1 else (h0 + jnp.arange(h_local)) // R - start)
 
 
 def layer(ops, m: ModelConfig, x_BLD, w):
   """One block. x is the residual stream (sequence-sharded over `tensor` when ops.seq_sharded)."""
   h_BLD = rms_norm(x_BLD, w["attn_norm"], m.norm_eps)
-  qkv_BL3HK = ops.column(h_BLD, w["wqkv"], "bld,dthk->blthk")
-  q_BLHK, k_BLHK, v_BLHK = (qkv_BL3HK[:, :, i] for i in range(3))
-  o_BLHK = attention(rope(q_BLHK, m.rope_theta), rope(k_BLHK, m.rope_theta), v_BLHK)
+  wkv_D2GK, kv_index = local_kv(ops, m, w["wkv"], w["wq"].shape[1])
+  q_BLHK, kv_BL2GK = ops.columns(h_BLD, (w["wq"], wkv_D2GK), ("bld,dhk->blhk", "bld,dtgk->bltgk"))
+  q_BLHK, kv_BL2GK = checkpoint_name(q_BLHK, QKV_PROJ), checkpoint_name(kv_BL2GK, QKV_PROJ)
+  k_BLGK, v_BLGK = kv_BL2GK[:, :, 0], kv_BL2GK[:, :, 1]
+  if kv_index is not None:   # one K/V head per query head (replicated K/V, heads not aligned to devices)
+    k_BLGK, v_BLGK = jnp.take(k_BLGK, kv_index, axis=2), jnp.take(v_BLGK, kv_index, axis=2)
+  o_BLHK = A.attend(m.attention, rope(q_BLHK, m.rope_theta), rope(k_BLGK, m.rope_theta), v_BLGK, m.attention_block)
   x_BLD = x_BLD + ops.row(o_BLHK, w["wo"], "blhk,hkd->bld")
   h_BLD = rms_norm(x_BLD, w["mlp_norm"], m.norm_eps)
   gu_BL2F = ops.column(h_BLD, w["wi"], "bld,dtf->bltf")

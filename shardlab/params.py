@@ -17,6 +17,7 @@ from shardlab.mesh import FSDP, TENSOR
 LAYOUT = {
     "embed": FSDP,    # every weight's d_model dim: FSDP (ZeRO-3) shards all parameter state over `fsdp`
     "heads": TENSOR,  # attention heads: column-parallel QKV, row-parallel output projection
+    "kv_heads": TENSOR,  # key/value heads when mesh.tensor divides them (else declared replicated: see declare)
     "mlp": TENSOR,    # d_ff: column-parallel gate/up, row-parallel down
     "vocab": TENSOR,  # vocabulary-parallel embedding, unembedding and cross-entropy
     "batch": FSDP,    # activations: the batch
@@ -30,6 +31,9 @@ class Param:
   axes: tuple[str | None, ...]   # logical axis per dim
   init: str = "normal"           # normal | ones
   decay: bool = True             # AdamW weight decay (not on norm scales)
+  # Replicated over `tensor` but read by tensor-parallel compute (K/V heads that tensor does not divide): each
+  # tensor rank's gradient is partial, and the schedule sums it over `tensor` (the pvary in its gather).
+  tensor_replicated: bool = False
 
   def spec(self) -> P:
     return P(*(LAYOUT.get(a) if a else None for a in self.axes))
@@ -49,14 +53,28 @@ class Param:
     return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
 
 
-def declare(m: ModelConfig) -> dict:
-  """Every parameter of the model: W[D, 3, H, K] reads 'd_model x (q,k,v) x heads x head_dim'."""
+def kv_sharded(m: ModelConfig, tensor: int | None) -> bool:
+  """K/V heads are sharded over `tensor` when its size divides them (None: assume it does)."""
+  return tensor is None or m.kv_heads % tensor == 0
+
+
+def declare(m: ModelConfig, tensor: int | None = None) -> dict:
+  """Every parameter of the model: W[D, 2, G, K] reads 'd_model x (k,v) x kv heads x head_dim'.
+
+  tensor: the size of the mesh's `tensor` axis. K/V heads (G = model.kv_heads) are sharded over it when it
+  divides G, and replicated over it otherwise (e.g. G=1, multi-query attention, on any tensor size); None:
+  sharded. Query heads always are (validation requires tensor | H)."""
   D, F, H, K, V, NL = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers
+  G = m.kv_heads
+  kv = Param((NL, D, 2, G, K), ("layers", "embed", None, "kv_heads", "head_dim"))
+  if not kv_sharded(m, tensor):
+    kv = Param(kv.shape, ("layers", "embed", None, None, "head_dim"), tensor_replicated=True)
   return {
       "embed": Param((V, D), ("vocab", "embed")),
       "layers": {
           "attn_norm": Param((NL, D), ("layers", "embed"), "ones", decay=False),
-          "wqkv": Param((NL, D, 3, H, K), ("layers", "embed", None, "heads", "head_dim")),
+          "wq": Param((NL, D, H, K), ("layers", "embed", "heads", "head_dim")),
+          "wkv": kv,
           "wo": Param((NL, H, K, D), ("layers", "heads", "head_dim", "embed")),
           "mlp_norm": Param((NL, D), ("layers", "embed"), "ones", decay=False),
           "wi": Param((NL, D, 2, F), ("layers", "embed", None, "mlp")),   # SwiGLU gate and up, fused

@@ -30,10 +30,12 @@ def loss(params, tokens, targets, cfg: Config):
   for i in range(m.n_layers):
     p = {k: v[i] for k, v in params["layers"].items()}
     h = _norm(x, p["attn_norm"], m.norm_eps)
-    q = jnp.einsum("bld,dhk->blhk", h, p["wqkv"][:, 0])
-    k = jnp.einsum("bld,dhk->blhk", h, p["wqkv"][:, 1])
-    v = jnp.einsum("bld,dhk->blhk", h, p["wqkv"][:, 2])
+    q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
+    k = jnp.einsum("bld,dhk->blhk", h, p["wkv"][:, 0])
+    v = jnp.einsum("bld,dhk->blhk", h, p["wkv"][:, 1])
     q, k = _rope(q, m.rope_theta), _rope(k, m.rope_theta)
+    rep = m.n_heads // m.kv_heads              # grouped-query: each K/V head serves `rep` query heads in a row
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     att = jnp.einsum("blhk,bmhk->bhlm", q, k) / jnp.sqrt(q.shape[-1])
     att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1)
     o = jnp.einsum("bhlm,bmhk->blhk", att, v)

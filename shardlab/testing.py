@@ -469,10 +469,12 @@ def assert_collectives(fn, args=(), expected: dict | None = None, mesh=None, exa
 
 # ---------------------------------------------------------------------------------- schedules, tiny model
 
-def tiny_config(**schedule):
-  """The tiny model used by the tests: 4 layers, so that prefetch depth 2 still runs a loop of 2 trips."""
+def tiny_config(model: dict | None = None, **schedule):
+  """The tiny model used by the tests: 4 layers, so that prefetch depth 2 still runs a loop of 2 trips.
+  `model`: ModelConfig fields to change (e.g. {"n_kv_heads": 2, "attention": "blockwise"})."""
   from shardlab.config import Config, ModelConfig, ScheduleConfig, TrainConfig
-  return Config(model=ModelConfig(n_layers=4), schedule=ScheduleConfig(**schedule), train=TrainConfig(steps=3))
+  return Config(model=ModelConfig(**{"n_layers": 4, **(model or {})}), schedule=ScheduleConfig(**schedule),
+                train=TrainConfig(steps=3))
 
 
 @functools.lru_cache(maxsize=None)
@@ -483,12 +485,17 @@ def tiny_batch():
   return markov_batch(0, 0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching)
 
 
+def reference_loss_and_grads(model: dict | None = None):
+  """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
+  `tiny_batch()`; cached."""
+  return _reference_loss_and_grads(tuple(sorted((model or {}).items())))
+
+
 @functools.lru_cache(maxsize=None)
-def reference_loss_and_grads():
-  """Loss and gradients of the unsharded reference on the tiny model and `tiny_batch()`."""
+def _reference_loss_and_grads(model_items: tuple):
   import jax
   from shardlab import params as PM, reference as R
-  cfg = tiny_config()
+  cfg = tiny_config(dict(model_items))
   p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
   b = tiny_batch()
   with jax.numpy_dtype_promotion("strict"):
@@ -510,23 +517,24 @@ def _schedule_key(schedule, knobs) -> tuple:
   return cls, tuple(sorted((k, v) for k, v in cfg.items() if k != "name"))
 
 
-def compile_schedule(schedule=None, mesh_shape=(2, 4), **knobs):
+def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
-  **knobs), model, compute_dtype), like the registered ones); knobs override."""
-  return _compile_schedule(tuple(mesh_shape), *_schedule_key(schedule, knobs))
+  **knobs), model, compute_dtype), like the registered ones); knobs override. model: ModelConfig fields
+  to change (tiny_config)."""
+  return _compile_schedule(tuple(mesh_shape), *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_schedule(mesh_shape, cls, items):
+def _compile_schedule(mesh_shape, cls, items, model_items=()):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   from shardlab import params as PM, schedules, train as T
-  cfg = tiny_config(**dict(items))
+  cfg = tiny_config(dict(model_items), **dict(items))
   mesh = mesh_of(*mesh_shape)
-  decls = PM.declare(cfg.model)
+  decls = PM.declare(cfg.model, mesh_shape[1])
   params = PM.init_sharded(0, decls, cfg.model, mesh)
   b = jax.device_put(tiny_batch(), NamedSharding(mesh, P("fsdp")))
   sched = cls(cfg.schedule, cfg.model, jnp.float32) if cls else schedules.build(cfg.schedule, cfg.model, jnp.float32)

@@ -14,6 +14,7 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
 def validate(cfg: Config, n_devices: int | None = None) -> None:
   """Raise ConfigError for the first setting that cannot work. `n_devices`: the devices present, if known."""
   from shardlab import schedules
+  from shardlab.attention import IMPLS, block_size
   from shardlab.train import DTYPES
   m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
   if mesh.fsdp < 1 or mesh.tensor < 1:
@@ -38,6 +39,18 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     if getattr(m, name) < 1:
       raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 1")
   _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
+  if m.n_kv_heads < 0:
+    raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must be >= 1 (or 0: as many as model.n_heads)")
+  if m.n_heads % m.kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads} (each "
+                      f"key/value head serves the same number of query heads); choose n_kv_heads dividing n_heads")
+  if m.attention not in IMPLS:
+    raise ConfigError(f"model.attention={m.attention}: unknown; choose one of {', '.join(IMPLS)}")
+  if m.attention_block < 1:
+    raise ConfigError(f"model.attention_block={m.attention_block}: must be >= 1")
+  if m.attention == "blockwise" and m.seq_len % block_size(m.seq_len, m.attention_block):
+    raise ConfigError(f"model.seq_len={m.seq_len} is not a multiple of model.attention_block={m.attention_block} "
+                      f"(blockwise attention splits the sequence into blocks); choose a block dividing seq_len")
   if m.head_dim % 2:
     raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
   _divides("model.d_model", m.d_model, "mesh.fsdp", mesh.fsdp, "every weight's d_model dim is sharded over fsdp")

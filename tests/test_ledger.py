@@ -58,6 +58,7 @@ def hand_ledger(mesh_shape, knobs: dict) -> dict:
   cfg = tiny_config(**knobs)
   m, s = cfg.model, cfg.schedule
   D, F, H, K, V, NL, L = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers, m.seq_len
+  G = m.kv_heads
   X, Y = mesh_shape
   k = s.microbatches
   b = cfg.train.batch_size // X // k                 # sequences per device per microbatch
@@ -74,7 +75,7 @@ def hand_ledger(mesh_shape, knobs: dict) -> dict:
     row["bytes"] += count * moved
 
   # FSDP: the gathered weight W[D, N_tp] of each parameter (dims sharded over tensor stay divided by Y).
-  norms, mats = [D, D], [D * 3 * H * K // Y, H * K * D // Y, D * 2 * F // Y, F * D // Y]
+  norms, mats = [D, D], [D * H * K // Y, D * 2 * G * K // Y, H * K * D // Y, D * 2 * F // Y, F * D // Y]
   top = [V * D // Y, D, D * V // Y]                  # embed, final_norm, unembed
   if s.grad_reduce == "deferred":                    # every parameter gathered and reduced once, as a stack
     for e in [NL * e for e in norms + mats] + top:
@@ -92,7 +93,8 @@ def hand_ledger(mesh_shape, knobs: dict) -> dict:
   add("all-reduce", "fsdp", 1, k)                     # loss_sum, a scalar per microbatch
 
   # TP: a sequence-sharded activation x[b, L_tp, D] gathers to `act` elements. Contractions: per layer
-  # column(qkv), row(out), column(wi), row(wd); plus the unembedding column; plus the embedding's reduce.
+  # column(q and k/v, one gather), row(out), column(wi), row(wd); plus the unembedding column; plus the
+  # embedding's reduce.
   act, contractions = b * L * D, 4 * NL + 1
   if s.tp == "allreduce":                             # psum per row + embed (fwd), per column input (bwd)
     add("all-reduce", "tensor", act, k * (2 * NL + 1 + 2 * NL + 1))

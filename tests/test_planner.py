@@ -25,8 +25,8 @@ from shardlab.plan import compose
 REPO = Path(__file__).resolve().parents[1]
 V5P = HardwareConfig(name="tpu_v5p", peak_flops=4.59e14, ici_bandwidth=1.8e11, hbm_bytes=95e9, torus=True)
 H100 = HardwareConfig(name="h100", peak_flops=9.9e14, ici_bandwidth=4.5e11, torus=False)
-LLAMA2_13B = ModelConfig(name="llama2_13b", d_model=5120, d_ff=13824, n_layers=40, n_heads=40,
-                         vocab_size=32000, seq_len=4096)
+LLAMA2_13B = ModelConfig(name="llama2_13b", d_model=5120, d_ff=13824, n_layers=40, n_heads=40, n_kv_heads=40,
+                         vocab_size=32000, seq_len=4096, norm_eps=1e-5, attention="blockwise", attention_block=512)
 BF16 = PrecisionConfig(param_dtype="float32", compute_dtype="bfloat16")
 CONTRACT = ["n_params", "memory_per_device_bytes", "critical_batch_per_device", "x_opt", "t_math_s", "t_comm_s",
             "compute_bound", "min_devices_to_fit", "step_time_s"]

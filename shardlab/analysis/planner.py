@@ -65,23 +65,41 @@ def global_tokens(cfg) -> int:
 
 # -------------------------------------------------------------------------------------------------------- memory
 
+ATTENTION_STATS = {"plain": "probs", "blockwise": "lse", "dot_product": "lse"}
+REMAT_POLICIES = ("none", "full", "save_matmuls", "save_qkv_proj", "save_qkv_attn_out", "save_matmuls_attn_out")
+
+
 def activation_elements_per_token(model, remat: str) -> int:
   """Elements one layer saves for backward, per token, before TP sharding (an estimate; measure with
-  `compiled.memory_analysis()`).
+  `compiled.memory_analysis()`). Q = H K = D query features, KV = 2 G K key/value features (G = model.kv_heads,
+  grouped-query attention), S the attention's softmax statistics per token: H T for plain attention (it keeps
+  the probabilities [B, H, T, T]; JAX's softmax keeps a few arrays of that size), H (the log-sum-exp) for
+  blockwise and dot_product (flash attention: no T^2 term).
 
-  transformer, remat=none: norm in/out 2D, qkv 3D, softmax probs H*T (plain attention materialises [B,H,T,T]),
-    attention out D, norm in/out 2D, SwiGLU in-proj 2F and gated F  -> 8D + 3F + H*T.
-  remat=save_matmuls: layer input D, every dot output (qkv 3D, scores H*T, out-proj D, in-proj 2F, out D).
+  transformer, remat=none: norm in/out 2D, Q D and KV, S, attention out D, norm in/out 2D, SwiGLU in-proj 2F
+    and gated F  -> 6D + KV + 3F + S (8D + 3F + H T for multi-head plain attention).
+  save_matmuls: layer input D, the projections' outputs (Q D, KV, out-proj D, in-proj 2F) -> 3D + KV + 2F.
+  save_qkv_proj: layer input D, Q D and KV -> 2D + KV.
+  save_qkv_attn_out: save_qkv_proj + attention out D (+ the log-sum-exp H for blockwise).
+  save_matmuls_attn_out: save_matmuls + attention out D (+ H for blockwise).
   remat=full: the layer input D only (one layer's full set is recomputed at a time; see `memory_per_device`).
   ffn: input D and hidden F (the book's "checkpoint after the big matmuls"), D with remat=full.
   """
   d, f = model.d_model, model.d_ff
-  if remat not in ("none", "save_matmuls", "full"):
-    raise ValueError(f"unknown schedule.remat {remat!r}; expected none | save_matmuls | full")
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unknown schedule.remat {remat!r}; expected {' | '.join(REMAT_POLICIES)}")
   if model.kind == "ffn":
     return d if remat == "full" else d + f
-  scores = model.n_heads * model.seq_len
-  return {"none": 8 * d + 3 * f + scores, "save_matmuls": 6 * d + 2 * f + scores, "full": d}[remat]
+  h = model.n_heads
+  kv = 2 * (getattr(model, "n_kv_heads", 0) or h) * (d // h)
+  attention = getattr(model, "attention", "plain")
+  if attention not in ATTENTION_STATS:
+    raise ValueError(f"unknown model.attention {attention!r}; expected {' | '.join(ATTENTION_STATS)}")
+  stats = h * model.seq_len if ATTENTION_STATS[attention] == "probs" else h
+  lse = h if attention == "blockwise" else 0        # saved with the attention output (a named residual)
+  return {"none": 6 * d + kv + 3 * f + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
+          "save_qkv_attn_out": 3 * d + kv + lse, "save_matmuls_attn_out": 4 * d + kv + 2 * f + lse,
+          "full": d}[remat]
 
 
 def memory_per_device(cfg) -> dict[str, float]:

@@ -10,7 +10,7 @@
                    deferred: weights gathered once, local gradients accumulated over the microbatches,
                    reduce-scattered once per step
   microbatches     gradient accumulation inside the step
-  remat            none | full | save_matmuls: what a layer keeps for backward
+  remat            what a layer keeps for backward (REMAT: none, full, save_matmuls, save_qkv_proj, ...)
 
 The layer stack is a custom_vjp: the forward saves each layer's residuals (its `jax.vjp` closure, flattened)
 minus the gathered weights, and the backward re-gathers those weights with the same prefetch, then applies
@@ -29,13 +29,32 @@ from shardlab.mesh import FSDP, TENSOR, ConfigError
 from shardlab.params import declare, is_param
 from shardlab.schedules.tp import MATMUL, make_tp
 
+# remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
+#   none                   everything JAX's AD saves (with plain attention, the [B, H, L, L] probabilities)
+#   full                   nothing but the layer input: the whole layer runs again in backward
+#   save_matmuls           every projection's output (Q, K/V, out, gate/up, down); attention recomputed
+#   save_qkv_proj          the Q and K/V projections only (MaxText's save_qkv_proj)
+#   save_qkv_attn_out      Q, K/V and the attention output (blockwise: and its log-sum-exp): attention is
+#                          not recomputed; norms, the out-projection and the MLP are
+#   save_matmuls_attn_out  every projection and the attention output (MaxText's minimal_with_context)
+REMAT = {
+    "none": (),
+    "full": (),
+    "save_matmuls": (MATMUL,),
+    "save_qkv_proj": (M.QKV_PROJ,),
+    "save_qkv_attn_out": (M.QKV_PROJ, M.ATTN_OUT),
+    "save_matmuls_attn_out": (MATMUL, M.ATTN_OUT),
+}
 KNOBS = {"tp": ("allgather", "ring", "ring_bidi", "allreduce"), "grad_reduce": ("per_layer", "deferred"),
-         "remat": ("none", "full", "save_matmuls"), "gather_dtype": ("param", "compute")}
+         "remat": tuple(REMAT), "gather_dtype": ("param", "compute")}
 
 
 def _remat_policy(remat: str):
-  return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-          "save_matmuls": jax.checkpoint_policies.save_only_these_names(MATMUL)}[remat]
+  if remat == "none":
+    return None
+  if remat == "full":
+    return jax.checkpoint_policies.nothing_saveable
+  return jax.checkpoint_policies.save_only_these_names(*REMAT[remat])
 
 
 def _take(stacked, l):
@@ -187,8 +206,12 @@ class ExplicitSchedule:
 
   def gather(self, shard, decl, stacked: bool = False):
     """W[D_fsdp, ..] -> W[D, ..] in the compute dtype. Backward (AD): psum_scatter of the gradient over fsdp,
-    and a psum over the residual axes the weight is replicated on (e.g. norm scales under SP)."""
+    and a psum over the residual axes the weight is replicated on (e.g. norm scales under SP), and over
+    `tensor` for weights replicated there but read by tensor-parallel compute (K/V heads tensor does not
+    divide; summed on the fsdp shard: pvary before the gather in forward, psum after its transpose)."""
     w = shard.astype(self.dtype) if self.cfg.gather_dtype == "compute" else shard
+    if decl.tensor_replicated:
+      w = C.pvary(w, TENSOR, name="replicated_weight")
     dim = decl.dim_of(FSDP)
     if dim is not None:
       w = C.all_gather(w, FSDP, dim + stacked, name="fsdp_all_gather")   # W[D_fsdp, N_tp] -> W[D, N_tp]

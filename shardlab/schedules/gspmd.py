@@ -27,9 +27,8 @@ class ConstrainedOps(IdentityOps):
   def c(self, x, spec):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def column(self, x, w, eq):   # y[B_fsdp, L, .., N_tp]
-    y = super().column(x, w, eq)
-    return self.c(y, P(FSDP, *([None] * (y.ndim - 2)), TENSOR))
+  def columns(self, x, ws, eqs):   # each y[B_fsdp, L, .., N_tp]
+    return tuple(self.c(y, P(FSDP, *([None] * (y.ndim - 2)), TENSOR)) for y in super().columns(x, ws, eqs))
 
   def row(self, h, w, eq):
     return self.c(super().row(h, w, eq), self.residual)

@@ -28,12 +28,28 @@ def _dot(eq):
   return lambda a, w: jnp.einsum(eq, a, w)
 
 
+def _dots(ws, eqs):
+  """One activation block -> the tuple of its contractions with each weight (fused column-parallel)."""
+  return lambda a: tuple(_dot(eq)(a, w) for w, eq in zip(ws, eqs))
+
+
 class IdentityOps:
   """Every reduction and gather is the identity: the model's plain, unsharded math."""
   seq_sharded = False
 
   def column(self, x, w, eq):
-    return checkpoint_name(_dot(eq)(x, w), MATMUL)
+    return self.columns(x, (w, ), (eq, ))[0]
+
+  def columns(self, x, ws, eqs):
+    """Several column-parallel contractions of one input (Q and K/V): the input is gathered once."""
+    return tuple(checkpoint_name(y, MATMUL) for y in self._column(x, _dots(ws, eqs)))
+
+  def _column(self, x, f):
+    return f(x)
+
+  def head_start(self, h_local):
+    """The global index of this device's first head (heads sharded over tensor)."""
+    return 0
 
   def row(self, h, w, eq):
     return checkpoint_name(_dot(eq)(h, w), MATMUL)
@@ -67,14 +83,16 @@ class _TensorParallel(IdentityOps):
   def vocab_start(self, v_local):
     return jax.lax.axis_index(TENSOR) * v_local
 
+  def head_start(self, h_local):
+    return jax.lax.axis_index(TENSOR) * h_local
+
   def batch_sum(self, x):
     return C.psum(x, FSDP, name="loss_sum")
 
 
 class AllGatherTP(_TensorParallel):
-  def column(self, x, w, eq):
-    x = C.all_gather(x, TENSOR, SEQ_DIM, name="tp_all_gather")        # x[B, L_tp, D] -> x[B, L, D]
-    return checkpoint_name(_dot(eq)(x, w), MATMUL)
+  def _column(self, x, f):
+    return f(C.all_gather(x, TENSOR, SEQ_DIM, name="tp_all_gather"))   # x[B, L_tp, D] -> x[B, L, D]
 
   def row(self, h, w, eq):
     y = _dot(eq)(h, w)                                                 # y[B, L, D]{U_tp}
@@ -88,10 +106,8 @@ class RingTP(AllGatherTP):
   def __init__(self, bidirectional: bool = False):
     self.bidirectional = bidirectional
 
-  def column(self, x, w, eq):
-    f = lambda blk: _dot(eq)(blk, w)
-    y = C.all_gather_matmul(x, f, TENSOR, SEQ_DIM, self.bidirectional)
-    return checkpoint_name(y, MATMUL)
+  def _column(self, x, f):
+    return C.all_gather_matmul(x, f, TENSOR, SEQ_DIM, self.bidirectional)
 
   def row(self, h, w, eq):
     f = lambda blk: _dot(eq)(blk, w)
@@ -101,9 +117,8 @@ class RingTP(AllGatherTP):
 class AllReduceTP(_TensorParallel):
   seq_sharded = False
 
-  def column(self, x, w, eq):
-    x = C.pvary(x, TENSOR, name="tp_enter")                           # backward: psum of dgrad over tensor
-    return checkpoint_name(_dot(eq)(x, w), MATMUL)
+  def _column(self, x, f):
+    return f(C.pvary(x, TENSOR, name="tp_enter"))                     # backward: psum of dgrad over tensor
 
   def row(self, h, w, eq):
     return checkpoint_name(C.psum(_dot(eq)(h, w), TENSOR, name="tp_all_reduce"), MATMUL)

@@ -1,0 +1,172 @@
+"""Causal attention, three ways, all the same math: `attend(impl, q_BLHK, k_BLGK, v_BLGK, block)`.
+
+H query heads share G key/value heads (grouped-query attention; G = H is multi-head, G = 1 multi-query):
+query head h reads key/value head h // R, R = H / G (Llama's `repeat_kv` order).
+
+  plain        the readable reference: scores [B, H, L, L] materialised (and saved for backward)
+  blockwise    memory-efficient attention in pure JAX (Rabe & Staats, arXiv:2112.05682; the FlashAttention
+               recurrence, arXiv:2205.14135): queries and keys in blocks, an online softmax over key blocks; a
+               custom_vjp saves only the output and the log-sum-exp and recomputes each block's scores in
+               backward, so memory is O(L) in forward and backward. Compiles anywhere (CPU included).
+  dot_product  jax.nn.dot_product_attention(is_causal=True): cuDNN flash attention on GPU where it applies,
+               XLA's own implementation elsewhere (which materialises the scores, like plain)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from shardlab import collectives as C
+
+IMPLS = ("plain", "blockwise", "dot_product")
+ATTN_OUT = "attn_out"   # the checkpoint name of the attention output (and blockwise's log-sum-exp)
+
+
+def attend(impl: str, q_BLHK, k_BLGK, v_BLGK, block: int = 512):
+  """o[B, L, H, K], named ATTN_OUT (what the save_*attn_out remat policies keep)."""
+  if impl == "plain":
+    return checkpoint_name(plain(q_BLHK, k_BLGK, v_BLGK), ATTN_OUT)
+  if impl == "blockwise":
+    return blockwise(q_BLHK, k_BLGK, v_BLGK, block)   # named inside, with the log-sum-exp
+  if impl == "dot_product":
+    return checkpoint_name(jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=True), ATTN_OUT)
+  raise ValueError(f"model.attention={impl}: unknown; choose one of {', '.join(IMPLS)}")
+
+
+def _grouped(q_BLHK, G):
+  """q[B, L, H, K] -> q[B, L, G, R, K]: the R query heads of each key/value head together."""
+  B, L, H, K = q_BLHK.shape
+  return q_BLHK.reshape(B, L, G, H // G, K)
+
+
+def plain(q_BLHK, k_BLGK, v_BLGK):
+  B, L, H, K = q_BLHK.shape
+  q_BLGRK = _grouped(q_BLHK, k_BLGK.shape[2])
+  s_BGRLM = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK, preferred_element_type=jnp.float32) / jnp.sqrt(K)
+  causal_LM = jnp.tril(jnp.ones((L, L), bool))
+  p_BGRLM = jax.nn.softmax(jnp.where(causal_LM[None, None, None], s_BGRLM, -jnp.inf), axis=-1).astype(v_BLGK.dtype)
+  return jnp.einsum("bgrlm,bmgk->blgrk", p_BGRLM, v_BLGK).reshape(B, L, H, K)
+
+
+# ---------------------------------------------------------------------------------------------- blockwise
+
+def block_size(seq_len: int, block: int) -> int:
+  return min(block, seq_len)
+
+
+def blockwise(q_BLHK, k_BLGK, v_BLGK, block: int = 512):
+  """Causal attention with queries and keys in blocks of `block` (min(block, L); L must be a multiple)."""
+  B, L, H, K = q_BLHK.shape
+  n = block_size(L, block)
+  if L % n:
+    raise ValueError(f"blockwise attention: sequence length {L} is not a multiple of the block size {n}")
+  return _flash(n, q_BLHK, k_BLGK, v_BLGK)
+
+
+def _blocks(x, n):
+  """x[B, L, ...] -> x[L/n, B, n, ...]: blocks of the sequence first (what scan iterates over)."""
+  return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // n, n, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x):
+  """The inverse of `_blocks`."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _zeros(shape, axes, value=0.0):
+  """A float32 scan carry varying over the mesh `axes` its updates vary over (shard_map's type check)."""
+  return C.pvary(jnp.full(shape, value, jnp.float32), tuple(axes), name="zeros")
+
+
+def _varying(*xs) -> frozenset:
+  return frozenset().union(*(C.varying_axes(x) for x in xs))
+
+
+def _scores(q_BNGRK, k_BMGK, i, j):
+  """One block's causal scores s[B, G, R, N, M] (float32), -inf where key j*M+m follows query i*N+n."""
+  N, M, K = q_BNGRK.shape[1], k_BMGK.shape[1], q_BNGRK.shape[-1]
+  s = jnp.einsum("bngrk,bmgk->bgrnm", q_BNGRK, k_BMGK, preferred_element_type=jnp.float32) / jnp.sqrt(K)
+  causal_NM = (i * N + jnp.arange(N))[:, None] >= (j * M + jnp.arange(M))[None, :]
+  return jnp.where(causal_NM[None, None, None], s, -jnp.inf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(n, q_BLHK, k_BLGK, v_BLGK):
+  return _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK)[0]
+
+
+def _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK):
+  """For each query block, an online softmax over every key block (masked ones contribute exp(-inf) = 0;
+  key block 0 holds key 0, which every query sees, so the running max is finite after the first step).
+  The output and the log-sum-exp are named ATTN_OUT: a remat policy that keeps them does not rerun this."""
+  q_BLGRK = _grouped(q_BLHK, k_BLGK.shape[2])
+  B, L, G, R, K = q_BLGRK.shape
+  kb, vb = _blocks(k_BLGK, n), _blocks(v_BLGK, n)
+  axes = _varying(q_BLGRK, k_BLGK, v_BLGK)
+
+  def q_block(_, iq):
+    i, q_BNGRK = iq
+
+    def k_block(carry, jkv):
+      m_BGRN, l_BGRN, acc_BGRNK = carry
+      j, k_BMGK, v_BMGK = jkv
+      s = _scores(q_BNGRK, k_BMGK, i, j)
+      m_new = jnp.maximum(m_BGRN, jnp.max(s, axis=-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m_BGRN - m_new)
+      pv = jnp.einsum("bgrnm,bmgk->bgrnk", p.astype(v_BMGK.dtype), v_BMGK, preferred_element_type=jnp.float32)
+      return (m_new, l_BGRN * corr + jnp.sum(p, axis=-1), acc_BGRNK * corr[..., None] + pv), None
+
+    init = (_zeros((B, G, R, n), axes, -jnp.inf), _zeros((B, G, R, n), axes), _zeros((B, G, R, n, K), axes))
+    (m, l, acc), _ = jax.lax.scan(k_block, init, (jnp.arange(L // n), kb, vb))
+    o_BNGRK = jnp.einsum("bgrnk->bngrk", acc / l[..., None]).astype(q_BNGRK.dtype)
+    return None, (o_BNGRK, m + jnp.log(l))
+
+  _, (ob, lse_b) = jax.lax.scan(q_block, None, (jnp.arange(L // n), _blocks(q_BLGRK, n)))
+  o_BLHK = checkpoint_name(_unblocks(ob).reshape(B, L, G * R, K), ATTN_OUT)
+  lse_b = checkpoint_name(lse_b, ATTN_OUT)                       # lse[L/n, B, G, R, n]
+  return o_BLHK, (q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b)        # O(L) residuals; o is the output itself
+
+
+def _flash_bwd(n, res, do_BLHK):
+  """FlashAttention's backward: per (key block, query block) recompute p = exp(s - lse) and accumulate
+  dq, dk, dv; nothing of size L x L is ever held."""
+  q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b = res
+  G = k_BLGK.shape[2]
+  q_BLGRK, o_BLGRK, do_BLGRK = (_grouped(a, G) for a in (q_BLHK, o_BLHK, do_BLHK))
+  B, L, H, K = q_BLHK.shape
+  axes = _varying(q_BLGRK, k_BLGK, v_BLGK, do_BLGRK)
+  delta_BLGR = jnp.sum(do_BLGRK.astype(jnp.float32) * o_BLGRK.astype(jnp.float32), axis=-1)
+  qb, dob = _blocks(q_BLGRK, n), _blocks(do_BLGRK, n)
+  delta_b = jnp.einsum("ibngr->ibgrn", _blocks(delta_BLGR, n))
+
+  def k_block(dq_b, jkv):
+    j, k_BMGK, v_BMGK = jkv
+
+    def q_block(carry, iq):
+      dk_BMGK, dv_BMGK = carry
+      i, q_BNGRK, do_BNGRK, lse_BGRN, delta_BGRN = iq
+      p = jnp.exp(_scores(q_BNGRK, k_BMGK, i, j) - lse_BGRN[..., None])           # p[B, G, R, N, M]
+      dv_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", p, do_BNGRK.astype(jnp.float32))
+      dp = jnp.einsum("bngrk,bmgk->bgrnm", do_BNGRK, v_BMGK, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta_BGRN[..., None]) / jnp.sqrt(K)
+      dq_BNGRK = jnp.einsum("bgrnm,bmgk->bngrk", ds, k_BMGK.astype(jnp.float32))
+      dk_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", ds, q_BNGRK.astype(jnp.float32))
+      return (dk_BMGK, dv_BMGK), dq_BNGRK
+
+    zero = _zeros(k_BMGK.shape, axes)
+    (dk, dv), dq_j = jax.lax.scan(q_block, (zero, zero), (jnp.arange(L // n), qb, dob, lse_b, delta_b))
+    return dq_b + dq_j, (dk, dv)
+
+  nb = L // n
+  dq_b, (dk_b, dv_b) = jax.lax.scan(k_block, _zeros(qb.shape, axes), (jnp.arange(nb), _blocks(k_BLGK, n),
+                                                                          _blocks(v_BLGK, n)))
+  return (_unblocks(dq_b).reshape(B, L, H, K).astype(q_BLHK.dtype), _unblocks(dk_b).astype(k_BLGK.dtype),
+          _unblocks(dv_b).astype(v_BLGK.dtype))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
