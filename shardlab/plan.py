@@ -5,8 +5,9 @@
       mesh.fsdp_ici_axes=2 train.global_batch_tokens=3000000 train.mfu=0.4
 
 Takes the same Hydra overrides as `python -m shardlab`, composes conf/, and prints one JSON object (keys and
-formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override prints one
-line to stderr and exits with status 2.
+formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override, a setting
+out of range or a mesh axis that does not divide the dimensions it shards prints one line to stderr and exits
+with status 2.
 """
 from __future__ import annotations
 
@@ -43,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     print(__doc__)
     return 0
   from shardlab.analysis.planner import plan
+  from shardlab.validate import validate_plan
   try:
-    result = plan(compose(argv))
-  except Exception as e:  # Hydra/OmegaConf errors and planner.check's ValueError: one line, exit 2
+    cfg = compose(argv)
+    validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
+    result = plan(cfg)
+  except Exception as e:  # Hydra/OmegaConf errors, ConfigError and planner.check's ValueError: one line, exit 2
     print(f"shardlab.plan: error: {_one_line(e)}", file=sys.stderr)
     return 2
   print(json.dumps(result, indent=2))
