@@ -29,8 +29,27 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlab import distributed as D
 from shardlab.config import CheckpointConfig
 from shardlab.mesh import ConfigError
+from shardlab.validate import RunError
 
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every save at INFO through absl
+
+
+class _NoOrbaxTracebacks(logging.Filter):
+  """Orbax logs a failed read or save as ERROR with a traceback (one per thread); shardlab reports each such
+  failure itself in one line (a RunError, or a checkpoint set aside), so those records are dropped."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _quiet_closed_loops(hook=sys.excepthook):
+  """Tensorstore callbacks that land on an asyncio loop orbax already closed (after a failed read or save)
+  print 'RuntimeError: Event loop is closed' tracebacks through sys.excepthook, dozens at a time: noise."""
+  def quiet(t, v, tb):
+    if not (t is RuntimeError and str(v) == "Event loop is closed"):
+      hook(t, v, tb)
+  if getattr(sys.excepthook, "__name__", "") != "quiet":
+    sys.excepthook = quiet
 
 
 def _say(msg: str) -> None:
@@ -63,8 +82,12 @@ class Checkpointer:
   """One run's checkpoints in `directory`. Every process calls every method (each writes and reads its own
   shards; process 0 writes the JSON record)."""
 
-  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, int]):
+  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, int], settings: dict | None = None):
     self.c, self.dir, self.mesh_shape = c, Path(directory).absolute(), list(mesh_shape)
+    self.settings = settings or {}   # model/batch/seed/data settings, compared on resume (preflight.check_resume)
+    _quiet_closed_loops()
+    if not any(isinstance(f, _NoOrbaxTracebacks) for f in logging.getLogger("absl").filters):
+      logging.getLogger("absl").addFilter(_NoOrbaxTracebacks())
     self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=c.keep,
                                       create=c.enabled), item_names=("state", "meta"))
     self.latest: int | None = None   # the newest good checkpoint: restored or saved by this run
@@ -74,8 +97,9 @@ class Checkpointer:
     """Save the state after `step` steps (unless saving is off, or that step is already saved)."""
     if not self.c.enabled or (self.latest is not None and step <= self.latest):
       return
+    self.check()
     meta = {"step": step, "losses": list(losses), "mesh": self.mesh_shape, "shapes": shapes(state),
-            "checksums": checksums(state)}
+            "checksums": checksums(state), "settings": self.settings}
     self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     self.saved.append(step)
     self.latest = step
@@ -115,9 +139,44 @@ class Checkpointer:
     D.sync(f"shardlab_set_aside_{step}")
     self.mngr.reload()
 
-  def close(self) -> None:
-    self.mngr.wait_until_finished()
-    self.mngr.close()
+  def _failed(self, e: Exception) -> RunError:
+    try:
+      done = max(self.mngr.all_steps(read=True), default=None)
+    except Exception:
+      done = None
+    why = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:240]
+    return RunError(f"checkpoint.dir={self.dir}: a checkpoint save failed in the background ({type(e).__name__}: "
+                    f"{why}); last complete checkpoint: {done if done is not None else 'none'}")
+
+  def check(self) -> None:
+    """Raise (RunError) if a background save has failed; cheap, called every step."""
+    try:
+      self.mngr.check_for_errors()
+    except Exception as e:
+      raise self._failed(e) from None
+
+  def wait(self) -> None:
+    """Wait for the save in flight; a failed one raises RunError naming checkpoint.dir."""
+    try:
+      self.mngr.wait_until_finished()
+    except Exception as e:
+      raise self._failed(e) from None
+
+  def close(self, timeout_s: float = 120.0) -> None:
+    """Wait (at most `timeout_s`) for a save still being written, then release orbax. Errors were raised by
+    `wait`/`check` already, so here they are only reported, never raised: this runs on error paths too."""
+    err: list[Exception] = []
+
+    def run():
+      try:
+        self.mngr.close()
+      except Exception as e:  # noqa: BLE001
+        err.append(e)
+    t = threading.Thread(target=run, name="shardlab-checkpoint-close", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+      _say(f"warning: checkpoint.dir={self.dir}: a save still not finished after {timeout_s:g} s; not waiting longer")
 
 
 class Interrupted(Exception):
@@ -128,6 +187,15 @@ class Interrupted(Exception):
     where = (f"saved checkpoint {step} in {ckpt.dir}; continue with checkpoint.resume=true "
              f"checkpoint.dir={ckpt.dir}" if ckpt.c.enabled else "nothing saved (checkpoint.enabled=false)")
     super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {where}")
+
+
+class StoppedAtOnce(Exception):
+  """A second SIGTERM/SIGINT: stop now, without the save at the step boundary (the last one saved stays)."""
+
+  def __init__(self, signum: int):
+    self.signum = signum
+    super().__init__(f"stopped at once by a second {signal.Signals(signum).name}: not saved at this step; resume "
+                     "from the last saved checkpoint with checkpoint.resume=true")
 
 
 class StopOnSignal:
@@ -142,7 +210,7 @@ class StopOnSignal:
 
   def _handle(self, signum, frame):
     if self.signum:
-      raise KeyboardInterrupt
+      raise StoppedAtOnce(signum)   # the run's error path writes summary.json; no KeyboardInterrupt traceback
     self.signum = signum
 
   def requested(self) -> int:

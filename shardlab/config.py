@@ -101,6 +101,7 @@ class CheckpointConfig:
   keep: int = 3                   # keep the last k checkpoints; older ones are deleted
   dir: Optional[str] = None       # null: <run dir>/checkpoints. Several hosts: a directory all of them see
   resume: bool = False            # restore the latest complete checkpoint in `dir` (if any) and continue
+  allow_changed: bool = False     # resume even if model, batch, seed or data settings differ from the checkpoint's
 
 
 @dataclass
@@ -110,6 +111,8 @@ class DistributedConfig:
   num_processes: int = 1
   process_id: int = 0
   auto: bool = True               # no coordinator: join the job when srun or mpirun started several tasks
+  timeout_s: float = 120.0        # wait this long for every process to join (and at each barrier), then fail
+  heartbeat_timeout_s: int = 20   # a process silent this long is lost: the others stop with one line naming it
 
 
 @dataclass
@@ -155,20 +158,31 @@ def register_configs() -> None:
 
 
 def to_config(cfg: Any) -> Config:
-  """An OmegaConf DictConfig (or a plain dict) -> typed `Config`."""
-  from omegaconf import OmegaConf
-  if not isinstance(cfg, dict):
-    cfg = OmegaConf.to_container(cfg, resolve=True)
+  """An OmegaConf DictConfig (or a plain dict) -> typed `Config`. A key no schema has (`+typo=1`, which Hydra
+  lets through) is a ConfigError, not silently dropped. The `hydra` node, if present, is left out."""
+  from omegaconf import DictConfig, OmegaConf
+  from shardlab.mesh import ConfigError
+  if isinstance(cfg, DictConfig):
+    cfg = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
   cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+  fields = {f.name: f for f in dataclasses.fields(Config)}
+  default = Config()
+
+  def unknown(path: str, known) -> ConfigError:
+    return ConfigError(f"{path}: no such setting (a typo, or added with +?); known here: {', '.join(sorted(known))}")
   out = {}
-  for f in dataclasses.fields(Config):
-    if f.name not in cfg:
-      continue
-    default = getattr(Config(), f.name)
-    if dataclasses.is_dataclass(default):
-      cls = type(default)
-      names = {g.name for g in dataclasses.fields(cls)}
-      out[f.name] = cls(**{k: v for k, v in cfg[f.name].items() if k in names})
+  for k, v in cfg.items():
+    if k not in fields:
+      raise unknown(k, fields)
+    d = getattr(default, k)
+    if dataclasses.is_dataclass(d):
+      names = {g.name for g in dataclasses.fields(type(d))}
+      if not isinstance(v, dict):
+        raise ConfigError(f"{k}={v!r}: must be a group of settings ({', '.join(sorted(names))})")
+      extra = [n for n in v if n not in names]
+      if extra:
+        raise unknown(f"{k}.{extra[0]}", names)
+      out[k] = type(d)(**v)
     else:
-      out[f.name] = cfg[f.name]
+      out[k] = v
   return Config(**out)

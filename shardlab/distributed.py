@@ -6,20 +6,94 @@ batch is a jit of (seed, step) with the batch sharding, so each process generate
 
 On CPU the processes exchange collectives through gloo (`jax_cpu_collectives_implementation`); each process
 brings `cpu_devices` fake devices of its own.
+
+Nothing waits forever: joining is bounded by `distributed.timeout_s` (a timer names what did not answer), every
+barrier here goes through the coordination service with that timeout, and a watchdog thread asks the service
+which processes are alive: a process that vanished without saying goodbye (killed, crashed, hung past
+`distributed.heartbeat_timeout_s`) stops the others with one line naming it. JAX's recoverable mode is on so that
+the service reports a lost process instead of aborting every survivor in C++.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import sys
+import threading
 
 import jax
 import numpy as np
 
 from shardlab.config import DistributedConfig
+from shardlab.mesh import ConfigError
+
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+OMPI_VARS = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+_state = {"timeout_s": 120.0, "heartbeat_s": 20, "stop": threading.Event(), "watching": False, "keys": 0}
 
 
 def cluster_tasks() -> int:
   """Tasks that srun (SLURM_STEP_NUM_TASKS) or mpirun (OMPI_COMM_WORLD_SIZE) started for this job step."""
-  return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+  v = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
+  return int(v) if v.strip().isdigit() else 1
+
+
+def check_cluster_env(d: DistributedConfig) -> None:
+  """With `distributed.auto`, a task count from srun/mpirun needs the rest of that launcher's environment: a
+  partial one (copied into a shell, or a stale variable) is a ConfigError, not JAX's ValueError."""
+  if d.coordinator is not None or not d.auto:
+    return
+  for count_var, needed in (("SLURM_STEP_NUM_TASKS", SLURM_VARS), ("OMPI_COMM_WORLD_SIZE", OMPI_VARS)):
+    v = os.environ.get(count_var)
+    if v is None:
+      continue
+    if not v.strip().isdigit():
+      raise ConfigError(f"distributed.auto=true: {count_var}={v!r} is not a task count; unset it, or set "
+                        "distributed.auto=false to run one process")
+    missing = [x for x in needed if x not in os.environ]
+    if int(v) > 1 and missing:
+      raise ConfigError(f"distributed.auto=true: {count_var}={v} says this is one of {v} tasks, but "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (a partial "
+                        f"{count_var.split('_')[0]} environment); launch the tasks with "
+                        f"{'srun' if count_var.startswith('SLURM') else 'mpirun'}, or set distributed.auto=false")
+    return
+
+
+def launch_rank(d: DistributedConfig) -> int:
+  """This process's index as the launch says, before JAX starts (0 for a single process)."""
+  if d.coordinator is not None:
+    return d.process_id
+  if d.auto and cluster_tasks() > 1:
+    v = os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    return int(v) if v.isdigit() else 0
+  return 0
+
+
+def _say(msg: str) -> None:
+  print(f"shardlab: error: {msg}", file=sys.stderr, flush=True)
+
+
+def _reachable(address: str) -> bool:
+  host, _, port = address.rpartition(":")
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+    return True
+  except (OSError, ValueError):
+    return False
+
+
+def _join_timed_out(d: DistributedConfig, n: int | None, me: int | None) -> None:
+  """The join did not finish within distributed.timeout_s: say which side is missing and exit (JAX would wait
+  for its own timeout and then abort in C++)."""
+  where = f"distributed.coordinator={d.coordinator}" if d.coordinator else "the cluster's coordinator"
+  if me not in (None, 0) and d.coordinator and not _reachable(d.coordinator):
+    why = f"nothing answers at {where} (is process 0 running there, and the port right?)"
+  else:
+    why = (f"not every one of the {n or '?'} processes joined {where}; start each process_id in 0..{(n or 2) - 1} "
+           "with the same coordinator")
+  _say(f"distributed.timeout_s={d.timeout_s:g}: process {me if me is not None else '?'} waited {d.timeout_s:g} s "
+       f"for the others: {why}, or raise distributed.timeout_s")
+  os._exit(1)
 
 
 def initialize(d: DistributedConfig) -> None:
@@ -28,11 +102,108 @@ def initialize(d: DistributedConfig) -> None:
     return
   if jax.distributed.is_initialized():  # a second run in the same process
     return
+  _state.update(timeout_s=float(d.timeout_s), heartbeat_s=int(d.heartbeat_timeout_s))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
-  if d.coordinator is None:
-    jax.distributed.initialize()  # coordinator, process count and id from the cluster's environment
-  else:
-    jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+  try:   # a lost process is reported to the others (the watchdog names it) instead of aborting them in C++
+    jax.config.update("jax_enable_recoverability", True)
+  except AttributeError:
+    pass
+  me = d.process_id if d.coordinator else launch_rank(d)
+  timer = threading.Timer(d.timeout_s, _join_timed_out, (d, d.num_processes if d.coordinator else cluster_tasks(), me))
+  timer.daemon = True
+  timer.start()
+  kw = dict(initialization_timeout=int(d.timeout_s) + 60, heartbeat_timeout_seconds=int(d.heartbeat_timeout_s))
+  try:
+    if d.coordinator is None:
+      jax.distributed.initialize(**kw)  # coordinator, process count and id from the cluster's environment
+    else:
+      jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id, **kw)
+  finally:
+    timer.cancel()
+  _start_watchdog()
+
+
+def _client():
+  from jax._src.distributed import global_state
+  return global_state.client
+
+
+def _key(name: str) -> str:
+  """A key unique to this call site's n-th use (every process makes the same calls in the same order)."""
+  _state["keys"] += 1
+  return f"shardlab/{name}/{_state['keys']}"
+
+
+def _leaving() -> None:
+  """atexit: tell the others this process leaves on purpose (an error or the end), so none reports it lost."""
+  _state["stop"].set()
+  try:
+    _client().key_value_set(f"shardlab/left/{jax.process_index()}", "1", allow_overwrite=True)
+  except Exception:
+    pass
+
+
+def _missing() -> tuple[list[int], list[int]]:
+  """(lost, left): processes the coordination service no longer sees, split by whether they said they were
+  leaving (an error or the end of their run) or vanished (killed, crashed, hung)."""
+  c, n = _client(), jax.process_count()
+  try:
+    live = set(c.get_live_nodes(list(range(n))))
+  except Exception:  # the service itself is gone: process 0 hosted it
+    return ([0], []) if jax.process_index() != 0 else ([], [])
+  lost, left = [], []
+  for p in sorted(set(range(n)) - live):
+    try:
+      said = c.key_value_try_get(f"shardlab/left/{p}")
+    except Exception:
+      said = None
+    (left if said else lost).append(p)
+  return lost, left
+
+
+def _lost() -> list[int]:
+  return _missing()[0]
+
+
+def _report_lost(lost: list[int]) -> None:
+  n = jax.process_count()
+  who = ", ".join(f"process {p}" + (" (the coordinator)" if p == 0 else "") for p in lost)
+  _say(f"lost {who} of {n}: killed, crashed or silent for distributed.heartbeat_timeout_s={_state['heartbeat_s']} "
+       "s; stopping this one too (resume from the last checkpoint with checkpoint.resume=true)")
+  _leaving()
+  os._exit(1)
+
+
+def _start_watchdog() -> None:
+  if _state["watching"] or jax.process_count() == 1:
+    return
+  _state["watching"] = True
+  atexit.register(_leaving)        # registered after JAX's own exit hooks, so it runs before them
+
+  def watch():
+    while not _state["stop"].wait(1.0):
+      lost = _lost()
+      if lost and not _state["stop"].is_set():
+        _report_lost(lost)
+  threading.Thread(target=watch, name="shardlab-watchdog", daemon=True).start()
+
+
+def wait_for_lost_peer(seconds: float | None = None) -> None:
+  """After a failed step (a collective broke): if a peer is gone, report it and exit; else return after
+  `seconds` (default: the heartbeat timeout, the longest the service takes to notice a hung peer)."""
+  if jax.process_count() == 1 or not _state["watching"]:
+    return
+  import time
+  end = time.monotonic() + (_state["heartbeat_s"] + 3 if seconds is None else seconds)
+  while time.monotonic() < end:
+    lost, left = _missing()
+    if lost:
+      _report_lost(lost)
+    if left:
+      from shardlab.validate import RunError
+      raise RunError(f"process {', '.join(map(str, left))} of {jax.process_count()} stopped on its own error (see "
+                     "its output); this process cannot go on without it")
+    time.sleep(0.5)
 
 
 def is_main() -> bool:
@@ -50,7 +221,30 @@ def over_processes(x: int, op=max) -> int:
 
 
 def sync(name: str) -> None:
-  """Wait until every process gets here."""
+  """Wait until every process gets here (device collective; use `barrier` where a bound matters)."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
+
+
+def barrier(name: str, what: str) -> None:
+  """Wait for every process at most distributed.timeout_s; a RunError names `what` they were doing."""
+  if jax.process_count() == 1:
+    return
+  from shardlab.validate import RunError
+  try:
+    _client().wait_at_barrier(_key(name), int(_state["timeout_s"] * 1000))
+  except Exception as e:
+    raise RunError(f"distributed.timeout_s={_state['timeout_s']:g}: not every process reached '{what}' within "
+                   f"{_state['timeout_s']:g} s ({str(e).strip().splitlines()[0][:160]})") from None
+
+
+def gather_strings(name: str, value: str) -> list[str]:
+  """Every process's `value`, in process order, through the coordination service (bounded by timeout_s)."""
+  if jax.process_count() == 1:
+    return [value]
+  key = _key(name)
+  _client().key_value_set(f"{key}/{jax.process_index()}", value)
+  barrier(name + "_gathered", name)
+  got = dict(_client().key_value_dir_get(f"{key}/"))
+  return [got.get(f"{key}/{p}", "") for p in range(jax.process_count())]

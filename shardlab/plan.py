@@ -5,8 +5,9 @@
       mesh.fsdp_ici_axes=2 train.global_batch_tokens=3000000 train.mfu=0.4
 
 Takes the same Hydra overrides as `python -m shardlab`, composes conf/, and prints one JSON object (keys and
-formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override prints one
-line to stderr and exits with status 2.
+formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override, a setting
+out of range or a mesh axis that does not divide the dimensions it shards prints one line to stderr and exits
+with status 2.
 
 Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
   search=true        rank every data x fsdp x tensor layout of the devices: the JSON gains `layouts`, best first
@@ -94,6 +95,8 @@ def run(argv: list[str]) -> dict:
   from shardlab.analysis import planner
   opts, overrides = split_options(argv)
   cfg = compose(overrides)
+  from shardlab.validate import validate_plan
+  validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
   result = planner.plan(cfg)
   chosen = None
   if opts["search"]:

@@ -22,12 +22,32 @@ def load_jobs(d: Path) -> list[dict]:
       key=lambda p: (int(p.name.split("_")[0]) if p.name.split("_")[0].isdigit() else 1 << 30, p.name))
   jobs = []
   for p in dirs:
-    s = json.loads((p / "summary.json").read_text())
-    cfg = s.get("config") or {}
+    s = _read_summary(p / "summary.json")
+    cfg = s.get("config") if isinstance(s.get("config"), dict) else {}
     label = p.name if p != d else f"{s.get('schedule', '?')}_{(s.get('mesh') or {}).get('fsdp')}x{(s.get('mesh') or {}).get('tensor')}"
     jobs.append({"dir": p, "label": label, "summary": s, "status": s.get("status"),
                  "schedule": s.get("schedule") or (cfg.get("schedule") or {}).get("name")})
   return jobs
+
+
+class ReportError(ValueError):
+  """Input the report cannot use (a malformed summary.json, an unknown run name): one line, exit 2."""
+
+
+def _read_summary(path: Path) -> dict:
+  try:
+    s = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError) as e:
+    raise ReportError(f"{path}: cannot read it ({e})") from None
+  except ValueError as e:
+    raise ReportError(f"{path}: not valid JSON ({e}); rerun that job or move the file away") from None
+  if not isinstance(s, dict):
+    raise ReportError(f"{path}: holds a JSON {type(s).__name__}, not an object (a shardlab summary); rerun that job "
+                      "or move the file away")
+  for k in ("mesh", "prediction", "memory", "comm"):
+    if s.get(k) is not None and not isinstance(s[k], dict):
+      raise ReportError(f"{path}: '{k}' is a {type(s[k]).__name__}, not an object: not a shardlab summary")
+  return s
 
 
 def _bar(ax, labels, series: dict, ylabel: str, title: str, scale: float = 1.0, legend: bool = True):
@@ -95,7 +115,12 @@ def figures(jobs: list[dict], out: Path) -> list[str]:
 def write_report(d: Path, runs: list[str] | None = None) -> Path:
   jobs = load_jobs(d)
   if not jobs:
-    raise SystemExit(f"shardlab.report: error: no summary.json in {d} or its subdirectories")
+    raise ReportError(f"no summary.json in {d} or its subdirectories")
+  if runs is not None:
+    unknown = [r for r in runs if r not in {j["label"] for j in jobs}]
+    if unknown:
+      raise ReportError(f"--runs {','.join(runs)}: no run named {', '.join(unknown)} in {d}; runs here: "
+                        f"{', '.join(j['label'] for j in jobs)}")
   made = figures(jobs, d)
   chosen = [j for j in jobs if (j["dir"] / "timeline.png").exists() and (runs is None or j["label"] in runs)]
   if runs is None:
@@ -137,7 +162,15 @@ def main(argv=None) -> None:
   if not a.dir.is_dir():
     print(f"shardlab.report: error: {a.dir} is not a directory", file=sys.stderr)
     raise SystemExit(2)
-  print(write_report(a.dir, a.runs.split(",") if a.runs else None))
+  runs = [r.strip() for r in a.runs.split(",") if r.strip()] if a.runs is not None else None
+  if runs == []:
+    print(f"shardlab.report: error: --runs {a.runs!r}: name at least one run", file=sys.stderr)
+    raise SystemExit(2)
+  try:
+    print(write_report(a.dir, runs))
+  except ReportError as e:
+    print(f"shardlab.report: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

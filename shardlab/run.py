@@ -45,20 +45,14 @@ def build(cfg: Config, devices=None):
 def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None) -> dict:
   """Validate, build, compile, analyze and (unless cfg.dry_run) train; returns the summary, which is also
   written to out_dir/summary.json."""
-  from shardlab.distributed import initialize
-  from shardlab.mesh import set_cpu_devices
-  from shardlab.validate import validate, validate_launch
-  validate_launch(cfg)                            # checkpoint and process settings, before JAX starts
-  set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
-  initialize(cfg.distributed)                     # jax.distributed, when this is one of several processes
+  from shardlab import preflight
+  preflight.check(cfg, out_dir)                   # settings, processes, devices, memory, dirs, lock; before compile
   import jax
   on_target = cfg.compile_for == "target"
   n_mesh = cfg.mesh.fsdp * cfg.mesh.tensor
   if on_target:
     from shardlab import target as TG
     topo = TG.check(cfg.hardware, n_mesh)         # the extra installed, the topology valid: before any compile
-  # The mesh against every process's devices (a dry run for a target needs none of them); before compile.
-  validate(cfg, None if on_target and cfg.dry_run else len(jax.devices()))
   from jax.sharding import NamedSharding, PartitionSpec as P
   from tqdm import tqdm
 
@@ -103,7 +97,8 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   main = jax.process_index() == 0                 # only process 0 writes the run's files
   if not cfg.dry_run:
     from shardlab import checkpoint as CK
-    ckpt = CK.Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or out / "checkpoints", (cfg.mesh.fsdp, cfg.mesh.tensor))
+    ckpt = CK.Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or out / "checkpoints", (cfg.mesh.fsdp, cfg.mesh.tensor),
+                           preflight.record_settings(cfg))
     state, losses = ckpt.restore(b["abstract_state"]) if cfg.checkpoint.resume else (None, [])
     start = len(losses)                           # steps done; the data resumes there (a batch is f(seed, step))
     if start > cfg.train.steps:
@@ -130,34 +125,59 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
           losses.append(loss)
           times.append(dt)
           rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
-          f.write(json.dumps(rec) + "\n")
+          f.write(json.dumps(_strict(rec), allow_nan=False) + "\n")   # strict JSON: null for NaN/inf
           f.flush()
           logs.after(step, rec)
           bar.set_postfix(loss=f"{loss:.4f}")
           if not (math.isfinite(loss) and math.isfinite(gnorm)):   # this state is never saved
-            good = f"checkpoint {ckpt.latest} in {ckpt.dir}" if ckpt.latest else "none"
-            raise FloatingPointError(f"non-finite loss {loss} (grad_norm {gnorm}) at step {step}; "
-                                     f"last good checkpoint: {good}")
+            raise FloatingPointError(_non_finite(loss, gnorm, step, ckpt))
+          ckpt.check()                            # a save that failed in the background stops the run now
           signum = stop.requested()
           if signum or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
             ckpt.save(step + 1, state, losses)
           if signum:
             raise CK.Interrupted(signum, step + 1, ckpt)
         ckpt.save(cfg.train.steps, state, losses)  # the final save (skipped if `every` just saved it)
+        ckpt.wait()                               # a save that failed in the background raises here
     except Exception as e:                        # summary.json says why, with the losses so far
-      summary.update(status="interrupted" if isinstance(e, CK.Interrupted) else "error",
+      summary.update(status="interrupted" if isinstance(e, (CK.Interrupted, CK.StoppedAtOnce)) else "error",
                      error=f"{type(e).__name__}: {e}", losses=losses)
       if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        _write_json(out / "summary.json", summary)
       raise
     finally:
-      ckpt.close()                                # waits for a save still being written
+      ckpt.close()                                # bounded wait for a save still being written
+      preflight.unlock_run_dir(out)
     median = statistics.median(times[1:] or times) if times else None
     summary.update(losses=losses, final_loss=losses[-1], step_time_s_median=median,
                    tokens_per_s_median=tokens / median if median else None)
   if main:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_json(out / "summary.json", summary)
+  preflight.unlock_run_dir(out)
   return summary
+
+
+def _strict(x):
+  """x with every non-finite float replaced by None, so that json.dumps writes strict JSON (null, not NaN)."""
+  if isinstance(x, float):
+    return x if math.isfinite(x) else None
+  if isinstance(x, dict):
+    return {k: _strict(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_strict(v) for v in x]
+  return x
+
+
+def _write_json(path: Path, obj) -> None:
+  path.write_text(json.dumps(_strict(obj), indent=2, allow_nan=False))
+
+
+def _non_finite(loss: float, gnorm: float, step: int, ckpt) -> str:
+  """Which one is non-finite: a finite loss with a NaN/inf gradient norm is not 'a non-finite loss'."""
+  good = f"checkpoint {ckpt.latest} in {ckpt.dir}" if ckpt.latest else "none"
+  what = (f"non-finite loss {loss} (grad_norm {gnorm})" if not math.isfinite(loss) else
+          f"non-finite gradient norm {gnorm} (loss {loss})")
+  return f"{what} at step {step}; last good checkpoint: {good}"
 
 
 class _Logs:
@@ -223,6 +243,7 @@ def _task(dcfg) -> None:
   from hydra.core.hydra_config import HydraConfig
   from hydra.types import RunMode
   from omegaconf import OmegaConf
+  from shardlab.validate import RunError
   hc = HydraConfig.get()
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
@@ -236,12 +257,15 @@ def _task(dcfg) -> None:
       sys.exit(2)
     _record_failure(out_dir, e)
   except Exception as e:
-    from shardlab.checkpoint import Interrupted
-    if isinstance(e, Interrupted):        # saved and stopped (summary.json says so); a sweep stops too
+    from shardlab.checkpoint import Interrupted, StoppedAtOnce
+    if isinstance(e, (Interrupted, StoppedAtOnce)):  # summary.json says so; a sweep stops too
       print(f"shardlab: {e}", file=sys.stderr)
       sys.exit(128 + e.signum)
-    if isinstance(e, FloatingPointError) and not _FULL_ERROR:  # summary.json: status error, the losses so far
+    if not isinstance(e, (FloatingPointError, RunError)):
+      e = _lost_peer_or(e)                # a collective broken by a lost process: name that process instead
+    if isinstance(e, (FloatingPointError, RunError)) and not _FULL_ERROR:  # one line; summary.json has the losses
       print(f"shardlab: error: {e}", file=sys.stderr)
+      _record_failure(out_dir, e)
       if not sweeping:
         sys.exit(1)
       return
@@ -251,11 +275,38 @@ def _task(dcfg) -> None:
     print(f"shardlab: job {hc.job.num} failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
+def _lost_peer_or(e: Exception) -> Exception:
+  """With several processes, an error out of a step is most often a peer that vanished (gloo: 'connection
+  closed by peer'): wait until the coordination service can tell (the watchdog then exits with one line naming
+  the process), or return a RunError when a peer stopped on its own error; otherwise `e` unchanged."""
+  from shardlab.validate import RunError
+  try:
+    import jax
+    if jax.process_count() == 1:
+      return e
+    from shardlab import distributed as D
+    D.wait_for_lost_peer()
+  except RunError as lost:
+    return lost
+  except Exception:  # noqa: BLE001  (JAX not started: nothing to ask)
+    pass
+  return e
+
+
 def _record_failure(out_dir, e: BaseException) -> None:
-  """A failed job leaves a summary.json that says so (a sweep keeps going and reports it as a row)."""
+  """A failed job leaves a summary.json that says so (a sweep keeps going and reports it as a row). If the run
+  already wrote this error into summary.json (with the losses so far), that summary is kept."""
+  path = Path(out_dir, "summary.json")
+  err = f"{type(e).__name__}: {e}"
+  try:
+    old = json.loads(path.read_text()) if path.exists() else None
+  except (OSError, ValueError):
+    old = None
+  if isinstance(old, dict) and old.get("error") == err:
+    return
   Path(out_dir).mkdir(parents=True, exist_ok=True)
-  Path(out_dir, "summary.json").write_text(json.dumps(
-      {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, indent=2))
+  tb = traceback.format_exc()
+  _write_json(path, {"status": "error", "error": err, **({"traceback": tb} if tb.strip() != "NoneType: None" else {})})
 
 
 _FULL_ERROR = False   # HYDRA_FULL_ERROR=1: tracebacks instead of one-line errors
@@ -270,8 +321,15 @@ def cli() -> None:
   asked = os.environ.get("HYDRA_FULL_ERROR")
   _FULL_ERROR = asked == "1"
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
+  from shardlab import preflight
+  preflight.FULL_ERROR["on"] = _FULL_ERROR
   try:
     hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(_task)()
+  except KeyboardInterrupt:               # SIGINT before training started (or while stopping): nothing to save
+    if _FULL_ERROR:
+      raise
+    print("shardlab: interrupted by SIGINT outside the step loop; nothing saved by this signal", file=sys.stderr)
+    sys.exit(130)
   except (HydraException, OmegaConfBaseException) as e:
     if _FULL_ERROR:
       raise

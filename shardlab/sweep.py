@@ -1,9 +1,11 @@
 """Sweep summaries: at the end of a `--multirun`, one row per job in summary.csv and summary.md in the sweep
-directory. A failed job is a row with its error (the task function records it instead of raising)."""
+directory. A failed job is a row with its error (the task function records it instead of raising), and a sweep
+with any failed job exits with status 1 once the summary is written."""
 from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -32,7 +34,14 @@ def job_row(job_dir: Path) -> dict:
   if not summary_file.exists():
     row["error"] = "no summary.json (the job died before writing one)"
     return row
-  s = json.loads(summary_file.read_text())
+  try:
+    s = json.loads(summary_file.read_text())
+  except (OSError, ValueError) as e:
+    s = None
+    row["error"] = f"summary.json unreadable: {e}"
+  if not isinstance(s, dict):
+    row.setdefault("error", "summary.json is not a JSON object")
+    return row
   pred = s.get("prediction") or {}
   per_axis = _bytes_per_axis(s.get("comm", {}))
   row.update(status=s.get("status"), final_loss=s.get("final_loss"), step_time_s_median=s.get("step_time_s_median"),
@@ -79,4 +88,10 @@ class SweepSummary(Callback):
   """Hydra callback (conf/config.yaml): writes the sweep summary when a multirun ends."""
 
   def on_multirun_end(self, config, **kwargs) -> None:
-    write(config.hydra.sweep.dir)
+    rows = write(config.hydra.sweep.dir)
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:   # after the summary is written: a CI script must not read a sweep with failed jobs as success
+      print(f"shardlab: error: {len(failed)} of {len(rows)} sweep jobs failed (first: job {failed[0]['job']}: "
+            f"{failed[0].get('error') or failed[0]['status']}); see {Path(config.hydra.sweep.dir) / 'summary.md'}",
+            file=sys.stderr)
+      sys.exit(1)

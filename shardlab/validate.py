@@ -1,8 +1,16 @@
-"""Cross-field checks that run before JAX starts: each failure is one line naming the setting and the fix."""
+"""Every check of a setting, before anything starts: the range of each number (`RANGES`, one table) and the
+cross-field checks (mesh against devices, dimensions against axis sizes, schedule knobs against each other).
+Each failure is one ConfigError line naming the setting, its value and the fix."""
 from __future__ import annotations
+
+import math
 
 from shardlab.config import Config
 from shardlab.mesh import ConfigError
+
+
+class RunError(RuntimeError):
+  """A fault seen only at run time (a lost peer, a failed save, a directory that is not shared): one line, exit 1."""
 
 
 def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
@@ -11,12 +19,109 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
                       f"choose {what.split('.')[-1]} a multiple of {size} or change {by}")
 
 
+# The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),
+# a plain number closed; None: no bound. Floats must also be finite. The default of the setting is the example
+# fix the message gives.
+RANGES = [
+    ("cpu_devices", 1, None, "fake CPU devices of this process"),
+    ("mesh.fsdp", 1, None, "size of the fsdp mesh axis"),
+    ("mesh.tensor", 1, None, "size of the tensor mesh axis"),
+    ("mesh.fsdp_ici_axes", 1, None, "physical interconnect axes the fsdp axis spans"),
+    ("mesh.tensor_ici_axes", 1, None, "physical interconnect axes the tensor axis spans"),
+    ("model.d_model", 1, None, "model width"),
+    ("model.d_ff", 1, None, "feed-forward width"),
+    ("model.n_layers", 1, None, "transformer layers"),
+    ("model.n_heads", 1, None, "attention heads"),
+    ("model.vocab_size", 1, None, "vocabulary size"),
+    ("model.seq_len", 2, None, "tokens per sequence: one token has nothing to attend to"),
+    ("model.rope_theta", [0], None, "RoPE base"),
+    ("model.init_std", [0], None, "initial weight scale: 0 makes every unit the same"),
+    ("model.norm_eps", [0], None, "RMSNorm epsilon: 0 divides by zero on a zero row"),
+    ("schedule.prefetch", 0, None, "FSDP prefetch depth"),
+    ("schedule.microbatches", 1, None, "microbatches per step"),
+    ("train.steps", 1, None, "optimizer steps"),
+    ("train.batch_size", 1, None, "global batch in sequences"),
+    ("train.seed", 0, 2**32 - 1, "JAX keys take 32 bits"),
+    ("train.lr", [0], None, "peak learning rate"),
+    ("train.warmup_steps", 0, None, "learning-rate warmup steps"),
+    ("train.b1", 0, [1], "Adam's first-moment decay"),
+    ("train.b2", 0, [1], "Adam's second-moment decay"),
+    ("train.adam_eps", [0], None, "Adam's epsilon: 0 divides by zero"),
+    ("train.weight_decay", 0, None, "AdamW weight decay"),
+    ("train.grad_clip", [0], None, "global gradient-norm clip: 0 would zero every update"),
+    ("train.global_batch_tokens", 0, None, "prediction's batch in tokens (0: batch_size * seq_len)"),
+    ("train.mfu", [0], 1, "prediction's model FLOP utilization"),
+    ("data.branching", 1, None, "successors per token"),
+    ("hardware.peak_flops", [0], None, "FLOP/s per device"),
+    ("hardware.ici_bandwidth", [0], None, "bytes/s per device on one mesh axis"),
+    ("hardware.dcn_bandwidth", 0, None, "bytes/s per device beyond the fast domain (0: not modeled)"),
+    ("hardware.hop_latency_s", 0, None, "latency of one collective hop"),
+    ("hardware.hbm_bytes", [0], None, "memory per device"),
+    ("hardware.hbm_bandwidth", [0], None, "memory bandwidth per device"),
+    ("hardware.domain_devices", 0, None, "devices on the fast interconnect (0: no limit)"),
+    ("checkpoint.every", 0, None, "save every N steps (0: only at the end and on SIGTERM/SIGINT)"),
+    ("checkpoint.keep", 1, None, "how many of the newest checkpoints to keep"),
+    ("distributed.num_processes", 1, None, "processes that share the mesh"),
+    ("distributed.process_id", 0, None, "this process's index"),
+    ("distributed.timeout_s", [0], None, "how long to wait for the other processes"),
+    ("distributed.heartbeat_timeout_s", 1, None, "silence after which a process counts as lost"),
+    ("profile.start_step", 0, None, "first profiled step"),
+    ("profile.steps", 1, None, "profiled steps"),
+]
+
+
+def _get(cfg, path: str):
+  for part in path.split("."):
+    cfg = getattr(cfg, part)
+  return cfg
+
+
+def _bounds(lo, hi) -> str:
+  if hi is None:
+    return f"{'>' if isinstance(lo, list) else '>='} {lo[0] if isinstance(lo, list) else lo}"
+  left, right = ("(", lo[0]) if isinstance(lo, list) else ("[", lo), ((hi[0], ")") if isinstance(hi, list) else (hi, "]"))
+  return f"in {left[0]}{left[1]}, {right[0]}{right[1]}"
+
+
+def _inside(v, lo, hi) -> bool:
+  ok = v > lo[0] if isinstance(lo, list) else v >= lo
+  if hi is not None:
+    ok = ok and (v < hi[0] if isinstance(hi, list) else v <= hi)
+  return ok and not (isinstance(v, float) and not math.isfinite(v))
+
+
+def check_ranges(cfg: Config, rows=RANGES) -> None:
+  """The first setting outside its range (or not finite) -> ConfigError naming it, its range and an example."""
+  default = Config()
+  for path, lo, hi, why in rows:
+    v = _get(cfg, path)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _inside(v, lo, hi):
+      ex = _get(default, path)
+      raise ConfigError(f"{path}={v!r}: must be {_bounds(lo, hi)} ({why}); e.g. {path}={ex:g}")
+
+
+def validate_plan(cfg: Config) -> None:
+  """The planner's checks (`python -m shardlab.plan`): ranges, and every sharded dimension divisible by its mesh
+  axis (the planner's formulas assume even shards). No device count: the planner needs no devices."""
+  check_ranges(cfg, [r for r in RANGES if r[0].split(".")[0] not in ("checkpoint", "distributed", "profile")])
+  m, mesh = cfg.model, cfg.mesh
+  if m.kind not in ("transformer", "ffn"):
+    raise ConfigError(f"model.kind={m.kind}: choose transformer or ffn")
+  _divides("model.d_model", m.d_model, "mesh.fsdp", mesh.fsdp, "every weight's d_model dim is sharded over fsdp")
+  _divides("model.d_ff", m.d_ff, "mesh.tensor", mesh.tensor, "d_ff is sharded over tensor")
+  if m.kind == "transformer":
+    _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
+    _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
+    _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
+
+
 def validate(cfg: Config, n_devices: int | None = None) -> None:
   """Raise ConfigError for the first setting that cannot work. `n_devices`: the devices present, if known."""
   from shardlab import schedules
   from shardlab.attention import IMPLS, block_size
   from shardlab.train import DTYPES
   m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
+  check_ranges(cfg)
   if mesh.fsdp < 1 or mesh.tensor < 1:
     raise ConfigError(f"mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}: axis sizes must be >= 1")
   if n_devices is not None and mesh.fsdp * mesh.tensor != n_devices:
@@ -76,6 +181,9 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
 def validate_launch(cfg: Config) -> None:
   """Checkpoint and process settings: checked before JAX starts (jax.distributed would wait for bad peers)."""
   c, d = cfg.checkpoint, cfg.distributed
+  check_ranges(cfg)
+  if c.dir is not None and not str(c.dir).strip():
+    raise ConfigError(f"checkpoint.dir={c.dir!r}: empty; use checkpoint.dir=null for <run dir>/checkpoints, or a path")
   if c.every < 0:
     raise ConfigError(f"checkpoint.every={c.every}: must be >= 0 (0 saves only at the end and on SIGTERM/SIGINT)")
   if c.keep < 1:

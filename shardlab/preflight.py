@@ -1,0 +1,265 @@
+"""Everything checked before a run compiles or writes, each failure one line (ConfigError: exit 2):
+
+  1. the settings (validate.py), before JAX starts;
+  2. the run directory: not a file, creatable; and on resume the checkpoint's JSON record: saved with the same
+     model, batch, seed and data settings (unless checkpoint.allow_changed=true), and not past train.steps;
+  3. the processes (joined within distributed.timeout_s), the devices against the mesh, and the memory the
+     model needs per device (analytic, `memory_model.breakdown`) against what each local device has;
+  4. the checkpoint directory: a probe file written and read back by every process; with several processes,
+     a nonce written by process 0 must be read back by all (the same shared directory);
+  5. the run directory lock (`<run dir>/.lock`, flock, held by process 0 for the run): a second run into the
+     same directory is refused instead of interleaving metrics.jsonl.
+
+The CLI runs `check` from a Hydra callback (`Preflight.on_run_start`) before Hydra creates the run directory or
+writes `.hydra/`, and `run.train` runs it again (cheap, idempotent) for runs that do not come through Hydra.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from shardlab.config import Config
+from shardlab.mesh import ConfigError
+
+_LOCKS: dict[str, object] = {}   # run dir -> the open, flock'ed .lock file of this process
+_SHARED_OK: set[str] = set()     # checkpoint dirs already found shared by every process
+
+
+def record_settings(cfg: Config) -> dict:
+  """The settings a checkpoint must be resumed with (saved in its JSON record): the model (its name aside),
+  the batch, the seed and the data; a batch is a pure function of these and the step."""
+  import dataclasses
+  out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "name"}
+  out.update({"train.batch_size": cfg.train.batch_size, "train.seed": cfg.train.seed})
+  out.update({f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()})
+  return out
+
+
+def checkpoint_dir(cfg: Config, out_dir) -> Path:
+  return Path(cfg.checkpoint.dir or Path(out_dir) / "checkpoints").absolute()
+
+
+def _ckpt_setting(cfg: Config, d: Path) -> str:
+  return f"checkpoint.dir={cfg.checkpoint.dir}" if cfg.checkpoint.dir else f"checkpoint.dir=null (<run dir>/checkpoints = {d})"
+
+
+def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
+  """All of the above, in that order; raises ConfigError (or RunError for a fault between processes)."""
+  from shardlab import distributed as D
+  from shardlab.mesh import set_cpu_devices
+  from shardlab.validate import validate, validate_launch
+  validate_launch(cfg)                            # checkpoint and process settings, before JAX starts
+  validate(cfg)                                   # every check that needs no devices
+  check_run_dir(out_dir)
+  check_resume(cfg, out_dir)
+  D.check_cluster_env(cfg.distributed)
+  set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
+  D.initialize(cfg.distributed)                   # jax.distributed, when this is one of several processes
+  import jax
+  if cfg.compile_for == "target":                 # the target's compiler installed, its topology valid
+    from shardlab import target as TG
+    TG.check(cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor)
+  # The mesh against every process's devices (a dry run compiled for a target needs none of them).
+  validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))
+  if not cfg.dry_run:
+    check_memory(cfg)
+    if cfg.checkpoint.enabled:
+      check_checkpoint_dir(cfg, out_dir)
+  if lock and jax.process_index() == 0:
+    lock_run_dir(out_dir)
+
+
+def check_run_dir(out_dir) -> None:
+  """The run directory is a directory, or can be made one."""
+  p = Path(out_dir).absolute()
+  if p.exists() and not p.is_dir():
+    raise ConfigError(f"hydra.run.dir={out_dir}: is a file, not a directory; choose another hydra.run.dir")
+  parent = p
+  while not parent.exists():
+    parent = parent.parent
+  if not parent.is_dir():
+    raise ConfigError(f"hydra.run.dir={out_dir}: {parent} is a file, so the run directory cannot be made there")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ConfigError(f"hydra.run.dir={out_dir}: {parent} is not writable; choose another hydra.run.dir")
+
+
+def _latest_record(d: Path) -> dict | None:
+  """The JSON record of the newest checkpoint in `d` whose record reads (the one a resume starts from), read
+  straight from orbax's layout (<step>/meta/metadata) without starting JAX."""
+  if not d.is_dir():
+    return None
+  steps = sorted((int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()), reverse=True)
+  for step in steps:
+    try:
+      meta = json.loads((d / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+      continue
+    if isinstance(meta, dict) and "step" in meta:
+      return meta
+  return None
+
+
+def check_resume(cfg: Config, out_dir) -> None:
+  """On resume: refuse a checkpoint saved with other model/batch/seed/data settings, or past train.steps."""
+  if cfg.dry_run or not cfg.checkpoint.resume:
+    return
+  d = checkpoint_dir(cfg, out_dir)
+  meta = _latest_record(d)
+  if meta is None:
+    return
+  if meta["step"] > cfg.train.steps:
+    raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {d} is already at step {meta['step']}; "
+                      "raise train.steps to continue it")
+  saved, now = meta.get("settings") or {}, record_settings(cfg)
+  diff = [f"{k}={now[k]} (checkpoint: {saved[k]})" for k in now if k in saved and saved[k] != now[k]]
+  if diff and not cfg.checkpoint.allow_changed:
+    raise ConfigError(f"{_ckpt_setting(cfg, d)}: checkpoint {meta['step']} was saved with other settings: "
+                      f"{', '.join(diff)}; resume with its settings, use another checkpoint.dir, or set "
+                      "checkpoint.allow_changed=true to continue anyway")
+
+
+def device_memory() -> tuple[float | None, str]:
+  """(bytes one local device can hold, how that was found). CPU: the host's available memory (MemAvailable)
+  shared by this process's fake devices; accelerators: the runtime's bytes_limit. (None, ..) if unknown."""
+  import jax
+  devs = jax.local_devices()
+  if devs[0].platform == "cpu":
+    avail = None
+    try:
+      for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+    except OSError:
+      pass
+    if avail is None and hasattr(os, "sysconf"):
+      try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+      except (ValueError, OSError):
+        return None, "unknown"
+    return avail / len(devs), (f"the host has {avail / 2**30:.1f} GiB available for {len(devs)} CPU devices "
+                               f"({avail / len(devs) / 2**30:.2f} GiB each)")
+  stats = devs[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return (float(limit), f"each {devs[0].device_kind} has {limit / 2**30:.1f} GiB") if limit else (None, "unknown")
+
+
+def check_memory(cfg: Config) -> None:
+  """Refuse a run whose analytic memory per device exceeds what a local device has (it would fail with
+  RESOURCE_EXHAUSTED after compiling, or swap the host)."""
+  from shardlab.analysis.memory_model import breakdown
+  b = breakdown(cfg)
+  have, where = device_memory()
+  if have is None or b["total"] <= have:
+    return
+  parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in b.items() if k != "total" and v)
+  raise ConfigError(f"model={cfg.model.name} on mesh {cfg.mesh.fsdp}x{cfg.mesh.tensor} needs "
+                    f"{b['total'] / 2**30:.2f} GiB per device (analytic: {parts} GiB), but {where}; use "
+                    "dry_run=true to compile and analyze without allocating, or a smaller model or train.batch_size")
+
+
+def check_checkpoint_dir(cfg: Config, out_dir) -> None:
+  """Every process can write `checkpoint.dir` (a probe file, read back) and, with several processes, they all
+  see the same directory (process 0's nonce file read by every process after a barrier)."""
+  import jax
+  from shardlab import distributed as D
+  d = checkpoint_dir(cfg, out_dir)
+  name = _ckpt_setting(cfg, d)
+  if d.exists() and not d.is_dir():
+    raise ConfigError(f"{name}: is a file, not a directory; choose a directory for the checkpoints")
+  made = d
+  while not made.parent.exists() and made.parent != made:
+    made = made.parent                              # the topmost directory this probe creates
+  made = None if d.exists() else made
+  probe = d / f".probe-{socket.gethostname()}-{os.getpid()}"
+  try:
+    d.mkdir(parents=True, exist_ok=True)
+    probe.write_text("shardlab")
+    ok = probe.read_text() == "shardlab"
+    probe.unlink()
+    if not ok:
+      raise OSError("the probe file read back different bytes")
+  except OSError as e:
+    if made is not None and made.is_dir():        # leave nothing behind: remove what the probe created
+      import shutil
+      shutil.rmtree(made, ignore_errors=True)
+    raise ConfigError(f"{name}: cannot write there ({e.strerror or e}); choose a writable directory") from None
+  if jax.process_count() == 1 or str(d) in _SHARED_OK:
+    return
+  nonce = D.gather_strings("ckpt_nonce", secrets.token_hex(8) if D.is_main() else "")[0]
+  marker = d / f".shared-{nonce}"
+  if D.is_main():
+    marker.write_text(nonce)
+  D.barrier("ckpt_marker_written", f"checking that {name} is shared")
+  try:
+    seen = marker.read_text() == nonce
+  except OSError:
+    seen = False
+  seen_by = D.gather_strings("ckpt_seen", "1" if seen else "0")
+  if D.is_main():
+    marker.unlink(missing_ok=True)
+  blind = [str(p) for p, s in enumerate(seen_by) if s != "1"]
+  if blind:
+    raise ConfigError(f"{name}: not one shared directory: process {', '.join(blind)} of {len(seen_by)} does not see "
+                      f"the file process 0 wrote there; with several processes (or hosts) every process must save "
+                      "into the same directory: set checkpoint.dir to a path on a filesystem all of them see")
+  _SHARED_OK.add(str(d))
+
+
+def lock_run_dir(out_dir) -> None:
+  """flock `<run dir>/.lock` for the rest of this process (or until `unlock_run_dir`): a second run into the
+  same directory is a ConfigError naming the holder. A filesystem without locks: no lock, no error."""
+  p = Path(out_dir).absolute()
+  if str(p) in _LOCKS:
+    return
+  p.mkdir(parents=True, exist_ok=True)
+  f = open(p / ".lock", "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    holder = f.read().strip() or "another process"
+    f.close()
+    raise ConfigError(f"hydra.run.dir={out_dir}: another run ({holder}) is writing this directory; wait for it to "
+                      "finish or choose another hydra.run.dir") from None
+  except OSError:
+    f.close()
+    return
+  f.seek(0)
+  f.truncate()
+  f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+  f.flush()
+  _LOCKS[str(p)] = f
+
+
+def unlock_run_dir(out_dir) -> None:
+  f = _LOCKS.pop(str(Path(out_dir).absolute()), None)
+  if f is not None:
+    f.close()
+
+
+FULL_ERROR = {"on": False}   # HYDRA_FULL_ERROR=1 (set by run.cli): raise instead of one line
+
+
+class Preflight(Callback):
+  """Hydra callback (conf/config.yaml): `check` before Hydra makes the run directory or writes `.hydra/`, so a
+  rejected run leaves an existing run directory (and its record) untouched. Single runs only; each job of a
+  multirun is checked by `run.train` (a failed job must still leave its row)."""
+
+  def on_run_start(self, config, **kwargs) -> None:
+    from omegaconf import OmegaConf
+    from shardlab.config import to_config
+    from shardlab.validate import RunError
+    if FULL_ERROR["on"]:   # tracebacks wanted: let run.train raise them (Hydra turns callback errors into warnings)
+      return
+    try:
+      check(to_config(config), str(OmegaConf.select(config, "hydra.run.dir")))
+    except (ConfigError, RunError) as e:
+      print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
+      sys.exit(2 if isinstance(e, ConfigError) else 1)
