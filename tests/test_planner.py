@@ -224,7 +224,7 @@ def test_batch_window_is_the_memory_boundary():
     assert seqs >= mb and seqs % mb == 0
 
     def total(s):
-      return planner.memory_per_device(planner._with(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
+      return planner.memory_per_device(planner.override(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
     assert total(seqs) <= V5P.hbm_bytes < total(seqs + mb)
     assert w["max_batch_per_device_tokens"] == seqs * 4096 / 4
     assert seqs * 4096 / 4 <= w["max_batch_per_device_tokens_unrounded"] < (seqs + mb) * 4096 / 4
@@ -237,12 +237,12 @@ def test_microbatches_fit_the_global_batch():
   cfg = _cfg(LLAMA2_13B, V5P, 64, 4, 16 * 64 * 4096)
   k = planner.microbatches_to_fit(cfg)
   assert k is not None and k > 1 and 16 % k == 0
-  mem = lambda mb: planner.memory_per_device(planner._with(cfg, schedule={"microbatches": mb}))["total"]
+  mem = lambda mb: planner.memory_per_device(planner.override(cfg, schedule={"microbatches": mb}))["total"]
   smaller = max(d for d in range(1, k) if 16 % d == 0)
   assert mem(k) <= V5P.hbm_bytes < mem(smaller)
   assert planner.plan(cfg)["microbatches"] == k and not planner.plan(cfg)["fits_in_hbm"]
   # The gradient accumulator of microbatching is counted: one more sharded copy of the fp32 gradients.
-  one, two = (planner.memory_per_device(planner._with(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
+  one, two = (planner.memory_per_device(planner.override(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
   assert two["grads"] == pytest.approx(2 * one["grads"])
 
 
@@ -267,7 +267,7 @@ def test_batch_window_against_compiled_memory():
   analytic_fixed, analytic_per_seq = planner.memory_affine(cfg)
   assert analytic_fixed == pytest.approx(fixed, rel=0.1)
   budget = fixed + 6.5 * slope                       # between 6 and 7 sequences per shard on the line
-  w = planner.calibrated_batch_window(planner._with(cfg, hardware={"hbm_bytes": budget}), measured)
+  w = planner.calibrated_batch_window(planner.override(cfg, hardware={"hbm_bytes": budget}), measured)
   seqs = w["max_sequences_per_fsdp_shard"]
   assert seqs == 6 and w["max_batch_per_device_tokens"] == 6 * cfg.model.seq_len / 2
   assert peak(seqs) <= budget < peak(seqs + 1)
@@ -361,7 +361,7 @@ def test_hsdp_replicates_state_over_data_and_reduces_gradients_over_it():
   layouts = {(l["data"], l["fsdp"], l["tensor"]): l for l in planner.search(cfg)}
   p = planner.param_count(LLAMA2_13B)
   for d, f, t in [(4, 256, 4), (1, 1024, 4)]:
-    mem = planner.memory_per_device(planner._with(cfg, mesh={"fsdp": f, "tensor": t},
+    mem = planner.memory_per_device(planner.override(cfg, mesh={"fsdp": f, "tensor": t},
                                                   train={"global_batch_tokens": 3e6 / d}))
     assert close(mem["master_params"] + mem["grads"] + mem["optimizer"], 16 * p / (f * t))
     assert layouts[(d, f, t)]["memory_per_device_bytes"] == pytest.approx(mem["total"])

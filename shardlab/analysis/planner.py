@@ -285,15 +285,15 @@ def comm_bytes(cfg) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------- batch window of a mesh
 
-def _with(cfg, **groups):
-  """A copy of cfg with fields of some groups replaced: _with(cfg, mesh={"fsdp": 8}, train={...})."""
+def override(cfg, **groups):
+  """A copy of cfg with fields of some groups replaced: override(cfg, mesh={"fsdp": 8}, train={...})."""
   return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
 
 
 def memory_affine(cfg) -> tuple[float, float]:
   """(bytes per device independent of the batch, bytes per sequence of an fsdp shard's local batch B / X): the
   memory of `memory_per_device` is fixed + per_sequence * B / (X L) at the configured schedule."""
-  one = memory_per_device(_with(cfg, train={"global_batch_tokens": cfg.mesh.fsdp * cfg.model.seq_len}))
+  one = memory_per_device(override(cfg, train={"global_batch_tokens": cfg.mesh.fsdp * cfg.model.seq_len}))
   return one["total"] - one["activations"], one["activations"]
 
 
@@ -335,7 +335,7 @@ def microbatches_to_fit(cfg) -> int | None:
   local = global_tokens(cfg) / cfg.mesh.fsdp / cfg.model.seq_len
   whole = local >= 1 and local == int(local)
   for k in (_divisors(int(local)) if whole else [1]):
-    if memory_per_device(_with(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
+    if memory_per_device(override(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
       return k
   return None
 
@@ -434,7 +434,7 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
   tokens = global_tokens(cfg)
   b = tokens / (data * fsdp * tensor)
-  sub = _with(cfg, mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": ici_axes["fsdp"],
+  sub = override(cfg, mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": ici_axes["fsdp"],
                          "tensor_ici_axes": ici_axes["tensor"]}, train={"global_batch_tokens": tokens / data})
   args = (bandwidth["fsdp"], bandwidth["tensor"], data, bandwidth["data"])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
