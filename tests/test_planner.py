@@ -224,7 +224,7 @@ def test_batch_window_is_the_memory_boundary():
     assert seqs >= mb and seqs % mb == 0
 
     def total(s):
-      return planner.memory_per_device(planner._with(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
+      return planner.memory_per_device(planner.override(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
     assert total(seqs) <= V5P.hbm_bytes < total(seqs + mb)
     assert w["max_batch_per_device_tokens"] == seqs * 4096 / 4
     assert seqs * 4096 / 4 <= w["max_batch_per_device_tokens_unrounded"] < (seqs + mb) * 4096 / 4
@@ -237,12 +237,12 @@ def test_microbatches_fit_the_global_batch():
   cfg = _cfg(LLAMA2_13B, V5P, 64, 4, 16 * 64 * 4096)
   k = planner.microbatches_to_fit(cfg)
   assert k is not None and k > 1 and 16 % k == 0
-  mem = lambda mb: planner.memory_per_device(planner._with(cfg, schedule={"microbatches": mb}))["total"]
+  mem = lambda mb: planner.memory_per_device(planner.override(cfg, schedule={"microbatches": mb}))["total"]
   smaller = max(d for d in range(1, k) if 16 % d == 0)
   assert mem(k) <= V5P.hbm_bytes < mem(smaller)
   assert planner.plan(cfg)["microbatches"] == k and not planner.plan(cfg)["fits_in_hbm"]
   # The gradient accumulator of microbatching is counted: one more sharded copy of the fp32 gradients.
-  one, two = (planner.memory_per_device(planner._with(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
+  one, two = (planner.memory_per_device(planner.override(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
   assert two["grads"] == pytest.approx(2 * one["grads"])
 
 
@@ -267,7 +267,7 @@ def test_batch_window_against_compiled_memory():
   analytic_fixed, analytic_per_seq = planner.memory_affine(cfg)
   assert analytic_fixed == pytest.approx(fixed, rel=0.1)
   budget = fixed + 6.5 * slope                       # between 6 and 7 sequences per shard on the line
-  w = planner.calibrated_batch_window(planner._with(cfg, hardware={"hbm_bytes": budget}), measured)
+  w = planner.calibrated_batch_window(planner.override(cfg, hardware={"hbm_bytes": budget}), measured)
   seqs = w["max_sequences_per_fsdp_shard"]
   assert seqs == 6 and w["max_batch_per_device_tokens"] == 6 * cfg.model.seq_len / 2
   assert peak(seqs) <= budget < peak(seqs + 1)
@@ -283,19 +283,19 @@ def test_binding_axis_flips_where_the_closed_forms_say():
   # (the book's Y > M_Y F / alpha with the ring's (Y-1)/Y): F = 32768, alpha = 2550 -> between Y = 13 and 14.
   a = planner.alpha(V5P)
   assert 13 - 1 < 32_768 / a < 14 - 1
-  crit = lambda x, y: planner.plan(_ffn_mesh(x, y, 4096))["critical_batch_per_device"]
-  assert crit(14, 13)["binding_axis"] == "fsdp" and crit(13, 14) == {**crit(13, 14), "this_mesh": None,
-                                                                     "binding_axis": "tensor"}
+  def crit(x, y, per_device=4096, m_x=1):
+    c = planner.plan(_ffn_mesh(x, y, per_device, m_x))["critical_batch_per_device"]
+    return c["this_mesh"], c["binding_axis"]
+  assert crit(14, 13)[1] == "fsdp" and crit(13, 14) == (None, "tensor")
   # Below the flip FSDP binds at B/N = alpha / (Y M_X) (X-1)/X: T_fsdp = 4DF/(Y W M_X) (X-1)/X = T_math.
   for x, y, m_x in [(16, 8, 2), (64, 1, 1), (64, 1, 3)]:
-    c = crit_m = planner.plan(_ffn_mesh(x, y, 4096, m_x))["critical_batch_per_device"]
-    assert c["binding_axis"] == "fsdp"
-    assert close(crit_m["this_mesh"], a / (y * m_x) * (x - 1) / x)
+    b, axis = crit(x, y, m_x=m_x)
+    assert axis == "fsdp" and close(b, a / (y * m_x) * (x - 1) / x)
     # ... and the planner's own compute_bound flips there.
-    assert planner.plan(_ffn_mesh(x, y, c["this_mesh"] * 1.01, m_x))["compute_bound"]
-    assert not planner.plan(_ffn_mesh(x, y, c["this_mesh"] * 0.99, m_x))["compute_bound"]
+    assert planner.plan(_ffn_mesh(x, y, b * 1.01, m_x))["compute_bound"]
+    assert not planner.plan(_ffn_mesh(x, y, b * 0.99, m_x))["compute_bound"]
   # With no sharded axis nothing binds.
-  assert crit(1, 1) == {**crit(1, 1), "this_mesh": 0.0, "binding_axis": "none"}
+  assert crit(1, 1) == (0.0, "none")
 
 
 # --------------------------------------------------------------------------------------------- layout search
@@ -354,16 +354,20 @@ def test_search_works_the_scaling_book_exercise():
 
 
 def test_hsdp_replicates_state_over_data_and_reduces_gradients_over_it():
+  # HSDP: state 16 B/param / (fsdp tensor), the batch over data x fsdp; the gradient AllReduce over data against
+  # the backward math is the book's DP test with the gradient shard 1 / (X Y) of the weights:
+  # alpha / M_data (d-1)/d / (B/N X Y).
   cfg = _book_exercise(4096)
   layouts = {(l["data"], l["fsdp"], l["tensor"]): l for l in planner.search(cfg)}
   p = planner.param_count(LLAMA2_13B)
-  hsdp, fsdp = layouts[(4, 256, 4)], layouts[(1, 1024, 4)]
-  state = lambda l: l["memory_per_device_bytes"] - planner.memory_per_device(planner._with(
-      cfg, mesh={"fsdp": l["fsdp"], "tensor": l["tensor"]},
-      train={"global_batch_tokens": 3e6 / l["data"]}))["activations"] - planner.memory_per_device(planner._with(
-      cfg, mesh={"fsdp": l["fsdp"], "tensor": l["tensor"]}))["compute_params"]
-  assert close(state(hsdp), 16 * p / (256 * 4)) and close(state(fsdp), 16 * p / 4096)
-  assert hsdp["comm_to_math"]["data"] > 0 == fsdp["comm_to_math"]["data"]
+  for d, f, t in [(4, 256, 4), (1, 1024, 4)]:
+    mem = planner.memory_per_device(planner.override(cfg, mesh={"fsdp": f, "tensor": t},
+                                                  train={"global_batch_tokens": 3e6 / d}))
+    assert close(mem["master_params"] + mem["grads"] + mem["optimizer"], 16 * p / (f * t))
+    assert layouts[(d, f, t)]["memory_per_device_bytes"] == pytest.approx(mem["total"])
+  hsdp = layouts[(4, 256, 4)]
+  assert hsdp["ici_axes"]["data"] == 1 and layouts[(1, 1024, 4)]["comm_to_math"]["data"] == 0
+  assert close(hsdp["comm_to_math"]["data"], planner.alpha(V5P) * 3 / 4 / (3e6 / 4096 * 256 * 4))
 
 
 # ------------------------------------------------------------------------------------------------------- the CLI

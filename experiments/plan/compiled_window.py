@@ -31,13 +31,13 @@ def main() -> None:
     cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), schedule=ScheduleConfig(remat=remat))
     peaks = {}
     for s in SEQS:
-      c = planner._with(cfg, train={"batch_size": 4 * s})
+      c = planner.override(cfg, train={"batch_size": 4 * s})
       b = build(c)
       peaks[s] = memory(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile())["peak"]
     fixed_a, per_a = planner.memory_affine(cfg)
     slope = (peaks[8] - peaks[1]) / 7
     fixed_c = peaks[1] - slope
-    budget = planner._with(cfg, hardware={"hbm_bytes": fixed_c + 16.5 * slope})   # 16 sequences on the compile's line
+    budget = planner.override(cfg, hardware={"hbm_bytes": fixed_c + 16.5 * slope})   # 16 seqs on the compile's line
     win_a = planner.batch_window(budget)["max_sequences_per_fsdp_shard"]
     win_c = planner.calibrated_batch_window(budget, peaks)["max_sequences_per_fsdp_shard"]
     mib = lambda v: f"{v / 2**20:.2f}"

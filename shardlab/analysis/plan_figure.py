@@ -19,7 +19,7 @@ def configured_layout(cfg) -> dict:
 def curve(cfg, layout: dict, batches) -> tuple[list[float], list[float]]:
   """(step time s, MFU) of `layout` at each per-device batch in `batches` (tokens)."""
   n = layout["data"] * layout["fsdp"] * layout["tensor"]
-  out = [planner.evaluate_layout(planner._with(cfg, train={"global_batch_tokens": b * n}), layout["data"],
+  out = [planner.evaluate_layout(planner.override(cfg, train={"global_batch_tokens": b * n}), layout["data"],
                                  layout["fsdp"], layout["tensor"], layout["axis_bandwidth"], layout["ici_axes"],
                                  layout.get("latency_hops")) for b in batches]
   return [o["step_time_s"] for o in out], [o["mfu"] for o in out]

@@ -303,15 +303,15 @@ def comm_bytes(cfg) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------- batch window of a mesh
 
-def _with(cfg, **groups):
-  """A copy of cfg with fields of some groups replaced: _with(cfg, mesh={"fsdp": 8}, train={...})."""
+def override(cfg, **groups):
+  """A copy of cfg with fields of some groups replaced: override(cfg, mesh={"fsdp": 8}, train={...})."""
   return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
 
 
 def memory_affine(cfg) -> tuple[float, float]:
   """(bytes per device independent of the batch, bytes per sequence of an fsdp shard's local batch B / X): the
   memory of `memory_per_device` is fixed + per_sequence * B / (X L) at the configured schedule."""
-  one = memory_per_device(_with(cfg, train={"global_batch_tokens": cfg.mesh.fsdp * cfg.model.seq_len}))
+  one = memory_per_device(override(cfg, train={"global_batch_tokens": cfg.mesh.fsdp * cfg.model.seq_len}))
   return one["total"] - one["activations"], one["activations"]
 
 
@@ -352,8 +352,8 @@ def microbatches_to_fit(cfg) -> int | None:
   not fit)."""
   local = global_tokens(cfg) / cfg.mesh.fsdp / cfg.model.seq_len
   whole = local >= 1 and local == int(local)
-  for k in ([d for d in range(1, int(local) + 1) if int(local) % d == 0] if whole else [1]):
-    if memory_per_device(_with(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
+  for k in (_divisors(int(local)) if whole else [1]):
+    if memory_per_device(override(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
       return k
   return None
 
@@ -416,12 +416,16 @@ def switch_bandwidths(hw, sizes: list[int]) -> list[float]:
   return out
 
 
+def _divisors(n: int) -> list[int]:
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
+
+
 def _factorizations(n: int):
-  for data in range(1, n + 1):
-    if n % data == 0:
-      for fsdp in range(1, n // data + 1):
-        if (n // data) % fsdp == 0:
-          yield data, fsdp, n // data // fsdp
+  """Every (data, fsdp, tensor) with data * fsdp * tensor = n."""
+  for data in _divisors(n):
+    for fsdp in _divisors(n // data):
+      yield data, fsdp, n // data // fsdp
 
 
 def _sharding_problems(m, fsdp: int, tensor: int) -> list[str]:
@@ -448,7 +452,7 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
   tokens = global_tokens(cfg)
   b = tokens / (data * fsdp * tensor)
-  sub = _with(cfg, mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": ici_axes["fsdp"],
+  sub = override(cfg, mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": ici_axes["fsdp"],
                          "tensor_ici_axes": ici_axes["tensor"]}, train={"global_batch_tokens": tokens / data})
   args = (bandwidth["fsdp"], bandwidth["tensor"], data, bandwidth["data"])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
@@ -459,8 +463,8 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   critical, binding = block.critical_batch()
 
   why = _sharding_problems(m, fsdp, tensor)
+  k = 1 if mem["total"] <= hbm else microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
   if mem["total"] > hbm:
-    k = microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
                f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
                f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k}" if k else ""))
@@ -483,7 +487,7 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
       "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
       "mfu": 6 * param_count(m) * b / (hw.peak_flops * step), "rejected_because": why,
       "memory_per_device_bytes": mem["total"], "memory_margin_bytes": hbm - mem["total"],
-      "batch_per_device_tokens": b, "comm_to_math": ratios,
+      "microbatches_to_fit": k, "batch_per_device_tokens": b, "comm_to_math": ratios,
       "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
       **{k: v for k, v in batch_window(sub).items() if k.startswith("max_batch_per_device")},
       "ici_axes": ici_axes, "axis_bandwidth": bandwidth, "latency_hops": hops, "notes": notes,
@@ -493,8 +497,9 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
 def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
   """Every data x fsdp x tensor factorization of the device count (default mesh.fsdp * mesh.tensor), laid out
   tensor innermost, then fsdp, then data, ranked best first: qualifying layouts (they fit and are compute-bound)
-  by step time, then the smallest worst comm/math ratio (the most slack), then memory; then the rejected ones:
-  those that fit (by step time), then those that do not, least memory first."""
+  by step time, then the smallest worst comm/math ratio (the most slack), then memory; then the rejected ones,
+  fewest kinds of problem first (sharding, memory, communication), then by the microbatches they need to fit
+  (those that no microbatching fits last), then by step time."""
   hw = cfg.hardware
   n = devices or cfg.mesh.fsdp * cfg.mesh.tensor
   if n < 1:
@@ -520,8 +525,9 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
       layout["rejected_because"].insert(0, f"sharding: {data}x{fsdp}x{tensor} does not tile the torus "
                                            f"{'x'.join(map(str, dims))}")
     out.append(layout)
-  out.sort(key=lambda l: (bool(l["rejected_because"]), not l["fits"], 0 if l["fits"] else l["memory_per_device_bytes"],
-                          l["step_time_s"], max(l["comm_to_math"].values()), l["memory_per_device_bytes"]))
+  out.sort(key=lambda l: (bool(l["rejected_because"]), len({r.split(":")[0] for r in l["rejected_because"]}),
+                          l["microbatches_to_fit"] or math.inf, l["step_time_s"], max(l["comm_to_math"].values()),
+                          l["memory_per_device_bytes"]))
   return out
 
 
