@@ -487,8 +487,9 @@ def tiny_batch():
 
 def reference_loss_and_grads(model: dict | None = None):
   """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
-  `tiny_batch()`; cached."""
-  return _reference_loss_and_grads(tuple(sorted((model or {}).items())))
+  `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored."""
+  model = {k: v for k, v in (model or {}).items() if k not in ("attention", "attention_block")}
+  return _reference_loss_and_grads(tuple(sorted(model.items())))
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,23 +65,25 @@ def global_tokens(cfg) -> int:
 
 # -------------------------------------------------------------------------------------------------------- memory
 
-ATTENTION_STATS = {"plain": "probs", "blockwise": "lse", "dot_product": "lse"}
 REMAT_POLICIES = ("none", "full", "save_matmuls", "save_qkv_proj", "save_qkv_attn_out", "save_matmuls_attn_out")
 
 
 def activation_elements_per_token(model, remat: str) -> int:
-  """Elements one layer saves for backward, per token, before TP sharding (an estimate; measure with
-  `compiled.memory_analysis()`). Q = H K = D query features, KV = 2 G K key/value features (G = model.kv_heads,
-  grouped-query attention), S the attention's softmax statistics per token: H T for plain attention (it keeps
-  the probabilities [B, H, T, T]; JAX's softmax keeps a few arrays of that size), H (the log-sum-exp) for
-  blockwise and dot_product (flash attention: no T^2 term).
+  """Elements one layer saves for backward, per token, before TP sharding: what JAX's AD keeps for shardlab's
+  layer (tests/test_attention.py checks every policy against the residuals of one layer's jax.vjp). An
+  estimate of memory still: dtypes differ (norm statistics and softmax are float32) and XLA may fuse.
 
-  transformer, remat=none: norm in/out 2D, Q D and KV, S, attention out D, norm in/out 2D, SwiGLU in-proj 2F
-    and gated F  -> 6D + KV + 3F + S (8D + 3F + H T for multi-head plain attention).
-  save_matmuls: layer input D, the projections' outputs (Q D, KV, out-proj D, in-proj 2F) -> 3D + KV + 2F.
+  Q = H K = D query features, KV = 2 G K key/value features (G = model.kv_heads: grouped-query attention).
+  transformer, remat=none: each RMSNorm its input, normalized and scaled outputs and 2 statistics (3D + 2, twice),
+    Q and KV after RoPE, the attention output D and its softmax state S, SwiGLU 6F (gate and up, the sigmoid, the
+    SiLU, the product, the down-projection's input) -> 8D + KV + 6F + 4 + S, where S is
+    - plain: 4 H T + 2 H (the [B, H, T, T] scores and probabilities: the only T^2 term), and
+    - blockwise: H (the log-sum-exp; O(T) memory), dot_product: H (cuDNN flash attention's statistics; on CPU
+      XLA's implementation keeps the scores like plain).
+  save_matmuls: layer input D and the projections' outputs (Q D, KV, out-proj D, in-proj 2F) -> 3D + KV + 2F.
   save_qkv_proj: layer input D, Q D and KV -> 2D + KV.
-  save_qkv_attn_out: save_qkv_proj + attention out D (+ the log-sum-exp H for blockwise).
-  save_matmuls_attn_out: save_matmuls + attention out D (+ H for blockwise).
+  save_qkv_attn_out: save_qkv_proj + the attention output D (+ H for blockwise, its log-sum-exp).
+  save_matmuls_attn_out: save_matmuls + the attention output D (+ H for blockwise).
   remat=full: the layer input D only (one layer's full set is recomputed at a time; see `memory_per_device`).
   ffn: input D and hidden F (the book's "checkpoint after the big matmuls"), D with remat=full.
   """
@@ -93,11 +95,11 @@ def activation_elements_per_token(model, remat: str) -> int:
   h = model.n_heads
   kv = 2 * (getattr(model, "n_kv_heads", 0) or h) * (d // h)
   attention = getattr(model, "attention", "plain")
-  if attention not in ATTENTION_STATS:
-    raise ValueError(f"unknown model.attention {attention!r}; expected {' | '.join(ATTENTION_STATS)}")
-  stats = h * model.seq_len if ATTENTION_STATS[attention] == "probs" else h
-  lse = h if attention == "blockwise" else 0        # saved with the attention output (a named residual)
-  return {"none": 6 * d + kv + 3 * f + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
+  if attention not in ("plain", "blockwise", "dot_product"):
+    raise ValueError(f"unknown model.attention {attention!r}; expected plain | blockwise | dot_product")
+  stats = 4 * h * model.seq_len + 2 * h if attention == "plain" else h
+  lse = h if attention == "blockwise" else 0        # kept with the attention output (a named residual)
+  return {"none": 8 * d + kv + 6 * f + 4 + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
           "save_qkv_attn_out": 3 * d + kv + lse, "save_matmuls_attn_out": 4 * d + kv + 2 * f + lse,
           "full": d}[remat]
 
