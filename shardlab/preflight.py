@@ -1,6 +1,6 @@
 """Everything checked before a run compiles or writes, each failure one line (ConfigError: exit 2):
 
-  1. the settings (validate.py), before JAX starts;
+  1. the settings' ranges and the process settings (validate.py), before JAX starts;
   2. the run directory: not a file, creatable; and on resume the checkpoint's JSON record: saved with the same
      model, batch, seed and data settings (unless checkpoint.allow_changed=true), and not past train.steps;
   3. the processes (joined within distributed.timeout_s), the devices against the mesh, and the memory the
@@ -55,15 +55,14 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   from shardlab import distributed as D
   from shardlab.mesh import set_cpu_devices
   from shardlab.validate import validate, validate_launch
-  validate_launch(cfg)                            # checkpoint and process settings, before JAX starts
-  validate(cfg)                                   # every check that needs no devices
+  validate_launch(cfg)                            # ranges, checkpoint and process settings, before JAX starts
   check_run_dir(out_dir)
   check_resume(cfg, out_dir)
   D.check_cluster_env(cfg.distributed)
   set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
   D.initialize(cfg.distributed)                   # jax.distributed, when this is one of several processes
   import jax
-  validate(cfg, len(jax.devices()))               # the mesh against every process's devices
+  validate(cfg, len(jax.devices()))               # every cross-field check; the mesh against all devices
   if not cfg.dry_run:
     check_memory(cfg)
     if cfg.checkpoint.enabled:
