@@ -100,7 +100,10 @@ class Checkpointer:
     self.check()
     meta = {"step": step, "losses": list(losses), "mesh": self.mesh_shape, "shapes": shapes(state),
             "checksums": checksums(state), "settings": self.settings}
-    self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    try:
+      self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:
+      raise self._failed(e, step) from None
     self.saved.append(step)
     self.latest = step
 
@@ -139,14 +142,15 @@ class Checkpointer:
     D.sync(f"shardlab_set_aside_{step}")
     self.mngr.reload()
 
-  def _failed(self, e: Exception) -> RunError:
+  def _failed(self, e: Exception, step: int | None = None) -> RunError:
     try:
       done = max(self.mngr.all_steps(read=True), default=None)
     except Exception:
       done = None
     why = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:240]
-    return RunError(f"checkpoint.dir={self.dir}: a checkpoint save failed in the background ({type(e).__name__}: "
-                    f"{why}); last complete checkpoint: {done if done is not None else 'none'}")
+    what = f"saving checkpoint {step} failed" if step is not None else "a checkpoint save failed in the background"
+    return RunError(f"checkpoint.dir={self.dir}: {what} ({type(e).__name__}: {why}); last complete checkpoint: "
+                    f"{done if done is not None else 'none'}; check that the directory is writable and has space")
 
   def check(self) -> None:
     """Raise (RunError) if a background save has failed; cheap, called every step."""

@@ -134,13 +134,37 @@ def _key(name: str) -> str:
   return f"shardlab/{name}/{_state['keys']}"
 
 
-def _leaving() -> None:
-  """atexit: tell the others this process leaves on purpose (an error or the end), so none reports it lost."""
+def _say_leaving() -> None:
   _state["stop"].set()
   try:
     _client().key_value_set(f"shardlab/left/{jax.process_index()}", "1", allow_overwrite=True)
   except Exception:
     pass
+
+
+def _leaving() -> None:
+  """atexit: tell the others this process leaves on purpose (an error or the end), so none reports it lost.
+  In recoverable mode JAX's exit barrier no longer holds process 0 back, yet it hosts the coordination service
+  every other process polls: so the others disconnect first, and process 0 waits (at most timeout_s) for that."""
+  import time
+  if _client() is None:
+    return
+  _say_leaving()
+  n, me = jax.process_count(), jax.process_index()
+  if me != 0:
+    try:
+      jax.distributed.shutdown()
+    except Exception:
+      pass
+    return
+  end = time.monotonic() + _state["timeout_s"]
+  while time.monotonic() < end:
+    try:
+      if set(_client().get_live_nodes(list(range(n)))) <= {0}:
+        return
+    except Exception:
+      return
+    time.sleep(0.2)
 
 
 def _missing() -> tuple[list[int], list[int]]:
@@ -170,7 +194,7 @@ def _report_lost(lost: list[int]) -> None:
   who = ", ".join(f"process {p}" + (" (the coordinator)" if p == 0 else "") for p in lost)
   _say(f"lost {who} of {n}: killed, crashed or silent for distributed.heartbeat_timeout_s={_state['heartbeat_s']} "
        "s; stopping this one too (resume from the last checkpoint with checkpoint.resume=true)")
-  _leaving()
+  _say_leaving()
   os._exit(1)
 
 

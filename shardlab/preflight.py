@@ -1,6 +1,6 @@
 """Everything checked before a run compiles or writes, each failure one line (ConfigError: exit 2):
 
-  1. the settings (validate.py), before JAX starts;
+  1. the settings' ranges and the process settings (validate.py), before JAX starts;
   2. the run directory: not a file, creatable; and on resume the checkpoint's JSON record: saved with the same
      model, batch, seed and data settings (unless checkpoint.allow_changed=true), and not past train.steps;
   3. the processes (joined within distributed.timeout_s), the devices against the mesh, and the memory the
@@ -55,8 +55,7 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   from shardlab import distributed as D
   from shardlab.mesh import set_cpu_devices
   from shardlab.validate import validate, validate_launch
-  validate_launch(cfg)                            # checkpoint and process settings, before JAX starts
-  validate(cfg)                                   # every check that needs no devices
+  validate_launch(cfg)                            # ranges, checkpoint and process settings, before JAX starts
   check_run_dir(out_dir)
   check_resume(cfg, out_dir)
   D.check_cluster_env(cfg.distributed)

@@ -267,6 +267,10 @@ def _task(dcfg) -> None:
       print(f"shardlab: error: {e}", file=sys.stderr)
       _record_failure(out_dir, e)
       if not sweeping:
+        if isinstance(e, RunError):   # a failed save or a lost peer can leave threads that never end: do not wait
+          sys.stdout.flush()
+          sys.stderr.flush()
+          os._exit(1)
         sys.exit(1)
       return
     _record_failure(out_dir, e)

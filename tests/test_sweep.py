@@ -13,10 +13,10 @@ import pytest
 from conftest import ROOT
 
 
-def _sweep(out, *overrides):
+def _sweep(out, *overrides, returncode=0):
   r = subprocess.run([sys.executable, "-m", "shardlab", "-m", "progress=false", "train.steps=2",
                       f"hydra.sweep.dir={out}", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.returncode == returncode, r.stderr[-3000:]   # 1: some job failed (after the summary was written)
   with open(out / "summary.csv") as f:
     rows = list(csv.DictReader(f))
   for row in rows:
@@ -61,8 +61,9 @@ def test_report_draws_the_sweep(grid):
 
 def test_failed_jobs_are_rows_and_device_counts_differ_per_process(grid, tmp_path):
   """submitit_local runs each job in its own process: 1 and 8 fake devices in one sweep. The jobs whose mesh
-  does not match their device count fail with their one-line error; the sweep goes on and reports them."""
-  rows = _sweep(tmp_path, "hydra/launcher=submitit_local", "mesh=8x1,2x4,1x1", "cpu_devices=8,1")
+  does not match their device count fail with their one-line error; the sweep goes on, reports them, and exits
+  with status 1."""
+  rows = _sweep(tmp_path, "hydra/launcher=submitit_local", "mesh=8x1,2x4,1x1", "cpu_devices=8,1", returncode=1)
   by = {(r["args"]["mesh"], r["args"]["cpu_devices"]): r for r in rows}
   assert len(by) == 6
   for mesh, n in (("8x1", "8"), ("2x4", "8"), ("1x1", "1")):
