@@ -59,16 +59,6 @@ def check_cluster_env(d: DistributedConfig) -> None:
     return
 
 
-def launch_rank(d: DistributedConfig) -> int:
-  """This process's index as the launch says, before JAX starts (0 for a single process)."""
-  if d.coordinator is not None:
-    return d.process_id
-  if d.auto and cluster_tasks() > 1:
-    v = os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
-    return int(v) if v.isdigit() else 0
-  return 0
-
-
 def _say(msg: str) -> None:
   print(f"shardlab: error: {msg}", file=sys.stderr, flush=True)
 
@@ -108,7 +98,7 @@ def initialize(d: DistributedConfig) -> None:
     jax.config.update("jax_enable_recoverability", True)
   except AttributeError:
     pass
-  me = d.process_id if d.coordinator else launch_rank(d)
+  me = d.process_id if d.coordinator else None
   timer = threading.Timer(d.timeout_s, _join_timed_out, (d, d.num_processes if d.coordinator else cluster_tasks(), me))
   timer.daemon = True
   timer.start()

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from shardlab.config import Config
 from shardlab.mesh import ConfigError
 
-_LOCKS: dict[str, object] = {}   # run dir -> the open, flock'ed .lock file of this process
+_LOCKS: dict[str, list] = {}     # run dir -> [the open, flock'ed .lock file, pid written into it]
 _SHARED_OK: set[str] = set()     # checkpoint dirs already found shared by every process
 
 
@@ -63,11 +63,14 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   D.initialize(cfg.distributed)                   # jax.distributed, when this is one of several processes
   import jax
   validate(cfg, len(jax.devices()))               # every cross-field check; the mesh against all devices
+  main = lock and jax.process_index() == 0
+  if main:
+    lock_run_dir(out_dir, create=False)           # an existing lock held by another run: refuse before probing
   if not cfg.dry_run:
     check_memory(cfg)
     if cfg.checkpoint.enabled:
       check_checkpoint_dir(cfg, out_dir)
-  if lock and jax.process_index() == 0:
+  if main:
     lock_run_dir(out_dir)
 
 
@@ -207,36 +210,44 @@ def check_checkpoint_dir(cfg: Config, out_dir) -> None:
   _SHARED_OK.add(str(d))
 
 
-def lock_run_dir(out_dir) -> None:
+def lock_run_dir(out_dir, create: bool = True) -> None:
   """flock `<run dir>/.lock` for the rest of this process (or until `unlock_run_dir`): a second run into the
-  same directory is a ConfigError naming the holder. A filesystem without locks: no lock, no error."""
+  same directory is a ConfigError naming the holder. `create=False`: only test an existing lock file (writes
+  nothing). A filesystem without locks: no lock, no error."""
   p = Path(out_dir).absolute()
-  if str(p) in _LOCKS:
+  held = _LOCKS.get(str(p))
+  if held is not None and (held[1] or not create):
     return
-  p.mkdir(parents=True, exist_ok=True)
-  f = open(p / ".lock", "a+")
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
+  if held is None:
+    if not create and not (p / ".lock").is_file():
+      return
+    p.mkdir(parents=True, exist_ok=True)
+    f = open(p / ".lock", "a+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      raise ConfigError(f"hydra.run.dir={out_dir}: another run ({holder}) is writing this directory; wait for it "
+                        "to finish or choose another hydra.run.dir") from None
+    except OSError:
+      f.close()
+      return
+    held = _LOCKS[str(p)] = [f, False]
+  if create:
+    f = held[0]
     f.seek(0)
-    holder = f.read().strip() or "another process"
-    f.close()
-    raise ConfigError(f"hydra.run.dir={out_dir}: another run ({holder}) is writing this directory; wait for it to "
-                      "finish or choose another hydra.run.dir") from None
-  except OSError:
-    f.close()
-    return
-  f.seek(0)
-  f.truncate()
-  f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-  f.flush()
-  _LOCKS[str(p)] = f
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    held[1] = True
 
 
 def unlock_run_dir(out_dir) -> None:
-  f = _LOCKS.pop(str(Path(out_dir).absolute()), None)
-  if f is not None:
-    f.close()
+  held = _LOCKS.pop(str(Path(out_dir).absolute()), None)
+  if held is not None:
+    held[0].close()
 
 
 FULL_ERROR = {"on": False}   # HYDRA_FULL_ERROR=1 (set by run.cli): raise instead of one line
