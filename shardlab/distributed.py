@@ -179,7 +179,12 @@ def _lost() -> list[int]:
   return _missing()[0]
 
 
+_reporting = threading.Lock()
+
+
 def _report_lost(lost: list[int]) -> None:
+  if not _reporting.acquire(blocking=False):   # the watchdog and the main thread may both notice: one line
+    threading.Event().wait()                    # the other reporter exits the process
   n = jax.process_count()
   who = ", ".join(f"process {p}" + (" (the coordinator)" if p == 0 else "") for p in lost)
   _say(f"lost {who} of {n}: killed, crashed or silent for distributed.heartbeat_timeout_s={_state['heartbeat_s']} "

@@ -10,8 +10,8 @@
   5. the run directory lock (`<run dir>/.lock`, flock, held by process 0 for the run): a second run into the
      same directory is refused instead of interleaving metrics.jsonl.
 
-The CLI runs `check` from a Hydra callback (`Preflight.on_run_start`) before Hydra creates the run directory or
-writes `.hydra/`, and `run.train` runs it again (cheap, idempotent) for runs that do not come through Hydra.
+The CLI runs `check` from a Hydra callback (`run.Preflight.on_run_start`) before Hydra creates the run directory
+or writes `.hydra/`, and `run.train` runs it again (cheap, idempotent) for runs that do not come through Hydra.
 """
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ import json
 import os
 import secrets
 import socket
-import sys
 from pathlib import Path
-
-from hydra.experimental.callback import Callback
 
 from shardlab.config import Config
 from shardlab.mesh import ConfigError
@@ -248,24 +245,3 @@ def unlock_run_dir(out_dir) -> None:
   held = _LOCKS.pop(str(Path(out_dir).absolute()), None)
   if held is not None:
     held[0].close()
-
-
-FULL_ERROR = {"on": False}   # HYDRA_FULL_ERROR=1 (set by run.cli): raise instead of one line
-
-
-class Preflight(Callback):
-  """Hydra callback (conf/config.yaml): `check` before Hydra makes the run directory or writes `.hydra/`, so a
-  rejected run leaves an existing run directory (and its record) untouched. Single runs only; each job of a
-  multirun is checked by `run.train` (a failed job must still leave its row)."""
-
-  def on_run_start(self, config, **kwargs) -> None:
-    from omegaconf import OmegaConf
-    from shardlab.config import to_config
-    from shardlab.validate import RunError
-    if FULL_ERROR["on"]:   # tracebacks wanted: let run.train raise them (Hydra turns callback errors into warnings)
-      return
-    try:
-      check(to_config(config), str(OmegaConf.select(config, "hydra.run.dir")))
-    except (ConfigError, RunError) as e:
-      print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
-      sys.exit(2 if isinstance(e, ConfigError) else 1)
