@@ -42,42 +42,6 @@ class _NoOrbaxTracebacks(logging.Filter):
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
-def _quiet_closed_loops(hook=sys.excepthook):
-  """Tensorstore callbacks that land on an asyncio loop orbax already closed (after a failed read or save)
-  print 'RuntimeError: Event loop is closed' tracebacks through sys.excepthook, dozens at a time: noise."""
-  def quiet(t, v, tb):
-    if not (t is RuntimeError and str(v) == "Event loop is closed"):
-      hook(t, v, tb)
-  if getattr(sys.excepthook, "__name__", "") != "quiet":
-    sys.excepthook = quiet
-
-
-def _say(msg: str) -> None:
-  if D.is_main():
-    print(f"shardlab: {msg}", file=sys.stderr)
-
-
-def _bit_sum(x):
-  uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-  return jnp.sum(jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32), dtype=jnp.uint32)  # wraps around
-
-
-@functools.lru_cache(maxsize=None)
-def _checksum_fn(mesh):
-  return jax.jit(lambda leaves: jnp.stack([_bit_sum(x) for x in leaves]), out_shardings=NamedSharding(mesh, P()))
-
-
-def shapes(state) -> list[list[int]]:
-  return [list(x.shape) for x in jax.tree.leaves(state)]
-
-
-def checksums(state) -> list[int]:
-  """Per leaf, the wrapping uint32 sum of its bits: exact, so the same for any sharding of the same values.
-  It catches truncated, zeroed or missing data; it is not a cryptographic hash."""
-  leaves = jax.tree.leaves(state)
-  return [int(v) for v in np.asarray(_checksum_fn(leaves[0].sharding.mesh)(leaves))]
-
-
 class Checkpointer:
   """One run's checkpoints in `directory`. Every process calls every method (each writes and reads its own
   shards; process 0 writes the JSON record)."""
@@ -85,7 +49,6 @@ class Checkpointer:
   def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, int], settings: dict | None = None):
     self.c, self.dir, self.mesh_shape = c, Path(directory).absolute(), list(mesh_shape)
     self.settings = settings or {}   # model/batch/seed/data settings, compared on resume (preflight.check_resume)
-    _quiet_closed_loops()
     if not any(isinstance(f, _NoOrbaxTracebacks) for f in logging.getLogger("absl").filters):
       logging.getLogger("absl").addFilter(_NoOrbaxTracebacks())
     self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=c.keep,
