@@ -42,6 +42,32 @@ class _NoOrbaxTracebacks(logging.Filter):
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+def _say(msg: str) -> None:
+  if D.is_main():
+    print(f"shardlab: {msg}", file=sys.stderr)
+
+
+def _bit_sum(x):
+  uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  return jnp.sum(jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32), dtype=jnp.uint32)  # wraps around
+
+
+@functools.lru_cache(maxsize=None)
+def _checksum_fn(mesh):
+  return jax.jit(lambda leaves: jnp.stack([_bit_sum(x) for x in leaves]), out_shardings=NamedSharding(mesh, P()))
+
+
+def shapes(state) -> list[list[int]]:
+  return [list(x.shape) for x in jax.tree.leaves(state)]
+
+
+def checksums(state) -> list[int]:
+  """Per leaf, the wrapping uint32 sum of its bits: exact, so the same for any sharding of the same values.
+  It catches truncated, zeroed or missing data; it is not a cryptographic hash."""
+  leaves = jax.tree.leaves(state)
+  return [int(v) for v in np.asarray(_checksum_fn(leaves[0].sharding.mesh)(leaves))]
+
+
 class Checkpointer:
   """One run's checkpoints in `directory`. Every process calls every method (each writes and reads its own
   shards; process 0 writes the JSON record)."""
