@@ -42,16 +42,6 @@ class _NoOrbaxTracebacks(logging.Filter):
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
-def _quiet_closed_loops(hook=sys.excepthook):
-  """Tensorstore callbacks that land on an asyncio loop orbax already closed (after a failed read or save)
-  print 'RuntimeError: Event loop is closed' tracebacks through sys.excepthook, dozens at a time: noise."""
-  def quiet(t, v, tb):
-    if not (t is RuntimeError and str(v) == "Event loop is closed"):
-      hook(t, v, tb)
-  if getattr(sys.excepthook, "__name__", "") != "quiet":
-    sys.excepthook = quiet
-
-
 def _say(msg: str) -> None:
   if D.is_main():
     print(f"shardlab: {msg}", file=sys.stderr)
@@ -85,7 +75,6 @@ class Checkpointer:
   def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, int], settings: dict | None = None):
     self.c, self.dir, self.mesh_shape = c, Path(directory).absolute(), list(mesh_shape)
     self.settings = settings or {}   # model/batch/seed/data settings, compared on resume (preflight.check_resume)
-    _quiet_closed_loops()
     if not any(isinstance(f, _NoOrbaxTracebacks) for f in logging.getLogger("absl").filters):
       logging.getLogger("absl").addFilter(_NoOrbaxTracebacks())
     self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=c.keep,

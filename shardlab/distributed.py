@@ -59,16 +59,6 @@ def check_cluster_env(d: DistributedConfig) -> None:
     return
 
 
-def launch_rank(d: DistributedConfig) -> int:
-  """This process's index as the launch says, before JAX starts (0 for a single process)."""
-  if d.coordinator is not None:
-    return d.process_id
-  if d.auto and cluster_tasks() > 1:
-    v = os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
-    return int(v) if v.isdigit() else 0
-  return 0
-
-
 def _say(msg: str) -> None:
   print(f"shardlab: error: {msg}", file=sys.stderr, flush=True)
 
@@ -108,7 +98,7 @@ def initialize(d: DistributedConfig) -> None:
     jax.config.update("jax_enable_recoverability", True)
   except AttributeError:
     pass
-  me = d.process_id if d.coordinator else launch_rank(d)
+  me = d.process_id if d.coordinator else None
   timer = threading.Timer(d.timeout_s, _join_timed_out, (d, d.num_processes if d.coordinator else cluster_tasks(), me))
   timer.daemon = True
   timer.start()
@@ -189,7 +179,12 @@ def _lost() -> list[int]:
   return _missing()[0]
 
 
+_reporting = threading.Lock()
+
+
 def _report_lost(lost: list[int]) -> None:
+  if not _reporting.acquire(blocking=False):   # the watchdog and the main thread may both notice: one line
+    threading.Event().wait()                    # the other reporter exits the process
   n = jax.process_count()
   who = ", ".join(f"process {p}" + (" (the coordinator)" if p == 0 else "") for p in lost)
   _say(f"lost {who} of {n}: killed, crashed or silent for distributed.heartbeat_timeout_s={_state['heartbeat_s']} "

@@ -10,8 +10,8 @@
   5. the run directory lock (`<run dir>/.lock`, flock, held by process 0 for the run): a second run into the
      same directory is refused instead of interleaving metrics.jsonl.
 
-The CLI runs `check` from a Hydra callback (`Preflight.on_run_start`) before Hydra creates the run directory or
-writes `.hydra/`, and `run.train` runs it again (cheap, idempotent) for runs that do not come through Hydra.
+The CLI runs `check` from a Hydra callback (`run.Preflight.on_run_start`) before Hydra creates the run directory
+or writes `.hydra/`, and `run.train` runs it again (cheap, idempotent) for runs that do not come through Hydra.
 """
 from __future__ import annotations
 
@@ -20,15 +20,12 @@ import json
 import os
 import secrets
 import socket
-import sys
 from pathlib import Path
-
-from hydra.experimental.callback import Callback
 
 from shardlab.config import Config
 from shardlab.mesh import ConfigError
 
-_LOCKS: dict[str, object] = {}   # run dir -> the open, flock'ed .lock file of this process
+_LOCKS: dict[str, list] = {}     # run dir -> [the open, flock'ed .lock file, pid written into it]
 _SHARED_OK: set[str] = set()     # checkpoint dirs already found shared by every process
 
 
@@ -67,11 +64,14 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
     TG.check(cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor)
   # The mesh against every process's devices (a dry run compiled for a target needs none of them).
   validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))
+  main = lock and jax.process_index() == 0
+  if main:
+    lock_run_dir(out_dir, create=False)           # an existing lock held by another run: refuse before probing
   if not cfg.dry_run:
     check_memory(cfg)
     if cfg.checkpoint.enabled:
       check_checkpoint_dir(cfg, out_dir)
-  if lock and jax.process_index() == 0:
+  if main:
     lock_run_dir(out_dir)
 
 
@@ -211,54 +211,41 @@ def check_checkpoint_dir(cfg: Config, out_dir) -> None:
   _SHARED_OK.add(str(d))
 
 
-def lock_run_dir(out_dir) -> None:
+def lock_run_dir(out_dir, create: bool = True) -> None:
   """flock `<run dir>/.lock` for the rest of this process (or until `unlock_run_dir`): a second run into the
-  same directory is a ConfigError naming the holder. A filesystem without locks: no lock, no error."""
+  same directory is a ConfigError naming the holder. `create=False`: only test an existing lock file (writes
+  nothing). A filesystem without locks: no lock, no error."""
   p = Path(out_dir).absolute()
-  if str(p) in _LOCKS:
+  held = _LOCKS.get(str(p))
+  if held is not None and (held[1] or not create):
     return
-  p.mkdir(parents=True, exist_ok=True)
-  f = open(p / ".lock", "a+")
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
+  if held is None:
+    if not create and not (p / ".lock").is_file():
+      return
+    p.mkdir(parents=True, exist_ok=True)
+    f = open(p / ".lock", "a+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      raise ConfigError(f"hydra.run.dir={out_dir}: another run ({holder}) is writing this directory; wait for it "
+                        "to finish or choose another hydra.run.dir") from None
+    except OSError:
+      f.close()
+      return
+    held = _LOCKS[str(p)] = [f, False]
+  if create:
+    f = held[0]
     f.seek(0)
-    holder = f.read().strip() or "another process"
-    f.close()
-    raise ConfigError(f"hydra.run.dir={out_dir}: another run ({holder}) is writing this directory; wait for it to "
-                      "finish or choose another hydra.run.dir") from None
-  except OSError:
-    f.close()
-    return
-  f.seek(0)
-  f.truncate()
-  f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-  f.flush()
-  _LOCKS[str(p)] = f
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    held[1] = True
 
 
 def unlock_run_dir(out_dir) -> None:
-  f = _LOCKS.pop(str(Path(out_dir).absolute()), None)
-  if f is not None:
-    f.close()
-
-
-FULL_ERROR = {"on": False}   # HYDRA_FULL_ERROR=1 (set by run.cli): raise instead of one line
-
-
-class Preflight(Callback):
-  """Hydra callback (conf/config.yaml): `check` before Hydra makes the run directory or writes `.hydra/`, so a
-  rejected run leaves an existing run directory (and its record) untouched. Single runs only; each job of a
-  multirun is checked by `run.train` (a failed job must still leave its row)."""
-
-  def on_run_start(self, config, **kwargs) -> None:
-    from omegaconf import OmegaConf
-    from shardlab.config import to_config
-    from shardlab.validate import RunError
-    if FULL_ERROR["on"]:   # tracebacks wanted: let run.train raise them (Hydra turns callback errors into warnings)
-      return
-    try:
-      check(to_config(config), str(OmegaConf.select(config, "hydra.run.dir")))
-    except (ConfigError, RunError) as e:
-      print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
-      sys.exit(2 if isinstance(e, ConfigError) else 1)
+  held = _LOCKS.pop(str(Path(out_dir).absolute()), None)
+  if held is not None:
+    held[0].close()

@@ -11,6 +11,8 @@ import time
 import traceback
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
+
 from shardlab.config import Config, register_configs, to_config
 from shardlab.mesh import ConfigError
 
@@ -316,6 +318,24 @@ def _record_failure(out_dir, e: BaseException) -> None:
 _FULL_ERROR = False   # HYDRA_FULL_ERROR=1: tracebacks instead of one-line errors
 
 
+class Preflight(Callback):
+  """Hydra callback (conf/config.yaml): `preflight.check` before Hydra makes the run directory or writes
+  `.hydra/`, so a rejected run leaves an existing run directory (and its record) untouched. Single runs only;
+  each job of a multirun is checked by `train` (a failed job must still leave its row)."""
+
+  def on_run_start(self, config, **kwargs) -> None:
+    from omegaconf import OmegaConf
+    from shardlab import preflight
+    from shardlab.validate import RunError
+    if _FULL_ERROR:   # tracebacks wanted: let train raise them (Hydra turns callback errors into warnings)
+      return
+    try:
+      preflight.check(to_config(config), str(OmegaConf.select(config, "hydra.run.dir")))
+    except (ConfigError, RunError) as e:
+      print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
+      sys.exit(2 if isinstance(e, ConfigError) else 1)
+
+
 def cli() -> None:
   import hydra
   from hydra.errors import HydraException
@@ -325,8 +345,6 @@ def cli() -> None:
   asked = os.environ.get("HYDRA_FULL_ERROR")
   _FULL_ERROR = asked == "1"
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
-  from shardlab import preflight
-  preflight.FULL_ERROR["on"] = _FULL_ERROR
   try:
     hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(_task)()
   except KeyboardInterrupt:               # SIGINT before training started (or while stopping): nothing to save

@@ -112,6 +112,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     run(tmp_path, "train.lr=1e10", "checkpoint.every=1")   # step 0's update blows the weights up
   s = json.loads((tmp_path / "summary.json").read_text())
   assert s["status"] == "error" and s["error"].startswith("FloatingPointError") and len(s["losses"]) == 2
+  assert s["losses"][1] is None                                  # strict JSON: null, not a bare NaN token
+  def no_nan(token):
+    raise AssertionError(f"non-strict JSON token {token}")
+  rows = [json.loads(l, parse_constant=no_nan) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert rows[1]["loss"] is None
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]   # nothing from the bad state
 
 

@@ -1,0 +1,391 @@
+"""No hang, no traceback, no silent nonsense: a table of bad settings (each: exit 2, one line naming the setting,
+no traceback, nothing written to the run dir), run through the real CLI entry point `shardlab.run.cli` in this
+process (one Python start for the whole table; a few also as real `python -m shardlab` processes to prove the
+wiring), and the run-time faults that used to hang, each bounded in time."""
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+SLOW = ("import sys, time, shardlab.data as D, shardlab.run as R; b = D.MarkovData.batch; "
+        "D.MarkovData.batch = lambda self, i: (time.sleep({s}), b(self, i))[1]; R.cli()")
+
+
+def _record(tmp, **settings):
+  """A checkpoint's JSON record, as Checkpointer.save writes it, at <tmp>/run/checkpoints/<step>/meta/metadata."""
+  from conftest import compose
+  from shardlab.config import to_config
+  from shardlab.preflight import record_settings
+  step = settings.pop("step", 6)
+  rec = {"step": step, "losses": [5.5] * step, "settings": record_settings(to_config(compose()))}
+  rec["settings"].update(settings)
+  meta = tmp / "run" / "checkpoints" / str(step) / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps(rec))
+
+
+def _file(tmp, name):
+  (tmp / name).write_text("a file")
+  return tmp / name
+
+
+@contextlib.contextmanager
+def _held_lock(tmp):
+  import fcntl
+  (tmp / "run").mkdir()
+  with open(tmp / "run" / ".lock", "a+") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.write("pid 1 on elsewhere\n")
+    f.flush()
+    yield
+
+
+# (overrides, expected text in the one line); {tmp} is the test's temporary directory. Setups: see SETUP.
+BAD = [
+    (["train.batch_size=0"], "train.batch_size=0: must be >= 1"),
+    (["train.batch_size=-4"], "train.batch_size=-4"),
+    (["train.lr=-1"], "train.lr=-1.0: must be > 0"),
+    (["train.lr=0"], "train.lr=0.0"),
+    (["train.lr=nan"], "train.lr=nan"),
+    (["train.lr=inf"], "train.lr=inf"),
+    (["train.warmup_steps=-1"], "train.warmup_steps=-1"),
+    (["train.b1=-0.1"], "train.b1=-0.1"),
+    (["train.b1=1.0"], "train.b1=1.0: must be in [0, 1)"),
+    (["train.b2=1.5"], "train.b2=1.5"),
+    (["train.b2=1"], "train.b2=1"),
+    (["train.adam_eps=0"], "train.adam_eps=0"),
+    (["train.weight_decay=-0.1"], "train.weight_decay=-0.1"),
+    (["train.grad_clip=0"], "train.grad_clip=0.0"),
+    (["train.grad_clip=-1"], "train.grad_clip=-1.0"),
+    (["train.steps=0"], "train.steps=0"),
+    (["train.seed=-1"], "train.seed=-1"),
+    (["train.seed=4294967296"], "train.seed=4294967296"),
+    (["train.global_batch_tokens=-1"], "train.global_batch_tokens=-1"),
+    (["train.mfu=0"], "train.mfu=0"),
+    (["train.mfu=1.5"], "train.mfu=1.5"),
+    (["model.seq_len=1"], "model.seq_len=1"),
+    (["model.seq_len=0"], "model.seq_len=0"),
+    (["model.d_model=0"], "model.d_model=0"),
+    (["model.d_ff=-8"], "model.d_ff=-8"),
+    (["model.n_layers=0"], "model.n_layers=0"),
+    (["model.n_heads=0"], "model.n_heads=0"),
+    (["model.vocab_size=0"], "model.vocab_size=0"),
+    (["model.rope_theta=0"], "model.rope_theta=0"),
+    (["model.init_std=0"], "model.init_std=0"),
+    (["model.norm_eps=-1e-6"], "model.norm_eps=-1e-06"),
+    (["model.d_model=60"], "model.d_model=60 is not divisible by model.n_heads=8"),
+    (["model.kind=ffn"], "model.kind=ffn"),
+    (["mesh.fsdp=0"], "mesh.fsdp=0"),
+    (["mesh.tensor=-2"], "mesh.tensor=-2"),
+    (["mesh.fsdp_ici_axes=0"], "mesh.fsdp_ici_axes=0"),
+    (["mesh.tensor_ici_axes=0"], "mesh.tensor_ici_axes=0"),
+    (["mesh.fsdp=3", "mesh.tensor=3"], "mesh.fsdp=3 x mesh.tensor=3 = 9 devices, but 8"),
+    (["mesh=1x8", "model.n_heads=4"], "model.n_heads=4 is not divisible by mesh.tensor=8"),
+    (["schedule.prefetch=-1"], "schedule.prefetch=-1"),
+    (["schedule.microbatches=0"], "schedule.microbatches=0"),
+    (["schedule.tp=butterfly"], "schedule.tp=butterfly"),
+    (["schedule.remat=everything"], "schedule.remat=everything"),
+    (["schedule=deferred_reduce", "train.batch_size=10", "mesh=2x4"], "mesh.fsdp * schedule.microbatches"),
+    (["hardware.peak_flops=-1"], "hardware.peak_flops=-1.0"),
+    (["hardware.ici_bandwidth=0"], "hardware.ici_bandwidth=0.0"),
+    (["hardware.hbm_bytes=0"], "hardware.hbm_bytes=0.0"),
+    (["hardware.hbm_bandwidth=0"], "hardware.hbm_bandwidth=0.0"),
+    (["hardware.hop_latency_s=-1e-6"], "hardware.hop_latency_s"),
+    (["hardware.dcn_bandwidth=-1"], "hardware.dcn_bandwidth=-1.0"),
+    (["hardware.domain_devices=-1"], "hardware.domain_devices=-1"),
+    (["data.branching=0"], "data.branching=0"),
+    (["data.branching=1000"], "data.branching=1000"),
+    (["precision.compute_dtype=float16"], "precision.compute_dtype=float16"),
+    (["precision.param_dtype=bfloat16"], "precision.param_dtype"),
+    (["checkpoint.every=-1"], "checkpoint.every=-1"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0"),
+    (["checkpoint.dir=''"], "checkpoint.dir=''"),
+    (["checkpoint.dir=/proc/shardlab_ck"], "checkpoint.dir=/proc/shardlab_ck: cannot write there"),
+    (["checkpoint.dir={tmp}/ck_file"], "is a file"),
+    (["distributed.num_processes=0"], "distributed.num_processes=0: must be >= 1"),
+    (["distributed.num_processes=2"], "needs distributed.coordinator=HOST:PORT"),
+    (["distributed.coordinator=node0"], "distributed.coordinator=node0: must be HOST:PORT"),
+    (["distributed.coordinator=localhost:1", "distributed.num_processes=2", "distributed.process_id=2"],
+     "distributed.process_id=2"),
+    (["distributed.timeout_s=0"], "distributed.timeout_s=0"),
+    (["distributed.heartbeat_timeout_s=0"], "distributed.heartbeat_timeout_s=0"),
+    (["profile.steps=0"], "profile.steps=0"),
+    (["profile.start_step=-1"], "profile.start_step=-1"),
+    (["cpu_devices=0"], "cpu_devices=0"),
+    (["+typo=1"], "typo: no such setting"),
+    (["+train.typo=1"], "train.typo: no such setting"),
+    (["schedule.prefech=1"], "Key 'prefech' not in 'ScheduleConfig'"),
+    (["mesh.fsdp=two"], "mesh.fsdp=two"),
+    (["model=llama3_8b"], "model=llama3_8b on mesh 4x2 needs"),
+    (["hydra.run.dir={tmp}/run_file"], "is a file, not a directory"),
+    (["checkpoint.resume=true", "train.seed=1"], "train.seed=1 (checkpoint: 0)"),
+    (["checkpoint.resume=true", "model.d_ff=256"], "model.d_ff=256 (checkpoint: 128)"),
+    (["checkpoint.resume=true", "train.steps=4"], "train.steps=4: the checkpoint in"),
+    ([], "another run (pid 1 on elsewhere) is writing this directory"),
+    (["distributed.auto=true"], "SLURM_PROCID"),
+    (["distributed.auto=true"], "SLURM_STEP_NUM_TASKS='two' is not a task count"),
+]
+SETUP = {   # index in BAD -> (make files, environment)
+    BAD.index((["checkpoint.dir={tmp}/ck_file"], "is a file")): (lambda t: _file(t, "ck_file"), {}),
+    BAD.index((["hydra.run.dir={tmp}/run_file"], "is a file, not a directory")): (lambda t: _file(t, "run_file"), {}),
+    **{i: (_record, {}) for i, (o, _) in enumerate(BAD) if o[:1] == ["checkpoint.resume=true"]},
+    BAD.index(([], "another run (pid 1 on elsewhere) is writing this directory")): (_held_lock, {}),
+    BAD.index((["distributed.auto=true"], "SLURM_PROCID")): (None, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"}),
+    BAD.index((["distributed.auto=true"], "SLURM_STEP_NUM_TASKS='two' is not a task count")):
+        (None, {"SLURM_STEP_NUM_TASKS": "two"}),
+}
+
+
+def _tree(d):
+  """Every path under d with its size and mtime: 'nothing written' means this does not change."""
+  return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))} if d.exists() else None
+
+
+def run_cli(argv, env=None):
+  """`python -m shardlab ARGV` in this process: (exit code, stderr)."""
+  from shardlab import run
+  old_argv, old_env = sys.argv, {k: os.environ.get(k) for k in (env or {})}
+  sys.argv = ["shardlab", *argv]
+  os.environ.update(env or {})
+  err = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(err):
+      try:
+        run.cli()
+        code = 0
+      except SystemExit as e:
+        code = e.code
+  finally:
+    sys.argv = old_argv
+    for k, v in old_env.items():
+      os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+  return code, err.getvalue()
+
+
+def test_the_table_is_big_enough():
+  assert len(BAD) >= 60 and len({tuple(o) + (m,) for o, m in BAD}) == len(BAD)
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[" ".join(o) or m[:20] for o, m in BAD])
+def test_bad_setting_is_exit_2_one_line_nothing_written(i, tmp_path):
+  overrides, message = BAD[i]
+  make, env = SETUP.get(i, (None, {}))
+  run = tmp_path / "run"
+  with (make(tmp_path) if make is _held_lock else contextlib.nullcontext()):
+    if make is not None and make is not _held_lock:
+      make(tmp_path)
+    before = _tree(run)
+    code, err = run_cli([f"hydra.run.dir={run}", *[o.format(tmp=tmp_path) for o in overrides]], env)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("shardlab: error: "), err
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert _tree(run) == before, "a rejected run wrote into the run directory"
+
+
+def test_a_changed_setting_resumes_when_allowed(tmp_path):
+  """checkpoint.allow_changed=true lets the record check pass (the run would then resume)."""
+  from conftest import compose
+  from shardlab import preflight
+  from shardlab.config import to_config
+  _record(tmp_path)
+  cfg = to_config(compose("checkpoint.resume=true", "train.seed=1", "checkpoint.allow_changed=true"))
+  preflight.check_resume(cfg, tmp_path / "run")
+
+
+def test_non_finite_gradient_norm_is_not_called_a_loss():
+  from shardlab.run import _non_finite
+
+  class Ck:
+    latest, dir = 4, "/ck"
+  assert _non_finite(5.5, float("nan"), 7, Ck()).startswith("non-finite gradient norm nan (loss 5.5) at step 7")
+  assert _non_finite(float("inf"), 1.0, 7, Ck()).startswith("non-finite loss inf")
+
+
+def test_summary_json_is_strict():
+  from shardlab.run import _strict
+  assert json.dumps(_strict({"l": [1.0, float("nan")], "g": float("-inf")}), allow_nan=False) == \
+      '{"l": [1.0, null], "g": null}'
+
+
+def _one_shardlab_line(err: str, prefix: str = "shardlab: error: ") -> str:
+  """The stderr of a real process: no Python traceback, one line of ours (JAX's own C++ start-up notes may
+  surround it)."""
+  assert "Traceback" not in err, err[-3000:]
+  ours = [l for l in err.splitlines() if l.startswith("shardlab")]
+  assert len(ours) == 1 and ours[0].startswith(prefix), err[-3000:]
+  return ours[0]
+
+
+def _launch(*args, slow=None, **kw):
+  cmd = ["-c", SLOW.format(s=slow)] if slow else ["-m", "shardlab"]
+  return subprocess.Popen([sys.executable, *cmd, "progress=false", *args], cwd=ROOT, env=ENV, text=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+
+
+def test_real_cli_processes(tmp_path):
+  """The wiring, in real processes (started together): exit 2 and one line before anything is compiled, within
+  30 s; a checkpoint.dir that is a file or on a read-only filesystem used to hang in the background save."""
+  (tmp_path / "ck_file").write_text("x")
+  cases = {"train.batch_size=0": "train.batch_size=0", "+typo=1": "typo: no such setting",
+           f"checkpoint.dir={tmp_path / 'ck_file'}": "is a file", "checkpoint.dir=/proc/shardlab": "cannot write there",
+           "train.b2=1.5": "train.b2=1.5"}
+  t0 = time.monotonic()
+  procs = {k: _launch(k, f"hydra.run.dir={tmp_path / f'run{i}'}") for i, k in enumerate(cases)}
+  for i, (k, p) in enumerate(procs.items()):
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and cases[k] in _one_shardlab_line(err), err[-3000:]
+    assert not (tmp_path / f"run{i}").exists()
+  assert time.monotonic() - t0 < 30 * len(cases)   # each well under 30 s (they share 2 cores)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory anyway")
+def test_read_only_checkpoint_dir(tmp_path):
+  ck = tmp_path / "ck"
+  ck.mkdir(mode=0o500)
+  p = _launch(f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / 'run'}")
+  _, err = p.communicate(timeout=30)
+  assert p.returncode == 2 and "cannot write there" in _one_shardlab_line(err)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _procs(tmp_path, n, *args, ranks=None, slow=None):
+  port = free_port()
+  return [_launch("cpu_devices=4", f"distributed.coordinator=localhost:{port}", f"distributed.num_processes={n}",
+                  f"distributed.process_id={i}", f"hydra.run.dir={tmp_path / f'p{i}'}", *args, slow=slow)
+          for i in (ranks if ranks is not None else range(n))]
+
+
+def test_peer_that_never_starts_and_unreachable_coordinator(tmp_path):
+  """Process 0 whose peer never starts, and process 1 with nobody at the coordinator's address: each exits
+  within 30 s (distributed.timeout_s=3) with one line naming the setting, instead of JAX's 5-minute wait."""
+  t0 = time.monotonic()
+  alone0 = _procs(tmp_path / "a", 2, "distributed.timeout_s=3", ranks=[0])[0]
+  alone1 = _procs(tmp_path / "b", 2, "distributed.timeout_s=3", ranks=[1])[0]
+  for p, text in ((alone0, "not every one of the 2 processes joined"), (alone1, "nothing answers at")):
+    _, err = p.communicate(timeout=60)
+    line = _one_shardlab_line(err)
+    assert p.returncode == 1 and "distributed.timeout_s=3" in line and text in line, err[-3000:]
+  assert time.monotonic() - t0 < 30
+
+
+def test_checkpoint_dirs_not_shared_fail_in_seconds(tmp_path):
+  """Two processes, each with its own run dir and so its own <run dir>/checkpoints (they used to hang in the
+  final save): both stop before compiling, naming checkpoint.dir."""
+  t0 = time.monotonic()
+  procs = _procs(tmp_path, 2, "distributed.timeout_s=20")
+  for p in procs:
+    _, err = p.communicate(timeout=60)
+    line = _one_shardlab_line(err)
+    assert p.returncode == 2 and "checkpoint.dir=null" in line and "not one shared directory" in line, err[-3000:]
+  assert time.monotonic() - t0 < 30
+
+
+def test_background_save_failure_is_one_line_not_a_hang(tmp_path):
+  """The checkpoint directory turns into a file mid-run (after the step-2 save): the next save fails, the run
+  stops within 30 s of it with one line naming checkpoint.dir, exit 1, summary.json with the losses so far."""
+  ck, out = tmp_path / "ck", tmp_path / "run"
+  code = ("import shutil, sys, time, pathlib, shardlab.data as D, shardlab.run as R; b = D.MarkovData.batch; "
+          f"ck = pathlib.Path({str(ck)!r})\n"
+          "def batch(self, i):\n"
+          "  if i == 3:\n"
+          "    time.sleep(2); shutil.rmtree(ck); ck.write_text('x'); print('BROKEN', time.time(), file=sys.stderr)\n"
+          "  return b(self, i)\n"
+          "D.MarkovData.batch = batch; R.cli()")
+  p = subprocess.Popen([sys.executable, "-c", code, "progress=false", "train.steps=6", "checkpoint.every=2",
+                        f"checkpoint.dir={ck}", f"hydra.run.dir={out}"], cwd=ROOT, env=ENV, text=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  _, err = p.communicate(timeout=300)
+  broken = float(next(l for l in err.splitlines() if l.startswith("BROKEN")).split()[1])
+  assert p.returncode == 1 and time.time() - broken < 30
+  line = _one_shardlab_line("\n".join(l for l in err.splitlines() if not l.startswith("BROKEN")))
+  assert f"checkpoint.dir={ck}" in line and "failed" in line
+  s = json.loads((out / "summary.json").read_text())
+  assert s["status"] == "error" and s["error"].startswith("RunError") and len(s["losses"]) >= 4
+
+
+def test_two_sigints_no_traceback_and_a_summary(tmp_path):
+  out = tmp_path / "run"
+  p = _launch("train.steps=200", f"hydra.run.dir={out}", slow=0.3)
+  deadline = time.monotonic() + 240
+  while p.poll() is None and time.monotonic() < deadline and not (
+      (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+    time.sleep(0.05)
+  p.send_signal(signal.SIGINT)
+  time.sleep(0.05)
+  p.send_signal(signal.SIGINT)
+  t0 = time.monotonic()
+  _, err = p.communicate(timeout=60)
+  assert p.returncode == 128 + signal.SIGINT and time.monotonic() - t0 < 30, err[-3000:]
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+  assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_killed_peer_survivor_names_it_within_60s(tmp_path):
+  """Two processes training; process 1 is killed (-9). Process 0 exits within 60 s, non-zero, with one line
+  naming process 1 (it used to abort 56 s later in a C++ check, naming nobody)."""
+  ck = tmp_path / "ck"
+  procs = _procs(tmp_path, 2, "train.steps=400", f"checkpoint.dir={ck}", "distributed.heartbeat_timeout_s=5",
+                 slow=0.3)
+  metrics = tmp_path / "p0" / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while procs[0].poll() is None and time.monotonic() < deadline and not (
+      metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    time.sleep(0.1)
+  procs[1].kill()
+  t0 = time.monotonic()
+  _, err = procs[0].communicate(timeout=120)
+  procs[1].communicate()
+  assert procs[0].returncode not in (0, None) and time.monotonic() - t0 < 60, err[-3000:]
+  assert "lost process 1 of 2" in _one_shardlab_line(err)
+
+
+def test_sweep_with_failed_jobs_exits_1_after_its_summary(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "shardlab", "-m", "train.batch_size=0,-4", f"hydra.sweep.dir={tmp_path}"],
+                     cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  rows = (tmp_path / "summary.csv").read_text()
+  assert rows.count("ConfigError: train.batch_size=") == 2
+  assert "2 of 2 sweep jobs failed" in r.stderr.splitlines()[-1]
+
+
+def test_report_rejects_bad_input_in_one_line(tmp_path, capsys):
+  from shardlab.report import main
+  for content, text in (("{not json", "not valid JSON"), ("[1, 2]", "holds a JSON list")):
+    d = tmp_path / content[:2].strip("{[") / "job"
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(content)
+    with pytest.raises(SystemExit) as e:
+      main([str(d.parent)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and text in err, err
+  good = tmp_path / "good"
+  (good / "job").mkdir(parents=True)
+  (good / "job" / "summary.json").write_text(json.dumps({"status": "error", "error": "x"}))
+  with pytest.raises(SystemExit) as e:
+    main([str(good), "--runs", "nope"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "--runs nope: no run named nope" in err and "runs here: job" in err
+
+
+def test_plan_rejects_a_mesh_the_dims_do_not_divide(capsys):
+  from shardlab.plan import main
+  assert main(["mesh.fsdp=3"]) == 2
+  assert "model.d_model=64 is not divisible by mesh.fsdp=3" in capsys.readouterr().err
+  assert main(["hardware.hbm_bandwidth=0"]) == 2
+  assert "hardware.hbm_bandwidth=0.0: must be > 0" in capsys.readouterr().err
