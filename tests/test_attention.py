@@ -22,7 +22,7 @@ from shardlab.testing import assert_trees_close, compile_schedule
 RTOL, ATOL = 2e-5, 2e-5     # as tests/test_equivalence.py: float32 sums in a different order on each mesh
 
 # (mesh, kv heads, attention, schedule knobs): on every mesh G = 1 and 2 and both memory-efficient attentions,
-# with a knob each (every TP contraction, the new remat policies, prefetch, deferred reduction). G = 8 (= H)
+# with a knob each (TP contractions, the new remat policies, prefetch, deferred reduction, gspmd). G = 8 (= H)
 # with plain attention on every mesh is the `baseline` preset of tests/test_equivalence.py.
 CASES = [
     ((1, 8), 1, "blockwise", dict(remat="save_qkv_attn_out")),
@@ -30,7 +30,7 @@ CASES = [
     ((2, 4), 1, "dot_product", dict(tp="ring")),
     ((2, 4), 2, "blockwise", dict(remat="save_matmuls_attn_out", prefetch=1)),
     ((4, 2), 1, "blockwise", dict(tp="allreduce")),
-    ((4, 2), 2, "dot_product", dict(tp="ring_bidi")),
+    ((4, 2), 2, "dot_product", dict(impl="gspmd")),
     ((8, 1), 1, "dot_product", dict()),
     ((8, 1), 2, "blockwise", dict(grad_reduce="deferred", microbatches=2)),
     ((1, 1), 1, "blockwise", dict(remat="save_qkv_proj")),
