@@ -39,7 +39,9 @@ CASES = [
 
 
 def _model(kv, attention):
-  return {"n_kv_heads": kv, "attention": attention, **({"attention_block": 8} if attention == "blockwise" else {})}
+  """Two layers (the reference unrolls them; the schedules loop over them): half the reference's compile."""
+  return {"n_layers": 2, "n_kv_heads": kv, "attention": attention,
+          **({"attention_block": 8} if attention == "blockwise" else {})}
 
 
 @pytest.mark.parametrize("mesh_shape,kv,attention,knobs", CASES,
@@ -57,7 +59,7 @@ def test_gqa_and_attention_match_reference(mesh_shape, kv, attention, knobs):
 def test_kv_heads_replicated_and_not_aligned_to_devices():
   """H = 6, G = 3 on tensor = 2: neither divides the other; each device's 3 query heads read 2 of the 3
   replicated K/V heads (0, 0, 1 and 1, 2, 2), picked per query head."""
-  model = {"d_model": 48, "n_heads": 6, "n_kv_heads": 3}
+  model = {"d_model": 48, "n_heads": 6, "n_kv_heads": 3, "n_layers": 2}
   loss, grads = compile_schedule(None, (4, 2), model=model)[1]
   ref_loss, ref_grads = reference_loss_and_grads(model)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
