@@ -22,7 +22,7 @@ from shardlab.testing import assert_trees_close, compile_schedule
 RTOL, ATOL = 2e-5, 2e-5     # as tests/test_equivalence.py: float32 sums in a different order on each mesh
 
 # (mesh, kv heads, attention, schedule knobs): on every mesh G = 1 and 2 and both memory-efficient attentions,
-# with a knob each (every TP contraction, the new remat policies, prefetch, deferred reduction). G = 8 (= H)
+# with a knob each (TP contractions, the new remat policies, prefetch, deferred reduction, gspmd). G = 8 (= H)
 # with plain attention on every mesh is the `baseline` preset of tests/test_equivalence.py.
 CASES = [
     ((1, 8), 1, "blockwise", dict(remat="save_qkv_attn_out")),
@@ -30,7 +30,7 @@ CASES = [
     ((2, 4), 1, "dot_product", dict(tp="ring")),
     ((2, 4), 2, "blockwise", dict(remat="save_matmuls_attn_out", prefetch=1)),
     ((4, 2), 1, "blockwise", dict(tp="allreduce")),
-    ((4, 2), 2, "dot_product", dict(tp="ring_bidi")),
+    ((4, 2), 2, "dot_product", dict(impl="gspmd")),
     ((8, 1), 1, "dot_product", dict()),
     ((8, 1), 2, "blockwise", dict(grad_reduce="deferred", microbatches=2)),
     ((1, 1), 1, "blockwise", dict(remat="save_qkv_proj")),
@@ -39,7 +39,9 @@ CASES = [
 
 
 def _model(kv, attention):
-  return {"n_kv_heads": kv, "attention": attention, **({"attention_block": 8} if attention == "blockwise" else {})}
+  """Two layers (the reference unrolls them; the schedules loop over them): half the reference's compile."""
+  return {"n_layers": 2, "n_kv_heads": kv, "attention": attention,
+          **({"attention_block": 8} if attention == "blockwise" else {})}
 
 
 @pytest.mark.parametrize("mesh_shape,kv,attention,knobs", CASES,
@@ -57,7 +59,7 @@ def test_gqa_and_attention_match_reference(mesh_shape, kv, attention, knobs):
 def test_kv_heads_replicated_and_not_aligned_to_devices():
   """H = 6, G = 3 on tensor = 2: neither divides the other; each device's 3 query heads read 2 of the 3
   replicated K/V heads (0, 0, 1 and 1, 2, 2), picked per query head."""
-  model = {"d_model": 48, "n_heads": 6, "n_kv_heads": 3}
+  model = {"d_model": 48, "n_heads": 6, "n_kv_heads": 3, "n_layers": 2}
   loss, grads = compile_schedule(None, (4, 2), model=model)[1]
   ref_loss, ref_grads = reference_loss_and_grads(model)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)

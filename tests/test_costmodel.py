@@ -82,9 +82,12 @@ def test_prediction_bounds_and_flops(preset, mesh_shape):
 def test_prefetch_hides_the_fsdp_gathers_and_baseline_does_not():
   """Pure FSDP (8x1), on hardware where a layer's gathers take about half its matmuls. Baseline: each forward
   layer starts with gathers nothing can hide (its first matmul needs them). Prefetch 1: layer l+1's gathers run
-  behind layer l's matmuls, in forward and backward."""
+  behind layer l's matmuls, in forward and backward. The latency floor is small enough (0.2 us a hop) that the
+  tiny model's gathers are bandwidth-bound, as a real model's are: at 1 us, seven latency-bound collectives a
+  layer (q and k/v are two weights) make the re-gather before backward, which waits for the loss gradient,
+  longer than the matmul it would hide behind."""
   from shardlab.analysis import costmodel, timeline as TL
-  hw = HardwareConfig(name="test", peak_flops=1e11, ici_bandwidth=1e10, hop_latency_s=1e-6)
+  hw = HardwareConfig(name="test", peak_flops=1e11, ici_bandwidth=1e10, hop_latency_s=2e-7)
   out = {}
   for preset in ("baseline", "fsdp_prefetch"):
     pred, evs = costmodel.predict(compiled_grads((8, 1), knobs(preset))[0].as_text(), mesh_of(8, 1), hw)

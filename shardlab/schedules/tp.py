@@ -38,7 +38,7 @@ class IdentityOps:
   seq_sharded = False
 
   def column(self, x, w, eq):
-    return self.columns(x, (w, ), (eq, ))[0]
+    return self.columns(x, (w,), (eq,))[0]
 
   def columns(self, x, ws, eqs):
     """Several column-parallel contractions of one input (Q and K/V): the input is gathered once."""
