@@ -30,7 +30,7 @@ def build(cfg: Config, devices=None):
   from shardlab import params as PM, schedules, train as T
   from shardlab.mesh import FSDP, make_mesh
   mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor, devices)
-  decls = PM.declare(cfg.model)
+  decls = PM.declare(cfg.model, cfg.mesh.tensor)
   sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype])
   opt = T.make_optimizer(cfg, decls)
   step_fn = T.make_train_step(cfg, sched, decls, opt, mesh)

@@ -21,7 +21,7 @@ def breakdown(cfg) -> dict:
   """Bytes per device: master_params, grads, optimizer, compute_params, gathered_weights, activations, total."""
   m, s = cfg.model, cfg.schedule
   sizes = {FSDP: cfg.mesh.fsdp, TENSOR: cfg.mesh.tensor}
-  decls = PM.declare(m)
+  decls = PM.declare(m, cfg.mesh.tensor)
   leaves = _leaves(decls)
 
   def local(d, gathered=False):      # elements of one device's shard (gathered: the fsdp dim whole)
