@@ -1,7 +1,7 @@
 """Roofline planner: parameters, memory, compute/communication times and critical batch sizes. Pure Python.
 
 Every formula is the JAX Scaling Book's (training.md "How to Parallelize a Transformer for Training", gpus.md
-"Rooflines for LLM Scaling on GPUs"; summarised in ../shared/ANCHORS.md), in its notation:
+"Rooflines for LLM Scaling on GPUs"), in its notation:
   B  tokens in the global batch           D, F  d_model, d_ff          L  layers
   X  fsdp axis size, Y  tensor axis size   N = X Y devices             C  peak FLOP/s per device
   W_ici  bandwidth of one link (TPU) or of the switch (GPU)            alpha = C / W_ici
@@ -148,7 +148,7 @@ def memory_per_device(cfg) -> dict[str, float]:
 def min_devices_to_fit(n_params: int, hbm_bytes: float, bytes_per_param: float = 16) -> int:
   """Fewest devices whose HBM holds the sharded training state: ceil(bytes_per_param * P / HBM).
 
-  16 B/param = fp32 master + fp32 grads + two fp32 Adam moments (ANCHORS.md, ZeRO-3). gpus.md Quiz 5 counts
+  16 B/param = fp32 master + fp32 grads + two fp32 Adam moments (ZeRO-3, Rajbhandari et al., arXiv:1910.02054). gpus.md Quiz 5 counts
   10 B/param (bf16 weights + fp32 moments): LLaMA-3 70B -> 700 GB / 80 GB -> 9 H100s. Activations not included.
   """
   return max(1, math.ceil(bytes_per_param * n_params / hbm_bytes))
@@ -205,7 +205,7 @@ def step_time(n_params: int, tokens: float, peak_flops: float, n_devices: int, m
 def collective_time(v_bytes: float, n: int, bandwidth: float, hop_latency_s: float,
                     hops: float | None = None) -> float:
   """AllGather / ReduceScatter of V bytes (the full array) over n devices: max(V (n-1)/n / W, T_hop n / 2)
-  (ANCHORS.md, bidirectional ring). Zero when n = 1. `hops` replaces n / 2 where the collective runs over
+  (Scaling Book sharding.md: a bidirectional ring; NCCL tests doc/PERFORMANCE.md). Zero when n = 1. `hops` replaces n / 2 where the collective runs over
   several torus axes at once (one ring per axis: the sum of their n_i / 2)."""
   if n <= 1:
     return 0.0
