@@ -54,7 +54,7 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   n_mesh = cfg.mesh.fsdp * cfg.mesh.tensor
   if on_target:
     from shardlab import target as TG
-    topo = TG.check(cfg.hardware, n_mesh)         # the extra installed, the topology valid: before any compile
+    topo = TG.topology(cfg.hardware, n_mesh)      # (preflight.check found the extra installed and it valid)
   from jax.sharding import NamedSharding, PartitionSpec as P
   from tqdm import tqdm
 

@@ -64,7 +64,7 @@ def test_target_ledger_equals_program(preset):
   assert ledger.compare(program, rows) == []
   audit = costmodel.reconcile_audit(prog.audit(), program, rows, prog)
   assert audit["unplanned"] == []
-  assert len(prog.async_pairs()) == len([c for c in prog.collectives])   # every collective: one start/done pair
+  assert len(prog.async_pairs()) == len(prog.collectives)   # every collective: one start/done pair
 
 
 def test_bf16_collectives_stay_bf16():

@@ -138,14 +138,14 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
       "note": "model prediction from the compiled HLO's dependency graph and the hardware preset, not a measurement",
   }
   evs = TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
-  if prog.scheduled and prog.platform != "cpu":
-    return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, prediction), evs
+  if prog.scheduled and prog.platform != "cpu":   # the target's own order: the calibrated figure and its timeline
+    return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, prediction)
   return prediction, evs
 
 
-def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: dict, ceiling: dict) -> dict:
-  """The target's scheduled order replayed at the preset's achieved rates (calibrated.py), with the peak-rate
-  dependency-graph replay kept as `ceiling`."""
+def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: dict, ceiling: dict) -> tuple:
+  """(prediction, timeline events): the target's scheduled order replayed at the preset's achieved rates
+  (calibrated.py), with the peak-rate dependency-graph replay kept as `ceiling`."""
   from shardlab.analysis import calibrated
   r = calibrated.replay(prog, hw, ici_axes, scale)
   peak = calibrated.replay(prog, hw.peak(), ici_axes, scale)
@@ -162,8 +162,7 @@ def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: d
       "bytes_scaled_to_program": ceiling.get("bytes_scaled_to_program", {}),
       "note": "model prediction (the target compiler's schedule replayed at the preset's achieved rates), "
               "not a measurement"}
-  pred["_events"] = r.events
-  return pred
+  return pred, r.events
 
 
 def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None = None, prog=None) -> dict:
@@ -182,7 +181,6 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   from shardlab.analysis.program import Program
   prog = prog or Program.of(compiled, mesh)
   pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program)
-  evs = pred.pop("_events", evs)
   if jax.process_index() == 0:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,6 @@ def predict_fn(build, hardware: str | HardwareConfig = "h100", axes: dict | None
   prog = Program.of(compiled, mesh)
   a = analyze(compiled, mesh, prog)
   pred, _ = costmodel.predict(prog, mesh, hw, ici_axes or {}, model_flops)
-  pred.pop("_events", None)
   return {"t_serial_s": pred["t_serial_s"], "t_overlapped_s": pred["t_overlapped_s"],
           "t_compute_s": pred["t_compute_s"], "t_comm_s": pred["t_comm_s"], "memory": a["memory"],
           "collectives": ledger.nested(ledger.from_hlo(prog.collectives)), "overlap": a["overlap"],

@@ -153,12 +153,6 @@ def memory(compiled) -> dict:
   return out
 
 
-def flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float((cost or {}).get("flops", 0.0))
-
-
 def audit(colls) -> dict:
   """Collectives in the compiled program that no shardlab collective placed: every collective the code
   places runs under a named scope (collectives.py), so one without is compiler-inserted resharding."""
