@@ -26,15 +26,16 @@ def hardware_preset(name: str | HardwareConfig) -> HardwareConfig:
     return name
   import dataclasses
 
-  from omegaconf import OmegaConf   # (YAML 1.1's 1e-6 is a string to plain PyYAML; OmegaConf reads it as a float)
+  import yaml
   path = CONF_HARDWARE / f"{name}.yaml"
   if not path.is_file():
     from shardlab.mesh import ConfigError
     have = ", ".join(sorted(p.stem for p in CONF_HARDWARE.glob("*.yaml")))
     raise ConfigError(f"hardware={name}: no such preset; choose one of {have}")
   fields = {f.name for f in dataclasses.fields(HardwareConfig)}
-  raw = OmegaConf.to_container(OmegaConf.load(path))
-  return HardwareConfig(**{k: v for k, v in raw.items() if k in fields})
+  raw = yaml.safe_load(path.read_text())
+  default = HardwareConfig()   # each value as its field's type (YAML 1.1 reads 1e-6 as a string)
+  return HardwareConfig(**{k: type(getattr(default, k))(v) for k, v in raw.items() if k in fields})
 
 
 def predict_fn(build, hardware: str | HardwareConfig = "h100", axes: dict | None = None,
