@@ -8,8 +8,8 @@ query head h reads key/value head h // R, R = H / G (Llama's `repeat_kv` order).
                recurrence, arXiv:2205.14135): queries and keys in blocks, an online softmax over key blocks; a
                custom_vjp saves only the output and the log-sum-exp and recomputes each block's scores in
                backward, so memory is O(L) in forward and backward. Compiles anywhere (CPU included).
-  dot_product  jax.nn.dot_product_attention(is_causal=True): cuDNN flash attention on GPU where it applies,
-               XLA's own implementation elsewhere (which materialises the scores, like plain)
+  dot_product  jax.nn.dot_product_attention(is_causal=True): cuDNN flash attention in programs lowered for a
+               GPU (bf16/fp16), XLA's own implementation elsewhere (which materialises the scores, like plain)
 """
 from __future__ import annotations
 
@@ -32,8 +32,19 @@ def attend(impl: str, q_BLHK, k_BLGK, v_BLGK, block: int = 512):
   if impl == "blockwise":
     return blockwise(q_BLHK, k_BLGK, v_BLGK, block)   # named inside, with the log-sum-exp
   if impl == "dot_product":
-    return checkpoint_name(jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=True), ATTN_OUT)
+    return checkpoint_name(dot_product(q_BLHK, k_BLGK, v_BLGK), ATTN_OUT)
   raise ValueError(f"model.attention={impl}: unknown; choose one of {', '.join(IMPLS)}")
+
+
+def dot_product(q_BLHK, k_BLGK, v_BLGK):
+  """jax.nn.dot_product_attention, whose default (`implementation=None`) is XLA's on every platform: cuDNN's
+  flash attention is chosen here for programs lowered for CUDA (jax.lax.platform_dependent: a target compile
+  for H100 included) when the inputs are bf16/fp16, the dtypes cuDNN's fused attention takes; XLA's elsewhere."""
+  def impl(name):
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=name)
+  if q_BLHK.dtype not in (jnp.bfloat16, jnp.float16):
+    return impl("xla")(q_BLHK, k_BLGK, v_BLGK)
+  return jax.lax.platform_dependent(q_BLHK, k_BLGK, v_BLGK, cuda=impl("cudnn"), default=impl("xla"))
 
 
 def _grouped(q_BLHK, G):

@@ -123,6 +123,15 @@ class ProfileConfig:
 
 
 @dataclass
+class XlaConfig:
+  """A bundle of XLA compiler options (DebugOptions fields, e.g. `xla_gpu_enable_pipelined_all_gather: true`),
+  passed to every compile of the run (`lowered.compile(compiler_options=...)`), local and target alike, and
+  recorded in summary.json. conf/xla/ holds the bundles real GPU recipes set (README: Targets)."""
+  name: str = "none"
+  flags: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Config:
   cpu_devices: int = 8            # fake CPU devices, set before JAX starts; ignored on GPU/TPU
   mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -132,6 +141,7 @@ class Config:
   data: DataConfig = field(default_factory=DataConfig)
   precision: PrecisionConfig = field(default_factory=PrecisionConfig)
   hardware: HardwareConfig = field(default_factory=HardwareConfig)
+  xla: XlaConfig = field(default_factory=XlaConfig)
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   distributed: DistributedConfig = field(default_factory=DistributedConfig)
   progress: bool = True
@@ -144,7 +154,7 @@ class Config:
 
 
 GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, "train": TrainConfig,
-          "data": DataConfig, "precision": PrecisionConfig, "hardware": HardwareConfig,
+          "data": DataConfig, "precision": PrecisionConfig, "hardware": HardwareConfig, "xla": XlaConfig,
           "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
 
 

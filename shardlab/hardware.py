@@ -41,6 +41,7 @@ class HardwareConfig:
   gemm_efficiency: float = 1.0      # fraction of peak_flops a large, well-shaped GEMM reaches
   gemm_tile: int = 128              # GEMM output tile edge (a tile is gemm_tile x 2 gemm_tile): wave quantization
   compute_units: int = 0            # SMs (GPU) / cores: tiles run in waves of this many (0: no quantization)
+  attention_efficiency: float = 1.0  # fraction of peak_flops a fused (flash) attention kernel reaches
   hbm_efficiency: float = 1.0       # fraction of hbm_bandwidth a memory-bound kernel reaches
   link_efficiency: float = 1.0      # achieved collective bus bandwidth / ici_bandwidth for large messages
   link_half_bytes: float = 0.0      # message size at which a collective reaches half its bus bandwidth
@@ -58,5 +59,6 @@ class HardwareConfig:
   def peak(self) -> "HardwareConfig":
     """This preset with every achieved rate at its peak: the ceiling the calibrated model is compared with."""
     import dataclasses
-    return dataclasses.replace(self, gemm_efficiency=1.0, compute_units=0, hbm_efficiency=1.0, link_efficiency=1.0,
+    return dataclasses.replace(self, gemm_efficiency=1.0, compute_units=0, attention_efficiency=1.0,
+                               hbm_efficiency=1.0, link_efficiency=1.0,
                                link_half_bytes=0.0, collective_latency_s=0.0, kernel_launch_s=0.0)

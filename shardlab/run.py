@@ -63,19 +63,20 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   from shardlab.data import MarkovData
   from shardlab.mesh import FSDP
 
+  from shardlab import target as TGC
   b = compiled = None
   compile_time = {}
   if not (on_target and cfg.dry_run):             # the local program: what trains here
     b = build(cfg)
     t0 = time.perf_counter()
-    compiled = b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile()
+    compiled = TGC.compile_with(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]), cfg.xla.flags)
     compile_time["local"] = time.perf_counter() - t0
   a = b                                           # the program every analysis reads
   if on_target:                                   # the same step, compiled by the target's compiler
     devs = TG.devices(cfg.hardware, n_mesh)
     a = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
     t0 = time.perf_counter()
-    a["compiled"] = TG.compile_(a["step_fn"].lower(a["abstract_state"], a["abstract_batch"]))
+    a["compiled"] = TG.compile_(a["step_fn"].lower(a["abstract_state"], a["abstract_batch"]), cfg.xla.flags)
     compile_time["target"] = time.perf_counter() - t0
   else:
     a["compiled"] = compiled
@@ -94,6 +95,7 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
       "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.name,
       "n_params": PM.count(a["decls"]), "compile_time_s": sum(compile_time.values()),
       "compile_times_s": compile_time, "compile_for": cfg.compile_for, "jax_version": jax.__version__,
+      "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
       **analysis, "config": resolved if resolved is not None else _asdict(cfg)}
 
   main = jax.process_index() == 0                 # only process 0 writes the run's files

@@ -82,16 +82,27 @@ def devices(hw: HardwareConfig, n_devices: int) -> list:
   return devs
 
 
-def compile_(lowered):
+def compile_(lowered, flags: dict | None = None):
   """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
-  cached executable: JAX would warn and compile anyway)."""
+  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/)."""
   import jax
   was = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
-    return lowered.compile()
+    return compile_with(lowered, flags)
   finally:
     jax.config.update("jax_enable_compilation_cache", was)
+
+
+def compile_with(lowered, flags: dict | None = None):
+  """lowered.compile(compiler_options=flags); an option this XLA does not know is one ConfigError line."""
+  from shardlab.mesh import ConfigError
+  try:
+    return lowered.compile(compiler_options=dict(flags)) if flags else lowered.compile()
+  except Exception as e:          # XlaRuntimeError: INVALID_ARGUMENT: No such compile option: 'xla_...'
+    if "compile option" not in str(e):
+      raise
+    raise ConfigError(f"xla.flags: {str(e).splitlines()[0]} (see conf/xla/ for the options this XLA takes)") from None
 
 
 def describe(devs: list, topo: str = "") -> dict:

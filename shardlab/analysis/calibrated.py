@@ -7,6 +7,7 @@ stream (NCCL runs collectives one after another on its own stream):
 
   kernel      GEMM (a dot fusion or cuBLAS call): FLOPs / (C gemm_efficiency q), q the wave-quantization of its
               output tiles over the device's compute units, or its bytes at HBM rate if that is longer;
+              fused attention (cuDNN): FLOPs / (C attention_efficiency), causal blocks skipped;
               any other kernel: bytes accessed / (hbm_bandwidth hbm_efficiency); each + kernel_launch_s
   -start      the collective starts when the compute stream issues it and the collective stream is free, and
               takes collective_latency_s + bytes / (W link_efficiency r(bytes)), r(S) = S / (S + link_half_bytes)
@@ -143,8 +144,12 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
       else:
         fl = f(ins, shapes)
         nbytes = kernel_bytes(ins, shapes, comps)
-        d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw) if fl > 0 else
-             nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency)) + hw.kernel_launch_s
+        if hlo.is_attention_call(ins):             # cuDNN flash attention: its own achieved rate
+          d = max(fl / (hw.peak_flops * hw.attention_efficiency), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+        else:
+          d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw) if fl > 0 else
+               nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+        d += hw.kernel_launch_s
         st["gemm" if fl > 0 else "other"] += d
         st["kernels"] += 1
         if fl > 0 or d > 2e-6:                      # small elementwise kernels: counted, not drawn

@@ -252,6 +252,11 @@ def is_gemm_call(ins: Instr) -> bool:
   return ins.opcode == "custom-call" and bool(re.search(r'custom_call_target="[^"]*(gemm|matmul)', ins.attrs, re.I))
 
 
+def is_attention_call(ins: Instr) -> bool:
+  """cuDNN's fused (flash) attention, forward or backward (`__cudnn$fmhaSoftmax`, `...Backward`)."""
+  return ins.opcode == "custom-call" and "__cudnn$fmha" in ins.attrs
+
+
 @dataclass
 class OverlapRow:
   computation: str

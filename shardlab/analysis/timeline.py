@@ -60,6 +60,20 @@ def _gemm_call_flops(ins: hlo.Instr, shapes: dict) -> float:
   return 2.0 * math.prod(dims(ins.shape)) * contracted
 
 
+def _attention_call_flops(ins: hlo.Instr) -> float:
+  """A cuDNN fused attention call: 4 B H Lq Lk K for the forward's two matmuls (scores, then probabilities x
+  values), 2.5 times that for the backward's five (FlashAttention-2's count, arXiv:2307.08691), half of it under a
+  causal mask (the masked blocks are skipped). B H Lq Lk: the backend config's intermediate_tensor_shape; K: the
+  output's last dimension."""
+  m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*"dimensions":\s*\[([^\]]*)\]', ins.attrs)
+  if not m:
+    return 0.0
+  bhqk = [int(d) for d in re.findall(r"\d+", m.group(1))]
+  k = dims(ins.shape)[-1]
+  f = 4.0 * math.prod(bhqk) * k * (2.5 if "Backward" in ins.attrs else 1.0)
+  return f / 2 if re.search(r'"mask_type":\s*"[A-Z_]*CAUSAL', ins.attrs) else f
+
+
 def _flops_fn(comps: dict):
   """flops(instruction, computation) -> matmul FLOPs it performs (dots, inside fusions too)."""
   memo = {}
@@ -76,6 +90,8 @@ def _flops_fn(comps: dict):
       return _dot_flops(ins, shapes)
     if hlo.is_gemm_call(ins):
       return _gemm_call_flops(ins, shapes)
+    if hlo.is_attention_call(ins):
+      return _attention_call_flops(ins)
     if ins.opcode in ("fusion", "custom-call"):
       return sum(of_comp(c) for c in re.findall(r"calls=%?([\w.\-]+)", ins.attrs))
     return 0.0
