@@ -96,6 +96,29 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous(ref, tmp_path, c
   assert (ck / "6.unreadable").is_dir() and sorted(p.name for p in ck.iterdir()) == ["2", "4", "6", "6.unreadable"]
 
 
+def test_zeroed_checkpoints_fall_back_with_one_line_each(ref, tmp_path):
+  """Checkpoint 6 with its array data zeroed, checkpoint 4 with every file zeroed: a real process (tensorstore's
+  late callbacks used to print ~190 lines of event-loop tracebacks) says one line per checkpoint it skips, which
+  step and why, resumes from 2 and ends like the uninterrupted run."""
+  ref_out, ref_s = ref
+  ck = copy_checkpoints(ref_out, tmp_path / "ck", [2, 4, 6])
+  for p in [*(ck / "6" / "state").rglob("d/*"), *(ck / "4").rglob("*")]:
+    if p.is_file():
+      p.write_bytes(bytes(p.stat().st_size))
+  out = tmp_path / "run"
+  r = subprocess.run([sys.executable, "-m", "shardlab", *RUN, "checkpoint.every=2", "checkpoint.resume=true",
+                      f"checkpoint.dir={ck}", f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert [l.split(" is unusable (")[0] for l in lines] == [
+      f"shardlab: warning: checkpoint 6 in {ck}", f"shardlab: warning: checkpoint 4 in {ck}",
+      f"shardlab: resuming from checkpoint 2 in {ck}"], r.stderr
+  assert "DATA_LOSS" in lines[0] and "tensorstore_spec" not in lines[0] and len(lines[0]) < 500
+  s = json.loads((out / "summary.json").read_text())
+  assert s["checkpoint"]["resumed_from"] == 2 and s["losses"] == ref_s["losses"]
+
+
 @pytest.mark.parametrize("mesh", ["2x4", "1x8"])
 def test_resume_onto_another_mesh_reshards(ref, tmp_path, mesh):
   """The 4x2 checkpoint restored with the 2x4 / 1x8 shardings (every leaf, optimizer state included): the
