@@ -73,10 +73,14 @@ def _reachable(address: str) -> bool:
     return False
 
 
+def _coordinator(d: DistributedConfig) -> str:
+  return f"distributed.coordinator={d.coordinator}" if d.coordinator else "the cluster's coordinator"
+
+
 def _join_timed_out(d: DistributedConfig, n: int | None, me: int | None) -> None:
   """The join did not finish within distributed.timeout_s: say which side is missing and exit (JAX would wait
   for its own timeout and then abort in C++)."""
-  where = f"distributed.coordinator={d.coordinator}" if d.coordinator else "the cluster's coordinator"
+  where = _coordinator(d)
   if me not in (None, 0) and d.coordinator and not _reachable(d.coordinator):
     why = f"nothing answers at {where} (is process 0 running there, and the port right?)"
   else:
@@ -93,7 +97,8 @@ def initialize(d: DistributedConfig) -> None:
     return
   if jax.distributed.is_initialized():  # a second run in the same process
     return
-  _state.update(timeout_s=float(d.timeout_s), heartbeat_s=int(d.heartbeat_timeout_s))
+  _state.update(timeout_s=float(d.timeout_s), heartbeat_s=int(d.heartbeat_timeout_s),
+                coordinator=_coordinator(d))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
   try:   # a lost process is reported to the others (the watchdog names it) instead of aborting them in C++
     jax.config.update("jax_enable_recoverability", True)
@@ -156,8 +161,9 @@ class _ServiceProcess:
     said = self.proc.stdout.readline().split(None, 1)
     if said[:1] != ["ready"]:
       self.proc.kill()
-      raise RunError(f"process 0 could not start the coordination service at {address}: "
-                     f"{said[1].strip() if len(said) > 1 else 'its process ended'}")
+      raise RunError(f"{_state['coordinator']}: process 0 could not start the coordination service at {address} "
+                     f"({said[1].strip() if len(said) > 1 else 'its process ended'}); is that port taken (by "
+                     "another run, or one that ended less than distributed.heartbeat_timeout_s + 10 s ago)?")
 
   def shutdown(self) -> None:
     try:

@@ -329,6 +329,20 @@ def test_peer_that_never_starts_and_unreachable_coordinator(tmp_path):
   assert time.monotonic() - t0 < 30
 
 
+def test_coordinator_port_taken_is_one_line(tmp_path):
+  """Process 0 cannot serve at distributed.coordinator (another program holds the port): one line naming the
+  setting, exit 1, in seconds."""
+  with socket.socket() as taken:
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    p = _launch("cpu_devices=4", f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                "distributed.process_id=0", "distributed.timeout_s=20", f"hydra.run.dir={tmp_path / 'run'}")
+    _, err = p.communicate(timeout=60)
+  line = _one_shardlab_line(err)
+  assert p.returncode == 1 and f"distributed.coordinator=localhost:{port}: process 0 could not start" in line
+
+
 def test_checkpoint_dirs_not_shared_fail_in_seconds(tmp_path):
   """Two processes, each with its own run dir and so its own <run dir>/checkpoints (they used to hang in the
   final save): both stop before compiling, naming checkpoint.dir."""
