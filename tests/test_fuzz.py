@@ -316,31 +316,26 @@ def _procs(tmp_path, n, *args, ranks=None, slow=None):
           for i in (ranks if ranks is not None else range(n))]
 
 
-def test_peer_that_never_starts_and_unreachable_coordinator(tmp_path):
+def test_peer_that_never_starts_unreachable_coordinator_port_taken(tmp_path):
   """Process 0 whose peer never starts, and process 1 with nobody at the coordinator's address: each exits
-  within 30 s (distributed.timeout_s=3) with one line naming the setting, instead of JAX's 5-minute wait."""
+  within 30 s (distributed.timeout_s=3) with one line naming the setting, instead of JAX's 5-minute wait. And a
+  process 0 that cannot serve at distributed.coordinator (another program holds the port): one line naming it."""
   t0 = time.monotonic()
-  alone0 = _procs(tmp_path / "a", 2, "distributed.timeout_s=3", ranks=[0])[0]
-  alone1 = _procs(tmp_path / "b", 2, "distributed.timeout_s=3", ranks=[1])[0]
-  for p, text in ((alone0, "not every one of the 2 processes joined"), (alone1, "nothing answers at")):
-    _, err = p.communicate(timeout=60)
-    line = _one_shardlab_line(err)
-    assert p.returncode == 1 and "distributed.timeout_s=3" in line and text in line, err[-3000:]
-  assert time.monotonic() - t0 < 30
-
-
-def test_coordinator_port_taken_is_one_line(tmp_path):
-  """Process 0 cannot serve at distributed.coordinator (another program holds the port): one line naming the
-  setting, exit 1, in seconds."""
   with socket.socket() as taken:
     taken.bind(("0.0.0.0", 0))
     taken.listen()
     port = taken.getsockname()[1]
-    p = _launch("cpu_devices=4", f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
-                "distributed.process_id=0", "distributed.timeout_s=20", f"hydra.run.dir={tmp_path / 'run'}")
-    _, err = p.communicate(timeout=60)
-  line = _one_shardlab_line(err)
-  assert p.returncode == 1 and f"distributed.coordinator=localhost:{port}: process 0 could not start" in line
+    busy = _launch("cpu_devices=4", f"distributed.coordinator=localhost:{port}", "distributed.num_processes=2",
+                   "distributed.process_id=0", "distributed.timeout_s=20", f"hydra.run.dir={tmp_path / 'c'}")
+    alone0 = _procs(tmp_path / "a", 2, "distributed.timeout_s=3", ranks=[0])[0]
+    alone1 = _procs(tmp_path / "b", 2, "distributed.timeout_s=3", ranks=[1])[0]
+    for p, text in ((alone0, "distributed.timeout_s=3: process 0 waited 3 s for the others: not every one of the 2 "
+                             "processes joined"),
+                    (alone1, "distributed.timeout_s=3: process 1 waited 3 s for the others: nothing answers at"),
+                    (busy, f"distributed.coordinator=localhost:{port}: process 0 could not start")):
+      _, err = p.communicate(timeout=60)
+      assert p.returncode == 1 and text in _one_shardlab_line(err), err[-3000:]
+  assert time.monotonic() - t0 < 30
 
 
 def test_checkpoint_dirs_not_shared_fail_in_seconds(tmp_path):
