@@ -195,8 +195,9 @@ def _say_leaving() -> None:
 
 def _leaving() -> None:
   """atexit: tell the others this process leaves on purpose (an error or the end), so none reports it lost.
-  In recoverable mode JAX's exit barrier no longer holds process 0 back, yet it hosts the coordination service
-  every other process polls: so the others disconnect first, and process 0 waits (at most timeout_s) for that."""
+  In recoverable mode JAX's exit barrier no longer holds process 0 back, yet its exit stops the coordination
+  service (in its child, `_ServiceProcess`) every other process polls: so the others disconnect first, and
+  process 0 waits (at most timeout_s) for that."""
   import time
   if _client() is None:
     return
