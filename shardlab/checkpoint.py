@@ -8,7 +8,7 @@ Restoring reads the newest checkpoint straight into the target shardings of the 
 on the new mesh), so a run resumes on any mesh shape or device count; orbax reads each device's slice. Orbax
 writes a checkpoint into a temporary directory and renames it when complete, so a save cut short never looks
 complete. A checkpoint that fails to read, or whose bits differ from its checksums, is moved aside (renamed
-`<step>.unreadable`) with a warning, and the one before it is used.
+`<step>.unreadable`) with a one-line warning (which step, why), and the one before it is used.
 """
 from __future__ import annotations
 
@@ -40,6 +40,28 @@ class _NoOrbaxTracebacks(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _no_closed_loop_reports(hook):
+  """sys.unraisablehook without tensorstore's late callbacks: when one read of a damaged checkpoint fails, orbax
+  ends the restore and closes its event loop while the other reads are still in flight; each of those then
+  fails to post its result to the closed loop ('Event loop is closed'), which Python printed as a traceback
+  (about 190 lines for a zeroed checkpoint). shardlab reports that checkpoint itself, in one line."""
+  def unraisable(u):
+    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+      hook(u)
+  unraisable.shardlab = True
+  return unraisable
+
+
+def _why_unreadable(e: Exception) -> str:
+  """A failed read in a few words: tensorstore's message is a chain ('Error opening ...: Error reading ...:
+  Error decoding ...') followed by its JSON spec; the last two links say which file and what was wrong."""
+  msg = " ".join((str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0].split())
+  links = msg.split(": Error ")
+  if len(links) > 3:
+    msg = f"{links[0]}: ... Error " + ": Error ".join(links[-2:])
+  return f"{type(e).__name__}: {msg}"[:300]
 
 
 def _say(msg: str) -> None:
@@ -77,6 +99,8 @@ class Checkpointer:
     self.settings = settings or {}   # model/batch/seed/data settings, compared on resume (preflight.check_resume)
     if not any(isinstance(f, _NoOrbaxTracebacks) for f in logging.getLogger("absl").filters):
       logging.getLogger("absl").addFilter(_NoOrbaxTracebacks())
+    if not getattr(sys.unraisablehook, "shardlab", False):
+      sys.unraisablehook = _no_closed_loop_reports(sys.unraisablehook)
     self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=c.keep,
                                       create=c.enabled), item_names=("state", "meta"))
     self.latest: int | None = None   # the newest good checkpoint: restored or saved by this run
@@ -111,8 +135,8 @@ class Checkpointer:
         state = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
       except ConfigError:
         raise
-      except Exception as e:  # unreadable: truncated or missing files
-        err = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+      except Exception as e:  # unreadable: truncated, zeroed or missing files
+        err = _why_unreadable(e)
       if D.over_processes(err is None, min) and checksums(state) == meta["checksums"]:
         _say(f"resuming from checkpoint {step} in {self.dir}")
         self.latest = step

@@ -11,7 +11,8 @@ Nothing waits forever: joining is bounded by `distributed.timeout_s` (a timer na
 barrier here goes through the coordination service with that timeout, and a watchdog thread asks the service
 which processes are alive: a process that vanished without saying goodbye (killed, crashed, hung past
 `distributed.heartbeat_timeout_s`) stops the others with one line naming it. JAX's recoverable mode is on so that
-the service reports a lost process instead of aborting every survivor in C++.
+the service reports a lost process instead of aborting every survivor in C++, and the service runs in a child
+process of process 0 so that it outlives a killed process 0 long enough to report it too.
 """
 from __future__ import annotations
 
@@ -72,10 +73,14 @@ def _reachable(address: str) -> bool:
     return False
 
 
+def _coordinator(d: DistributedConfig) -> str:
+  return f"distributed.coordinator={d.coordinator}" if d.coordinator else "the cluster's coordinator"
+
+
 def _join_timed_out(d: DistributedConfig, n: int | None, me: int | None) -> None:
   """The join did not finish within distributed.timeout_s: say which side is missing and exit (JAX would wait
   for its own timeout and then abort in C++)."""
-  where = f"distributed.coordinator={d.coordinator}" if d.coordinator else "the cluster's coordinator"
+  where = _coordinator(d)
   if me not in (None, 0) and d.coordinator and not _reachable(d.coordinator):
     why = f"nothing answers at {where} (is process 0 running there, and the port right?)"
   else:
@@ -92,7 +97,8 @@ def initialize(d: DistributedConfig) -> None:
     return
   if jax.distributed.is_initialized():  # a second run in the same process
     return
-  _state.update(timeout_s=float(d.timeout_s), heartbeat_s=int(d.heartbeat_timeout_s))
+  _state.update(timeout_s=float(d.timeout_s), heartbeat_s=int(d.heartbeat_timeout_s),
+                coordinator=_coordinator(d))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on CPU
   try:   # a lost process is reported to the others (the watchdog names it) instead of aborting them in C++
     jax.config.update("jax_enable_recoverability", True)
@@ -103,14 +109,69 @@ def initialize(d: DistributedConfig) -> None:
   timer.daemon = True
   timer.start()
   kw = dict(initialization_timeout=int(d.timeout_s) + 60, heartbeat_timeout_seconds=int(d.heartbeat_timeout_s))
+  # Private API, no public way: JAX starts the coordination service inside process 0 and offers no option to
+  # host it elsewhere. Hosted there, a killed process 0 takes the service along, and every survivor's client
+  # aborts in C++ within a second (its error callback cannot be replaced from Python). So process 0 starts
+  # the same service in a small child process of its own (`_serve`), which outlives it long enough for the
+  # survivors to see process 0 missing and name it.
+  from jax._src import distributed as jd
+  start_service = jd._jax.get_distributed_runtime_service
+  jd._jax.get_distributed_runtime_service = _ServiceProcess
   try:
     if d.coordinator is None:
       jax.distributed.initialize(**kw)  # coordinator, process count and id from the cluster's environment
     else:
       jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id, **kw)
   finally:
+    jd._jax.get_distributed_runtime_service = start_service
     timer.cancel()
   _start_watchdog()
+
+
+_SERVE = """
+import os, sys, time
+from jaxlib import _jax
+address, n, heartbeat, shutdown, recoverable = sys.argv[1], *map(int, sys.argv[2:])
+try:
+  service = _jax.get_distributed_runtime_service(address, n, heartbeat_timeout=heartbeat,
+                                                 shutdown_timeout=shutdown, recoverable=bool(recoverable))
+except Exception as e:
+  print("error", " ".join(str(e).split())[:300], flush=True)
+  os._exit(1)
+print("ready", flush=True)
+if sys.stdin.readline().strip() != "bye":   # process 0 vanished: let the others see that it is gone, then stop
+  time.sleep(heartbeat + 10)
+os._exit(0)
+"""
+
+
+class _ServiceProcess:
+  """JAX's coordination service (the arguments of `_jax.get_distributed_runtime_service`), hosted by a child
+  process that process 0 started (see `initialize`): it stops when process 0 shuts down, or, when process 0
+  vanished (killed, crashed), heartbeat_timeout + 10 s later, once the others had the time to notice."""
+
+  def __init__(self, address: str, num_nodes: int, heartbeat_timeout: int | None = None,
+               shutdown_timeout: int | None = None, recoverable: bool | None = None, **_):
+    import subprocess
+    from shardlab.validate import RunError
+    args = [address, num_nodes, heartbeat_timeout or 100, shutdown_timeout or 300, int(bool(recoverable))]
+    self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, *map(str, args)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 start_new_session=True)   # a SIGINT to the run's process group is process 0's
+    said = self.proc.stdout.readline().split(None, 1)
+    if said[:1] != ["ready"]:
+      self.proc.kill()
+      raise RunError(f"{_state['coordinator']}: process 0 could not start the coordination service at {address} "
+                     f"({said[1].strip() if len(said) > 1 else 'its process ended'}); is that port taken (by "
+                     "another run, or one that ended less than distributed.heartbeat_timeout_s + 10 s ago)?")
+
+  def shutdown(self) -> None:
+    try:
+      self.proc.stdin.write("bye\n")
+      self.proc.stdin.close()
+      self.proc.wait(timeout=10)
+    except Exception:  # noqa: BLE001  (gone already, or stuck: it ends on its own)
+      pass
 
 
 def _client():
@@ -134,8 +195,9 @@ def _say_leaving() -> None:
 
 def _leaving() -> None:
   """atexit: tell the others this process leaves on purpose (an error or the end), so none reports it lost.
-  In recoverable mode JAX's exit barrier no longer holds process 0 back, yet it hosts the coordination service
-  every other process polls: so the others disconnect first, and process 0 waits (at most timeout_s) for that."""
+  In recoverable mode JAX's exit barrier no longer holds process 0 back, yet its exit stops the coordination
+  service (in its child, `_ServiceProcess`) every other process polls: so the others disconnect first, and
+  process 0 waits (at most timeout_s) for that."""
   import time
   if _client() is None:
     return
