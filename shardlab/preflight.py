@@ -59,8 +59,9 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
   D.initialize(cfg.distributed)                   # jax.distributed, when this is one of several processes
   import jax
+  from shardlab import target as TG
+  TG.check_flags(cfg.xla.flags)                   # every XLA option known to this XLA (a trivial compile)
   if cfg.compile_for == "target":                 # the target's compiler installed, its topology valid
-    from shardlab import target as TG
     TG.check(cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor)
   # The mesh against every process's devices (a dry run compiled for a target needs none of them).
   validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))

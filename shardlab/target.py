@@ -94,6 +94,18 @@ def compile_(lowered, flags: dict | None = None):
     jax.config.update("jax_enable_compilation_cache", was)
 
 
+def check_flags(flags: dict) -> None:
+  """XLA takes every option in `flags`: a trivial program compiled with them on the local CPU (milliseconds)
+  raises the one ConfigError line compile_with gives, before the run writes or compiles anything."""
+  if flags:
+    import jax
+    import jax.numpy as jnp
+    cpu = jax.local_devices(backend="cpu")[0]
+    compile_with(jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32,
+                                                                     sharding=jax.sharding.SingleDeviceSharding(cpu))),
+                 flags)
+
+
 def compile_with(lowered, flags: dict | None = None):
   """lowered.compile(compiler_options=flags); an option this XLA does not know is one ConfigError line."""
   from shardlab.mesh import ConfigError

@@ -123,6 +123,7 @@ BAD = [
     (["profile.start_step=-1"], "profile.start_step=-1"),
     (["cpu_devices=0"], "cpu_devices=0"),
     (["+typo=1"], "typo: no such setting"),
+    (["+xla.flags.xla_bogus_option=true"], "No such compile option: 'xla_bogus_option'"),
     (["+train.typo=1"], "train.typo: no such setting"),
     (["schedule.prefech=1"], "Key 'prefech' not in 'ScheduleConfig'"),
     (["mesh.fsdp=two"], "mesh.fsdp=two"),
