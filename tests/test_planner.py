@@ -118,6 +118,33 @@ def test_llama2_13b_params():
   assert compose(["model=llama2_13b"]).model == m
 
 
+@pytest.mark.parametrize("preset,published", [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9), ("llama2_7b", 6.74e9)])
+def test_planned_parameter_count_counts_grouped_query_attention(preset, published):
+  # Published sizes: Meta's Llama 3 model card (8.03B, 70.6B on the Hugging Face hub) and Llama 2 7B (6.74B,
+  # config.json dims). Grouped-query attention: W_q D x HK, W_kv D x 2GK, W_o HK x D (8 KV heads of 128 for both
+  # Llama 3 models); counted as 4 D^2 (multi-head) the 8B model would plan 8.84e9 parameters.
+  m = compose([f"model={preset}"]).model
+  assert abs(planner.param_count(m) / published - 1) < 0.005
+  d, h, g = m.d_model, m.n_heads, m.kv_heads
+  k = d // h
+  assert planner.attention_params(m) == d * h * k + 2 * d * g * k + h * k * d
+  if g < h:
+    assert planner.param_count(dataclasses.replace(m, n_kv_heads=0)) / published > 1.09   # the MHA count
+
+
+def test_replicated_kv_heads_are_gathered_whole():
+  # Llama 3 70B has 8 KV heads: tensor 8 shards them (a device gathers 1/8 of every weight); tensor 16 does not
+  # divide them, so W_kv [D, 2, 8, 128] is replicated over tensor and each device gathers all of it.
+  m = compose(["model=llama3_70b"]).model
+  kv = 2 * m.d_model * 8 * 128
+  assert planner.block_shard_params(m, 8) == planner.layer_params(m) / 8
+  assert planner.block_shard_params(m, 16) == (planner.layer_params(m) - kv) / 16 + kv
+  cfg = Config(model=m, mesh=MeshConfig(fsdp=4, tensor=16), precision=BF16, hardware=H100,
+               schedule=ScheduleConfig(gather_dtype="compute"), train=TrainConfig(global_batch_tokens=4 * 8192))
+  c = planner.block_costs(cfg, H100.ici_bandwidth, H100.ici_bandwidth)
+  assert close(c.fsdp, 2 * planner.block_shard_params(m, 16) * 3 / 4 / H100.ici_bandwidth)
+
+
 def _llama2_13b_q3(fsdp: int, tensor: int, fsdp_axes: int) -> Config:
   # Q3: "32k sequence length and a total batch size of 3M tokens on a TPUv5p 16x16x16 slice", bf16, 40% MFU.
   return Config(mesh=MeshConfig(fsdp=fsdp, tensor=tensor, fsdp_ici_axes=fsdp_axes, tensor_ici_axes=1),
