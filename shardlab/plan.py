@@ -11,13 +11,18 @@ with status 2.
 
 Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
   search=true        rank every data x fsdp x tensor layout of the devices: the JSON gains `layouts`, best first
-  top=K              list only the K best layouts (implies search=true)
+  top=K              list only the K best layouts (implies search=true) and compile them for the target: each
+                     gains `target` (compiled memory per device, calibrated step time, beside the closed forms;
+                     needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
   devices=N          the device count searched (default mesh.fsdp * mesh.tensor)
   torus=16x16x16     the TPU slice's torus (default: the most nearly cubic one of the preset's rank)
   plot=PATH.png      the efficiency curve: step time and MFU against per-device batch, for the configured mesh
                      or, with search, the best (top, default 3) layouts
   plot_layouts=1x1024x4,1x4096x1   plot these data x fsdp x tensor layouts instead (implies search=true)
-  confirm=true       compile the top layouts for the target (not available yet: exits 2)
+  confirm=false      with top=K: list the K best by the closed forms only, compile nothing
+  confirm=true       compile the best (top, default 3) layouts for the target (the default with top=K)
+  confirm_batch=true confirm the configured mesh's batch window by compiling for the target: `batch_window.target`
+                     (the largest batch that fits by the compiled peaks, compiled at it and at one more sequence)
 """
 from __future__ import annotations
 
@@ -50,12 +55,13 @@ def _one_line(e: BaseException) -> str:
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
 OPTIONS = {"search": "bool", "top": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
-           "plot_layouts": "layouts"}
+           "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
-  opts = {"search": False, "top": 0, "devices": 0, "torus": None, "plot": None, "confirm": False, "plot_layouts": []}
+  opts = {"search": False, "top": 0, "devices": 0, "torus": None, "plot": None, "confirm": None, "plot_layouts": [],
+          "confirm_batch": False}
   rest = []
   for arg in argv:
     key, eq, value = arg.partition("=")
@@ -86,6 +92,8 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
       if not value:
         raise ValueError(f"{arg}: {name} needs a file name")
       opts[name] = value
+  if opts["confirm"] is None:            # top=K compiles the K best unless confirm=false
+    opts["confirm"] = bool(opts["top"])
   opts["search"] = opts["search"] or bool(opts["top"]) or opts["confirm"] or bool(opts["plot_layouts"])
   return opts, rest
 
@@ -99,11 +107,17 @@ def run(argv: list[str]) -> dict:
   validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
   result = planner.plan(cfg)
   chosen = None
+  if opts["confirm_batch"]:
+    from shardlab.analysis.confirm import confirm_batch_window
+    result["batch_window"]["target"] = confirm_batch_window(cfg)
   if opts["search"]:
     layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
     result["search"] = {"devices": opts["devices"] or cfg.mesh.fsdp * cfg.mesh.tensor, "considered": len(layouts),
                         "qualifying": sum(not l["rejected_because"] for l in layouts)}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
+    if opts["confirm"]:
+      confirmed = planner.confirm_on_target(layouts, cfg, opts["top"] or 3)
+      result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = layouts[:opts["top"] or 3]
     if opts["plot_layouts"]:
       by_shape = {(l["data"], l["fsdp"], l["tensor"]): l for l in layouts}
@@ -112,8 +126,6 @@ def run(argv: list[str]) -> dict:
         raise ValueError(f"plot_layouts: {'x'.join(map(str, missing[0]))} is not a data x fsdp x tensor layout of "
                          f"the {result['search']['devices']} devices searched")
       chosen = [by_shape[s] for s in opts["plot_layouts"]]
-    if opts["confirm"]:
-      planner.confirm_on_target(layouts, cfg, opts["top"] or 3)
   if opts["plot"]:
     from shardlab.analysis.plan_figure import efficiency_curve
     result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))

@@ -208,3 +208,65 @@ def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   fwd = [i for c in comps.values() for i in c if hlo.is_attention_call(i) and "Backward" not in i.attrs]
   b, h, l, k = 16 // 4, 4 // 2, 256, 64          # per device: batch over fsdp, heads over tensor
   assert [_attention_call_flops(i) for i in fwd] == [4 * b * h * l * l * k / 2]
+
+
+# ------------------------------------------------------------------------------ the planner, confirmed on the target
+
+def test_plan_top_k_compiles_the_best_layouts_for_the_target():
+  """`python -m shardlab.plan search=true top=2` compiles the two best layouts for 8 x H100 and puts the compiled
+  memory and the calibrated step time beside the closed forms. The tiny model with a 1.75 MB HBM budget: the HSDP
+  layouts (data > 1) do not fit by the closed forms, so the best two are 1x4x2 and 1x2x4, which the train step
+  can express. The compiled arguments are the training state (fp32 params and two Adam moments, sharded over the
+  8 devices: 12 B/param / 8, a little more where norms are replicated over tensor) and the batch."""
+  from shardlab.analysis import planner
+  from shardlab.plan import run
+  r = run(["search=true", "top=2", "model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2",
+           "hardware.hbm_bytes=1750000"])
+  assert [(l["data"], l["fsdp"], l["tensor"]) for l in r["layouts"]] == [(1, 4, 2), (1, 2, 4)]
+  from shardlab.plan import compose
+  n_params = planner.param_count(compose(["model=tiny"]).model)
+  peaks = []
+  for l in r["layouts"]:
+    t = l["target"]
+    assert t["compiled"] and t["platform"] == "gpu" and t["devices"] == 8 and t["topology"] == "1x1x8"
+    assert t["prediction_model"].startswith("calibrated") and t["step_time_s"] > 0 and 0 < t["mfu"] < 1
+    assert t["step_time_closed_form_s"] == l["step_time_s"]
+    assert t["memory_closed_form_bytes"] == l["memory_per_device_bytes"]
+    assert 12 * n_params / 8 < t["memory_compiled"]["argument"] < 1.02 * 12 * n_params / 8
+    assert t["fits"] == (t["memory_compiled_bytes"] <= 1750000)
+    peaks.append(t["memory_compiled_bytes"])
+  assert peaks[0] != peaks[1]          # two compiles of two meshes, not one result copied
+
+
+def test_plan_top_k_says_why_a_layout_is_not_compiled(monkeypatch):
+  """An HSDP layout (data > 1) is listed with why it was not compiled (no data axis in the train step); a
+  missing target compiler is one line and exit 2 before anything compiles."""
+  import importlib.util
+  from shardlab.analysis import planner
+  from shardlab.plan import compose, main
+  cfg = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2"])
+  hsdp = next(l for l in planner.search(cfg) if l["data"] == 2)
+  out = planner.confirm_on_target([hsdp], cfg, 1)
+  assert out[0]["target"] == {"compiled": False, "why": out[0]["target"]["why"]} and "HSDP" in out[0]["target"]["why"]
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "jax_cuda12_plugin" else real(name, *a))
+  assert main(["search=true", "top=1", "model=tiny"]) == 2
+
+
+def test_batch_window_confirmed_by_compiling_for_the_target():
+  """The issue's check, on the target: the largest batch that fits a budget by the H100 compiler's memory report
+  fits (compiled), and one more sequence per fsdp shard does not (compiled). Tiny model, 4x2 of 8 x H100, a
+  2.7 MB budget. The analytic window (planner.batch_window) is reported beside it and its batch compiled; this
+  test does not require the two to agree (the closed-form activation count is not the compiler's)."""
+  from shardlab.analysis.confirm import confirm_batch_window
+  from shardlab.plan import compose
+  cfg = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "hardware.hbm_bytes=2700000"])
+  w = confirm_batch_window(cfg)
+  s, peaks = w["max_sequences_per_fsdp_shard"], w["peaks"]
+  assert w["confirmed"] and s >= 2 and w["target"]["platform"] == "gpu"
+  assert peaks[s] <= 2_700_000 < peaks[s + 1]
+  assert w["max_batch_per_device_tokens"] == s * cfg.model.seq_len / 2
+  assert all(peaks[a] < peaks[b] for a, b in zip(sorted(peaks), sorted(peaks)[1:]))   # more batch, more memory
+  a = w["analytic"]
+  assert a["max_sequences_per_fsdp_shard"] > 0 and a["peak_on_target"] == peaks[a["max_sequences_per_fsdp_shard"]]

@@ -15,8 +15,9 @@ Bytes. The book moves bf16 (2 bytes) weights and activations; its closed forms b
 gathered and gradients reduced) and `a_bytes` (activations moved by TP) and reduce to the book at 2 and 2.
 `plan` passes the configured dtypes (schedule.gather_dtype, precision.compute_dtype).
 
-Shapes of the shardlab model (per layer): norm [D], W_qkv [D,3,H,Dh], W_o [H,Dh,D], norm [D], W_in [D,2,F],
-W_out [F,D]; plus embed [V,D], final norm [D], unembed [D,V]. `kind: ffn` is the book's L blocks of
+Shapes of the shardlab model (per layer): norm [D], W_q [D,H,K], W_kv [D,2,G,K] (G key/value heads, = H without
+grouped-query attention), W_o [H,K,D], norm [D], W_in [D,2,F], W_out [F,D]; plus embed [V,D], final norm [D],
+unembed [D,V]. `kind: ffn` is the book's L blocks of
 W_in [D,F], W_out [F,D] only.
 """
 from __future__ import annotations
@@ -38,12 +39,42 @@ def dtype_bytes(name: str) -> int:
 
 # ---------------------------------------------------------------------------------------------------- parameters
 
+def attention_params(model) -> int:
+  """Parameters of one block's attention: W_q [D, H K] + W_kv [D, 2, G K] + W_o [H K, D], with K = D / H the head
+  dim and G = model.kv_heads the key/value heads (grouped-query attention): D H K + 2 D G K + H K D. Multi-head
+  (G = H) gives the book's 4 D^2 (training.md's 4DNH per layer); Llama 3 8B (D 4096, H 32, G 8): 2 D^2 + D^2 / 2."""
+  d, h = model.d_model, model.n_heads
+  k = d // h
+  g = getattr(model, "n_kv_heads", 0) or h
+  return d * h * k + 2 * d * g * k + h * k * d
+
+
 def layer_params(model) -> int:
-  """Parameters of one block. transformer: 4 D^2 (qkv + out) + 3 D F (SwiGLU) + 2 D (norms); ffn: 2 D F."""
+  """Parameters of one block. transformer: attention_params (4 D^2 for MHA, less with grouped-query attention)
+  + 3 D F (SwiGLU) + 2 D (norms); ffn: 2 D F."""
   d, f = model.d_model, model.d_ff
   if model.kind == "ffn":
     return 2 * d * f
-  return 4 * d * d + 3 * d * f + 2 * d
+  return attention_params(model) + 3 * d * f + 2 * d
+
+
+def kv_params(model) -> int:
+  """One block's W_kv [D, 2, G, K]: 2 D G K (0 for ffn)."""
+  if model.kind == "ffn":
+    return 0
+  g = getattr(model, "n_kv_heads", 0) or model.n_heads
+  return 2 * model.d_model * g * (model.d_model // model.n_heads)
+
+
+def block_shard_params(model, tensor: int) -> float:
+  """Weights of one block a device holds once the fsdp dim is gathered, W[D, F_Y]: layer_params / Y, except
+  that W_kv stays whole when Y does not divide the key/value heads G (shardlab replicates them over tensor, as
+  params.kv_sharded: Llama 3 70B's 8 KV heads at tensor 16), so its gather moves 2 D G K per device."""
+  g = getattr(model, "n_kv_heads", 0) or model.n_heads
+  if model.kind == "ffn" or g % tensor == 0:
+    return layer_params(model) / tensor
+  kv = kv_params(model)
+  return (layer_params(model) - kv) / tensor + kv
 
 
 def embed_params(model) -> int:
@@ -125,7 +156,7 @@ def memory_per_device(cfg) -> dict[str, float]:
   gb = pb if sched.gather_dtype == "param" else cb
 
   live_layers = min(m.n_layers, sched.prefetch + 1) if sched.reshard_after_forward else m.n_layers
-  gathered = max(live_layers * layer_params(m), m.vocab_size * m.d_model if m.kind != "ffn" else 0)
+  gathered = max(live_layers * block_shard_params(m, y), m.vocab_size * m.d_model / y if m.kind != "ffn" else 0)
   per_param = (cb if cb != pb else 0) if x == 1 else gb + (cb if cb != gb else 0)
 
   tokens = global_tokens(cfg) / x / max(1, sched.microbatches)
@@ -140,7 +171,7 @@ def memory_per_device(cfg) -> dict[str, float]:
   # deferred to the end of the step, every layer's unreduced gradient W[D, F_Y] (as memory_model.breakdown).
   accum = 0 if sched.microbatches <= 1 else p * pb / (y if sched.grad_reduce == "deferred" else n)
   out = {"master_params": p * pb / n, "grads": p * pb / n + accum, "optimizer": 2 * p * pb / n,
-         "compute_params": gathered * per_param / y, "activations": act}
+         "compute_params": gathered * per_param, "activations": act}
   out["total"] = sum(out.values())
   return out
 
@@ -217,7 +248,8 @@ def layer_times(cfg) -> dict[str, float]:
 
   math: 2 P_layer B / (N C) forward, 3x that per step (matmul FLOPs; attention's T^2 FLOPs are left out, as in
     step_time).
-  fsdp: AllGather of W[D_X, F_Y] -> W[D, F_Y] (V = P_layer / Y weights) at the fsdp axis bandwidth; per step also
+  fsdp: AllGather of W[D_X, F_Y] -> W[D, F_Y] (V = P_layer / Y weights, block_shard_params: W_kv whole when Y
+    does not divide the key/value heads) at the fsdp axis bandwidth; per step also
     the re-gather in backward (when reshard_after_forward) and the ReduceScatter of the gradient.
   tensor: per sublayer (attention and MLP; one for ffn) AllGather In[B_X, L_Y, D] and ReduceScatter Out[B_X, D]
     (V = B D / X activations) at the tensor axis bandwidth; backward does the transposes, so 2x per step.
@@ -286,13 +318,14 @@ def block_costs(cfg, w_x: float, w_y: float, data: int = 1, w_d: float = 1.0, pa
   hops = hops or {}
   w_bytes, a_bytes = comm_bytes(cfg)
   p_l = layer_params(m) if params is None else params
+  shard = block_shard_params(m, y) if params is None else params / y    # W[D, F_Y] elements after the gather
   sublayers = 0 if params is not None else 1 if m.kind == "ffn" else 2
   return BlockCosts(
       math=2 * p_l / hw.peak_flops,
-      fsdp=collective_time(w_bytes * p_l / y, x, w_x, hw.hop_latency_s, hops.get("fsdp")),
+      fsdp=collective_time(w_bytes * shard, x, w_x, hw.hop_latency_s, hops.get("fsdp")),
       tensor_per_token=2 * sublayers * a_bytes * m.d_model * (y - 1) / w_y if y > 1 else 0.0,
       tensor_floor=2 * sublayers * hw.hop_latency_s * hops.get("tensor", y / 2) if y > 1 else 0.0,
-      data=2 * collective_time(w_bytes * p_l / (x * y), data, w_d, hw.hop_latency_s, hops.get("data")),
+      data=2 * collective_time(w_bytes * shard / x, data, w_d, hw.hop_latency_s, hops.get("data")),
       fsdp_bwd_passes=2 if cfg.schedule.reshard_after_forward else 1)
 
 
@@ -534,11 +567,11 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
 
 
 def confirm_on_target(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str, Any]]:
-  """Compile the best k layouts for the target and report the compiled memory and calibrated step time beside
-  the closed forms. Needs compilation for the target hardware, which shardlab does not have yet."""
-  from shardlab.mesh import ConfigError
-  raise ConfigError(f"confirm=true: compiling the best {k} layouts for {cfg.hardware.name} is not available yet "
-                    "(needs compilation for the target); top=K lists them by the closed forms")
+  """The best k layouts compiled for the target (cfg.hardware's own compiler, shardlab/target.py), each with
+  `target`: the compiled memory per device and the calibrated step time beside these closed forms
+  (analysis/confirm.py; imports JAX, unlike the rest of this module)."""
+  from shardlab.analysis.confirm import confirm_layouts
+  return confirm_layouts(layouts, cfg, k)
 
 
 # ------------------------------------------------------------------------------------------------------ the plan

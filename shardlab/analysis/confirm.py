@@ -1,0 +1,147 @@
+"""The planner's closed forms checked against the target's compiler: a layout of the search, or a batch window,
+compiled for the hardware preset's real devices (shardlab/target.py: nothing allocated, no device here) by the
+same train step a run builds (run.build). What comes back is the target compiler's memory per device and the
+calibrated step-time prediction of its scheduled program (analysis/costmodel.py): a compile and a MODEL
+PREDICTION, not a measurement.
+
+  python -m shardlab.plan search=true top=3 ...      # planner.confirm_on_target: the best 3 layouts
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def start_jax(cfg) -> None:
+  """Keep JAX on the CPU (fake devices) in a process that has not started it yet, so that an installed target
+  plugin neither initializes nor logs; a no-op when JAX already runs (a test, a second call)."""
+  from shardlab.mesh import ConfigError, set_cpu_devices
+  try:
+    set_cpu_devices(max(1, getattr(cfg, "cpu_devices", 1)))
+  except ConfigError:
+    pass
+
+
+def compile_on_target(cfg) -> dict[str, Any]:
+  """Compile cfg's train step (cfg.mesh.fsdp x cfg.mesh.tensor, train.batch_size sequences) for cfg.hardware's
+  target. Returns `memory` (the target compiler's memory_analysis per device: argument, output, temp, alias,
+  peak), `memory_analytic` (memory_model.breakdown of the same config), `fits` and `headroom_bytes` against
+  hardware.hbm_bytes, `prediction` (the calibrated replay: t_overlapped_s, mfu, ...), `target` and
+  `compile_time_s`. Raises ConfigError when the extra or the topology is missing."""
+  from shardlab import params as PM, target as TG
+  from shardlab.analysis import costmodel, memory_model
+  from shardlab.analysis.program import Program
+  from shardlab.run import build
+  hw, n = cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor
+  topo = TG.check(hw, n)
+  start_jax(cfg)
+  devs = TG.devices(hw, n)
+  b = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
+  t0 = time.perf_counter()
+  compiled = TG.compile_(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]))
+  seconds = time.perf_counter() - t0
+  prog = Program.of(compiled, b["mesh"])
+  mem = prog.memory()
+  flops = 6 * PM.count(b["decls"]) * cfg.train.batch_size * cfg.model.seq_len / n
+  pred, _ = costmodel.predict(prog, b["mesh"], hw, {"fsdp": cfg.mesh.fsdp_ici_axes,
+                                                    "tensor": cfg.mesh.tensor_ici_axes}, flops)
+  return {"memory": mem, "memory_analytic": memory_model.breakdown(cfg), "fits": mem["peak"] <= hw.hbm_bytes,
+          "headroom_bytes": hw.hbm_bytes - mem["peak"], "prediction": pred, "target": TG.describe(devs, topo),
+          "compile_time_s": seconds}
+
+
+def layout_config(cfg, layout: dict) -> tuple[Any, str | None]:
+  """(the Config that runs `layout` at the configured global batch, None) or (None, why it cannot be built):
+  shardlab's train step has no data (HSDP replica) axis, shards whole sequences over fsdp and needs every
+  sharded dim divisible by its mesh axis."""
+  from shardlab.analysis import planner
+  m = cfg.model
+  if layout["data"] > 1:
+    return None, (f"data={layout['data']}: shardlab's train step has an fsdp x tensor mesh only (no HSDP replica "
+                  "axis to compile)")
+  sharding = [r for r in layout["rejected_because"] if r.startswith("sharding:")]
+  if sharding:
+    return None, sharding[0]
+  seqs = planner.global_tokens(cfg) / m.seq_len
+  if seqs != int(seqs) or int(seqs) % layout["fsdp"]:
+    return None, (f"the global batch is {seqs:.3g} sequences of {m.seq_len} tokens: not a whole number per fsdp "
+                  f"shard of {layout['fsdp']} (shardlab shards whole sequences)")
+  sub = planner.override(cfg, mesh={"fsdp": layout["fsdp"], "tensor": layout["tensor"],
+                                    "fsdp_ici_axes": layout["ici_axes"]["fsdp"],
+                                    "tensor_ici_axes": layout["ici_axes"]["tensor"]},
+                         train={"batch_size": int(seqs), "global_batch_tokens": 0})
+  return sub, None
+
+
+def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str, Any]]:
+  """The best k layouts, each with `target`: the compiled memory and calibrated step time beside the closed
+  forms (`memory_closed_form_bytes` = the layout's memory_per_device_bytes, `step_time_closed_form_s` = its
+  step_time_s), or `compiled: false` and `why` for a layout the train step cannot express. A layout that fails
+  to compile records the error; a missing target compiler raises (ConfigError: one line from the CLI)."""
+  from shardlab import target as TG
+  if layouts:                             # the extra and the preset, before anything compiles
+    l = layouts[0]
+    TG.check(cfg.hardware, l["data"] * l["fsdp"] * l["tensor"])
+  out = []
+  for layout in layouts[:k]:
+    sub, why = layout_config(cfg, layout)
+    if sub is None:
+      out.append({**layout, "target": {"compiled": False, "why": why}})
+      continue
+    try:
+      r = compile_on_target(sub)
+    except Exception as e:   # a layout the target cannot take (topology, compiler error): said, not fatal
+      out.append({**layout, "target": {"compiled": False, "why": f"{type(e).__name__}: {' '.join(str(e).split())}"}})
+      continue
+    pred = r["prediction"]
+    out.append({**layout, "target": {
+        "compiled": True, "hardware": cfg.hardware.name, **r["target"],
+        "memory_compiled_bytes": r["memory"]["peak"], "memory_compiled": r["memory"],
+        "memory_analytic_bytes": r["memory_analytic"]["total"],
+        "memory_closed_form_bytes": layout["memory_per_device_bytes"],
+        "fits": r["fits"], "headroom_bytes": r["headroom_bytes"],
+        "step_time_s": pred["t_overlapped_s"], "step_time_closed_form_s": layout["step_time_s"],
+        "mfu": pred["mfu"], "prediction_model": pred["model"], "compile_time_s": r["compile_time_s"]}})
+  return out
+
+
+def confirm_batch_window(cfg, samples: tuple[int, int] = (1, 4)) -> dict[str, Any]:
+  """The largest batch of cfg's mesh that fits hardware.hbm_bytes by the target compiler's memory report, found
+  by compiling (nothing runs): compile the train step at `samples` sequences per fsdp shard, take the line
+  through the two peaks (fixed bytes plus bytes per sequence) as the first guess
+  (planner.calibrated_batch_window), then compile there and step by one microbatch's worth of sequences until
+  the batch fits and the next one does not. `confirmed`: that boundary was found (peaks of both compiles in
+  `peaks`, by sequences per shard). Beside it the analytic window (planner.batch_window) and the target's peak
+  at the analytic maximum: how far the closed-form memory is from the compiler's."""
+  from shardlab.analysis import planner
+  x, mb, hbm = cfg.mesh.fsdp, max(1, cfg.schedule.microbatches), cfg.hardware.hbm_bytes
+  cache: dict[int, dict] = {}
+
+  def peak(seqs: int) -> float:            # seqs per fsdp shard -> the target's compiled peak bytes per device
+    if seqs not in cache:
+      cache[seqs] = compile_on_target(planner.override(cfg, train={"batch_size": seqs * x, "global_batch_tokens": 0}))
+    return cache[seqs]["memory"]["peak"]
+
+  samples = tuple(max(mb, s - s % mb) for s in samples)
+  line = planner.calibrated_batch_window(cfg, {s: peak(s) for s in samples})
+  seqs = max(mb, line["max_sequences_per_fsdp_shard"])
+  while seqs > mb and peak(seqs) > hbm:
+    seqs -= mb
+  while peak(seqs + mb) <= hbm:
+    seqs += mb
+  fits = peak(seqs) <= hbm
+  seqs = seqs if fits else 0
+  analytic = planner.batch_window(cfg)
+  a_seqs = analytic["max_sequences_per_fsdp_shard"]
+  a_peak = peak(a_seqs) if a_seqs > 0 else None
+  return {"max_sequences_per_fsdp_shard": seqs,
+          "max_batch_per_device_tokens": seqs * cfg.model.seq_len / cfg.mesh.tensor, "confirmed": fits,
+          "peaks": {s: r["memory"]["peak"] for s, r in sorted(cache.items())},
+          "line": {"fixed_bytes": line["fixed_bytes"], "bytes_per_local_sequence": line["bytes_per_local_sequence"],
+                   "max_sequences_per_fsdp_shard": line["max_sequences_per_fsdp_shard"]},
+          "hbm_bytes": hbm, "analytic": {"max_sequences_per_fsdp_shard": a_seqs,
+                                         "max_batch_per_device_tokens": analytic["max_batch_per_device_tokens"],
+                                         "fixed_bytes": analytic["fixed_bytes"],
+                                         "bytes_per_local_sequence": analytic["bytes_per_local_sequence"],
+                                         "peak_on_target": a_peak},
+          "target": next(iter(cache.values()))["target"]}
