@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from shardlab.hardware import HardwareConfig
+
+# The Hydra config groups, shipped inside the package (an installed shardlab runs without the source tree).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @dataclass
@@ -69,7 +73,7 @@ class TrainConfig:
   steps: int = 30
   batch_size: int = 16            # global batch, in sequences
   seed: int = 0
-  lr: float = 3e-3
+  lr: float = 2e-2
   warmup_steps: int = 5
   b1: float = 0.9
   b2: float = 0.95
@@ -149,7 +153,7 @@ GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, 
 
 
 def register_configs() -> None:
-  """Register the schemas so that every YAML in conf/<group>/ is checked against its dataclass."""
+  """Register the schemas so that every YAML in shardlab/conf/<group>/ is checked against its dataclass."""
   from hydra.core.config_store import ConfigStore
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)

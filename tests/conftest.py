@@ -28,6 +28,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Dtype promotion stays "standard": optax's bias correction mixes Python floats and int32 counts.
 
 from shardlab import testing  # noqa: E402
+from shardlab.config import CONF_DIR  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = testing.mesh_shapes(8)   # 1x8, 2x4, 4x2, 8x1
@@ -41,7 +42,7 @@ reference_loss_and_grads = testing.reference_loss_and_grads
 
 
 def preset_names():
-  return sorted(p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml"))
+  return sorted(p.stem for p in (CONF_DIR / "schedule").glob("*.yaml"))
 
 
 def compose(*overrides: str):
@@ -49,7 +50,7 @@ def compose(*overrides: str):
   from hydra import compose as hydra_compose, initialize_config_dir
   from shardlab.config import register_configs
   register_configs()
-  with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     return hydra_compose(config_name="config", overrides=list(overrides))
 
 

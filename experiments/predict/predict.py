@@ -1,4 +1,4 @@
-"""Predicted step time of every schedule preset (conf/schedule/) for LLaMA-3 8B dimensions on an H100 node and a
+"""Predicted step time of every schedule preset (shardlab/conf/schedule/) for LLaMA-3 8B dimensions on an H100 node and a
 TPU v5p slice. MODEL PREDICTIONS from dry runs (compile and analyze on fake CPU devices, nothing allocated, no step
 run), not measurements. Writes results.md and results.json here and copies some timeline charts to img/.
 
@@ -15,6 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from shardlab.config import CONF_DIR  # noqa: E402
 RUNS = ROOT / "outputs" / "predict"
 COMMON = ["dry_run=true", "progress=false", "model=llama3_8b", "model.seq_len=2048", "precision=bf16"]
 MACHINES = {   # 1024 tokens per device on both (h100: 1 sequence per fsdp rank, v5p: 2)
@@ -29,7 +31,7 @@ CHARTS = ("baseline", "fsdp_prefetch", "collective_matmul_bidi")
 
 
 def presets() -> dict:
-  names = sorted(p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml"))
+  names = sorted(p.stem for p in (CONF_DIR / "schedule").glob("*.yaml"))
   return {**{n: [f"schedule={n}"] for n in names}, **VARIANTS}
 
 

@@ -4,7 +4,7 @@
 To add one: write a class with `loss_and_grads(params, tokens, targets, n_tokens)` (run inside shard_map,
 returning the loss and fully reduced, parameter-sharded gradients; a class with `shard_mapped = False` runs
 under plain jit on global arrays instead, as `gspmd` does), register it below, and add a YAML to
-conf/schedule/. Tests pick up every YAML there by themselves.
+shardlab/conf/schedule/. Tests pick up every YAML there by themselves.
 """
 from __future__ import annotations
 
