@@ -28,6 +28,9 @@ def build(cfg: Config, devices=None):
 
   from shardlab import params as PM, schedules, train as T
   from shardlab.mesh import FSDP, make_mesh
+  # The audit reads each collective's op_name: a program from a persistent compilation cache must carry its own
+  # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
+  jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
   mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor, devices)
   decls = PM.declare(cfg.model, cfg.mesh.tensor)
   sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype])

@@ -14,6 +14,9 @@ _CACHE = Path(tempfile.gettempdir()) / f"shardlab-test-jax-cache-{os.getuid()}"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The audit reads each collective's op_name (its collectives.scope): a cached program must carry its own
+# metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
+os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
 
 from shardlab.mesh import set_cpu_devices  # noqa: E402
 
