@@ -58,12 +58,12 @@ class ModelConfig:
 @dataclass
 class ScheduleConfig:
   name: str = "baseline"
-  impl: str = "explicit"          # registry key of the schedule class (schedules/__init__.py)
+  impl: str = "explicit"          # explicit | gspmd | package.module:Class (schedules/__init__.py, protocol.py)
   prefetch: int = 0               # FSDP prefetch depth: layer l+k's weights gathered while layer l computes
   reshard_after_forward: bool = True  # True: re-gather in backward; False: keep gathered weights as residuals
   gather_dtype: str = "param"     # param | compute: cast before the all-gather (half the bytes in bf16)
-  tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce
-  grad_reduce: str = "per_layer"  # per_layer | deferred (reduce-scatter once per step, after all microbatches)
+  tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce | package.module:Class (schedules/tp.py)
+  grad_reduce: str = "per_layer"  # per_layer | next_layer (one backward iteration later) | deferred (once per step)
   microbatches: int = 1
   remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_attn_out | save_matmuls_and_attn
 

@@ -38,6 +38,8 @@ MATRIX = [
     ((2, 4), dict(reshard_after_forward=False, remat="full", tp="allreduce")),
     ((4, 2), dict(grad_reduce="deferred", microbatches=2, tp="ring_bidi", remat="save_matmuls")),
     ((2, 4), dict(gather_dtype="compute", prefetch=1, reshard_after_forward=False, microbatches=2)),
+    ((4, 2), dict(grad_reduce="next_layer", prefetch=2, tp="ring", remat="full")),
+    ((2, 4), dict(grad_reduce="next_layer", reshard_after_forward=False, microbatches=2, tp="allreduce")),
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import MESHES, compiled_grads, load_preset, mesh_of, preset_names, tiny_config
 
 FAMILIES = ["baseline", "collective_matmul", "collective_matmul_bidi", "megatron_allreduce", "keep_gathered",
-            "deferred_reduce"]
+            "deferred_reduce", "next_layer_reduce"]
 
 
 @functools.lru_cache(maxsize=None)
