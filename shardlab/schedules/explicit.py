@@ -27,7 +27,7 @@ from shardlab import collectives as C
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
 from shardlab.mesh import FSDP, TENSOR, ConfigError
-from shardlab.params import declare, is_param
+from shardlab.params import LAYOUT, declare, is_param
 from shardlab.schedules.tp import MATMUL, TP, make_tp
 
 # remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
@@ -48,6 +48,22 @@ REMAT = {
 }
 KNOBS = {"tp": tuple(TP), "grad_reduce": ("per_layer", "next_layer", "deferred"),
          "remat": tuple(REMAT), "gather_dtype": ("param", "compute")}
+
+
+# The layout rules (params.LAYOUT) this schedule can honour: its TP contractions shard heads, d_ff, vocab and
+# the sequence over `tensor`, and the batch is split over `fsdp`; a weight's `embed` dim may be sharded over
+# `fsdp` (FSDP / ZeRO-3) or replicated (None: plain data parallelism, gradients all-reduced over fsdp).
+HONOURS = {"embed": (FSDP, None), "heads": (TENSOR,), "kv_heads": (TENSOR,), "mlp": (TENSOR,), "vocab": (TENSOR,),
+           "batch": (FSDP,), "seq": (TENSOR,)}
+
+
+def check_layout(layout: dict, name: str = "the explicit schedule") -> None:
+  """A rule of `layout` this schedule cannot honour: one line, before anything compiles."""
+  for logical, allowed in HONOURS.items():
+    got = layout.get(logical)
+    if got not in allowed:
+      raise ConfigError(f"params.LAYOUT[{logical!r}]={got!r}: {name} cannot honour it; it takes "
+                        f"{' or '.join(repr(a) for a in allowed)}")
 
 
 def _remat_policy(remat: str):
@@ -224,6 +240,7 @@ class ExplicitSchedule:
       raise ConfigError(f"schedule.prefetch={cfg.prefetch}: must be between 0 and model.n_layers={model.n_layers}")
     if cfg.microbatches < 1:
       raise ConfigError(f"schedule.microbatches={cfg.microbatches}: must be >= 1")
+    check_layout(LAYOUT)
     if cfg.grad_reduce == "deferred" and (cfg.prefetch or not cfg.reshard_after_forward):
       raise ConfigError("schedule.grad_reduce=deferred gathers every weight once per step, so it takes no "
                         "schedule.prefetch and no schedule.reshard_after_forward=false; set prefetch=0 and "
