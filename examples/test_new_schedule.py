@@ -12,8 +12,8 @@ compute more finely). Its claim: the same training as `baseline`, the same bytes
 
 Backward (AD): the transpose of each gather, a reduce-scatter of each half of the gradient over fsdp.
 
-To run it from the command line, register it (`shardlab.schedules.REGISTRY["chunked_gather"] =
-ChunkedGather`) and add conf/schedule/chunked_gather.yaml with `impl: chunked_gather` (see the README).
+To run it from the command line, from this directory: `python -m shardlab schedule.impl=test_new_schedule:ChunkedGather`
+(any `package.module:Class` on sys.path; see user_schedule.py).
 """
 import jax.numpy as jnp
 

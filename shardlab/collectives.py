@@ -1,7 +1,10 @@
 """Every collective shardlab performs, as thin named wrappers, and the ring collective matmuls.
 
 Only this module and `schedules/` call `jax.lax` collectives (tests/test_structure.py greps for it). Each wrapper
-runs under `jax.named_scope`, so profiles and HLO metadata read like the code. Shapes use the Scaling Book's
+runs under a named scope `shardlab.<name>` (`scope`), so profiles and HLO metadata read like the code, and that
+prefix is the one rule of the audit: a collective placed through this module (under any name) is planned, any
+other collective in a compiled program is not (analysis/hlo.py: `scope_of`; summary.json's `audit`, the ledger
+tests and the testing kit all read it). Shapes use the Scaling Book's
 notation: `x[B, L_tp, D]` is sharded over `tensor` on L; a result marked `{U_tp}` is unreduced over `tensor`.
 
 Backward passes come from AD and are the transposes: all_gather <-> psum_scatter, psum of an invariant result
@@ -9,10 +12,22 @@ Backward passes come from AD and are the transposes: all_gather <-> psum_scatter
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+
+SCOPE_PREFIX = "shardlab."   # every collective placed here runs under a named scope with this prefix
+
+
+def scope(name: str):
+  """The named scope a collective placed under `name` runs in: `shardlab.<name>` (any name: the prefix marks it
+  planned; the name is its ledger row's `scope`)."""
+  if not re.fullmatch(r"\w+", name):
+    raise ValueError(f"collective name {name!r}: letters, digits and underscores only (it names a ledger row)")
+  return jax.named_scope(SCOPE_PREFIX + name)
 
 
 def axis_size(axis: str) -> int:
@@ -31,26 +46,26 @@ def zeros_like(x):
 
 def all_gather(x, axis: str, dim: int, name: str = "all_gather"):
   """x[.., N_axis, ..] -> x[.., N, ..]: tiled all-gather of `dim`. Backward: psum_scatter of `dim`."""
-  with jax.named_scope(name):
+  with scope(name):
     return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
 def psum_scatter(x, axis: str, dim: int, name: str = "psum_scatter"):
   """x[.., N, ..]{U_axis} -> x[.., N_axis, ..]: sum over `axis`, keep this device's block of `dim`.
   Backward: all_gather of `dim`."""
-  with jax.named_scope(name):
+  with scope(name):
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
 def psum(x, axes, name: str = "psum"):
   """x{U_axes} -> x: all-reduce (sum). Backward: identity (pvary)."""
-  with jax.named_scope(name):
+  with scope(name):
     return jax.lax.psum(x, axes)
 
 
 def pmax(x, axes, name: str = "pmax"):
   """All-reduce (max); only ever applied to values outside the gradient (stop_gradient'd)."""
-  with jax.named_scope(name):
+  with scope(name):
     return jax.lax.pmax(x, axes)
 
 
@@ -60,7 +75,7 @@ def pvary(x, axes, name: str = "pvary"):
   axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in varying_axes(x))
   if not axes:
     return x
-  with jax.named_scope(name):
+  with scope(name):
     return jax.lax.pcast(x, axes, to="varying")
 
 
@@ -68,7 +83,7 @@ def ring_shift(x, axis: str, shift: int = 1, name: str = "ring_shift"):
   """Send x to the device `shift` steps further along `axis` (cyclic); receive from `shift` steps back.
   Backward: the opposite shift."""
   n = axis_size(axis)
-  with jax.named_scope(name):
+  with scope(name):
     return jax.lax.ppermute(x, axis, perm=[(i, (i + shift) % n) for i in range(n)])
 
 
@@ -99,7 +114,7 @@ def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool =
   if n == 1:
     return f(x)
   r = jax.lax.axis_index(axis)
-  with jax.named_scope(name):
+  with scope(name):
     put = lambda out, y, block: jax.tree.map(
         lambda o, b: jax.lax.dynamic_update_slice_in_dim(o, b, block * b.shape[dim], axis=dim), out, y)
     if not bidirectional:
@@ -148,7 +163,7 @@ def matmul_reduce_scatter(h, f: Callable, axis: str, dim: int, bidirectional: bo
     return f(h)
   r = jax.lax.axis_index(axis)
   size = h.shape[dim] // n
-  with jax.named_scope(name):
+  with scope(name):
     if not bidirectional:
       acc = f(_block(h, dim, (r - 1) % n, size))
       for s in range(1, n):

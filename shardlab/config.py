@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from shardlab.hardware import HardwareConfig
+
+# The Hydra config groups, shipped inside the package (an installed shardlab runs without the source tree).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @dataclass
@@ -54,12 +58,12 @@ class ModelConfig:
 @dataclass
 class ScheduleConfig:
   name: str = "baseline"
-  impl: str = "explicit"          # registry key of the schedule class (schedules/__init__.py)
+  impl: str = "explicit"          # explicit | gspmd | package.module:Class (schedules/__init__.py, protocol.py)
   prefetch: int = 0               # FSDP prefetch depth: layer l+k's weights gathered while layer l computes
   reshard_after_forward: bool = True  # True: re-gather in backward; False: keep gathered weights as residuals
   gather_dtype: str = "param"     # param | compute: cast before the all-gather (half the bytes in bf16)
-  tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce
-  grad_reduce: str = "per_layer"  # per_layer | deferred (reduce-scatter once per step, after all microbatches)
+  tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce | package.module:Class (schedules/tp.py)
+  grad_reduce: str = "per_layer"  # per_layer | next_layer (one backward iteration later) | deferred (once per step)
   microbatches: int = 1
   remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_attn_out | save_matmuls_and_attn
 
@@ -69,7 +73,7 @@ class TrainConfig:
   steps: int = 30
   batch_size: int = 16            # global batch, in sequences
   seed: int = 0
-  lr: float = 3e-3
+  lr: float = 2e-2
   warmup_steps: int = 5
   b1: float = 0.9
   b2: float = 0.95
@@ -126,7 +130,7 @@ class ProfileConfig:
 class XlaConfig:
   """A bundle of XLA compiler options (DebugOptions fields, e.g. `xla_gpu_enable_pipelined_all_gather: true`),
   passed to every compile of the run (`lowered.compile(compiler_options=...)`), local and target alike, and
-  recorded in summary.json. conf/xla/ holds the bundles real GPU recipes set (README: Targets)."""
+  recorded in summary.json. shardlab/conf/xla/ holds the bundles real GPU recipes set (README: Targets)."""
   name: str = "none"
   flags: dict[str, Any] = field(default_factory=dict)
 
@@ -159,7 +163,7 @@ GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, 
 
 
 def register_configs() -> None:
-  """Register the schemas so that every YAML in conf/<group>/ is checked against its dataclass."""
+  """Register the schemas so that every YAML in shardlab/conf/<group>/ is checked against its dataclass."""
   from hydra.core.config_store import ConfigStore
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)

@@ -1,8 +1,13 @@
 """A deterministic synthetic task: sequences from a fixed random Markov chain.
 
 Each token has `branching` possible successors (a table drawn once from the seed); every batch is a pure
-function of (seed, step), so any step can be reproduced and a resumed run sees the same data. A model that
-learns the table drops from log(vocab_size) to log(branching) within a few dozen steps.
+function of (seed, step), so any step can be reproduced and a resumed run sees the same data.
+
+What a model can reach: every target follows its input token, so the floor is the chain's conditional entropy,
+log(branching) or a little less where a token's successors repeat (1.37 for seed 0, 256 tokens, branching 4;
+log 4 = 1.39), down from log(vocab_size) = 5.55 for a model that knows nothing. Measured with the defaults
+(tiny model, 16 x 32 tokens per step, lr 2e-2): 5.56 -> 2.0 after the default 30 steps, 1.7 after 60, 1.45
+after 200.
 """
 from __future__ import annotations
 

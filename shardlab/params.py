@@ -1,5 +1,7 @@
 """Parameters, declared once (shape, logical axes, initializer), and the one table that maps logical axes to
-mesh axes. Change `LAYOUT` to try another sharding; no layer changes.
+mesh axes. Change `LAYOUT` to try another sharding; no layer changes. A schedule checks the rules it can honour
+before compiling (schedules/explicit.py: HONOURS; e.g. `LAYOUT["embed"] = None` replicates every weight over
+`fsdp`, plain data parallelism, and still trains as the reference) and rejects the others with one line.
 """
 from __future__ import annotations
 

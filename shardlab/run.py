@@ -13,10 +13,9 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from shardlab.config import Config, register_configs, to_config
+from shardlab.config import CONF_DIR, Config, register_configs, to_config
 from shardlab.mesh import ConfigError
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def build(cfg: Config, devices=None):
@@ -29,6 +28,9 @@ def build(cfg: Config, devices=None):
 
   from shardlab import params as PM, schedules, train as T
   from shardlab.mesh import FSDP, make_mesh
+  # The audit reads each collective's op_name: a program from a persistent compilation cache must carry its own
+  # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
+  jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
   mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor, devices)
   decls = PM.declare(cfg.model, cfg.mesh.tensor)
   sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype])
@@ -161,6 +163,15 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   return summary
 
 
+def final_line(out_dir, summary: dict) -> str:
+  """The one line a finished run ends with: run dir, status, final loss, median step time."""
+  if summary.get("final_loss") is None:
+    return f"shardlab: {out_dir}: {summary['status']} (dry run: compiled and analyzed, no step run)"
+  ms = summary["step_time_s_median"] * 1e3
+  return (f"shardlab: {out_dir}: {summary['status']}, final loss {summary['final_loss']:.4f} after "
+          f"{len(summary['losses'])} steps, step time {ms:.1f} ms (median)")
+
+
 def _strict(x):
   """x with every non-finite float replaced by None, so that json.dumps writes strict JSON (null, not NaN)."""
   if isinstance(x, float):
@@ -252,7 +263,8 @@ def _task(dcfg) -> None:
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
   try:
-    train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
+    summary = train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
+    print(final_line(out_dir, summary), flush=True)
   except ConfigError as e:
     if _FULL_ERROR:
       raise
@@ -321,7 +333,7 @@ _FULL_ERROR = False   # HYDRA_FULL_ERROR=1: tracebacks instead of one-line error
 
 
 class Preflight(Callback):
-  """Hydra callback (conf/config.yaml): `preflight.check` before Hydra makes the run directory or writes
+  """Hydra callback (shardlab/conf/config.yaml): `preflight.check` before Hydra makes the run directory or writes
   `.hydra/`, so a rejected run leaves an existing run directory (and its record) untouched. Single runs only;
   each job of a multirun is checked by `train` (a failed job must still leave its row)."""
 
@@ -348,7 +360,7 @@ def cli() -> None:
   _FULL_ERROR = asked == "1"
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
   try:
-    hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(_task)()
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(_task)()
   except KeyboardInterrupt:               # SIGINT before training started (or while stopping): nothing to save
     if _FULL_ERROR:
       raise

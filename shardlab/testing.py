@@ -19,7 +19,9 @@ Comparisons
                                   output, and the gradients, optionally against finite differences too
   assert_collectives(..)          the compiled program's collectives (kind, mesh axis, bytes) against the
                                   expected ones, and no collective the compiler added on its own
-  assert_schedule_matches_baseline(..)  a schedule's loss, gradients and bytes against `baseline`, tiny model
+  assert_schedule_matches_baseline(..)  a schedule's loss, gradients and bytes against `baseline` (or
+                                  `against=` another schedule), tiny model; optional overlap claims
+  assert_overlap(..)              collectives that can run behind matmuls (the compiled dependency graph)
 The tiny model
   tiny_config, tiny_batch, reference_loss_and_grads, compile_schedule (cached; tests/conftest.py uses them)
 """
@@ -48,6 +50,8 @@ def set_devices(n: int = DEFAULT_DEVICES, fast_compile: bool = True) -> None:
     os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
   from shardlab.mesh import set_cpu_devices
   set_cpu_devices(n)
+  import jax   # the audit reads op_names: a cached program must carry its own (see shardlab.run.build)
+  jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
 def configured_devices() -> int | None:
@@ -390,10 +394,6 @@ def _arg_names(fn, n: int) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- collectives
 
-COLLECTIVE_PRIMITIVES = ("all_gather", "all_gather_invariant", "reduce_scatter", "psum", "psum_invariant",
-                         "pmax", "pmin", "ppermute", "all_to_all", "ragged_all_to_all")
-
-
 def _compiled(fn, args):
   import jax
   if hasattr(fn, "as_text") and hasattr(fn, "memory_analysis"):   # already a jax.stages.Compiled
@@ -404,18 +404,14 @@ def _compiled(fn, args):
 def collectives_of(fn, args=(), mesh=None):
   """(hlo.collectives, unplanned) of `fn` compiled for `args` (or of an already compiled function).
 
-  unplanned: the collectives that neither a shardlab named scope (analysis.program.audit) nor a JAX
-  collective primitive placed: the compiler's own resharding, e.g. at a shard_map boundary whose in_specs
-  disagree with how the arguments are laid out."""
+  unplanned: summary.json's audit (analysis.program.audit), the one rule: every collective not placed through
+  shardlab.collectives (under any name), e.g. the compiler's own resharding at a shard_map boundary whose
+  in_specs disagree with how the arguments are laid out, or a bare `jax.lax` collective."""
   from shardlab.analysis import hlo, program
   if mesh is None:
     raise TypeError("collectives_of / assert_collectives need mesh=: the mesh the function runs on")
-  text = _compiled(fn, args).as_text()
-  colls = hlo.collectives(text, mesh.device_ids, tuple(mesh.axis_names))
-  op_names = {i.name: i.op_name for instrs in hlo.parse(text)[0].values() for i in instrs}
-  placed = lambda name: op_names.get(name, "").rsplit("/", 1)[-1] in COLLECTIVE_PRIMITIVES
-  unplanned = [u for u in program.audit(colls)["unplanned"] if not placed(u["name"])]
-  return colls, unplanned
+  colls = hlo.collectives(_compiled(fn, args).as_text(), mesh.device_ids, tuple(mesh.axis_names))
+  return colls, program.audit(colls)["unplanned"]
 
 
 def _row(value) -> dict:
@@ -437,7 +433,7 @@ def assert_collectives(fn, args=(), expected: dict | None = None, mesh=None, exa
               'reduce-scatter', 'all-reduce', 'collective-permute', 'all-to-all'), axis 'fsdp', 'tensor'
               or 'fsdp+tensor'. A missing row means none; a row with 0 bytes is the same as a missing one.
   exact       also fail on collectives `expected` does not list (otherwise only listed rows are checked).
-  Always fails on a collective the compiler added on its own (see collectives_of).
+  Always fails on a collective not placed through shardlab.collectives (see collectives_of).
   """
   from shardlab.analysis import hlo
   colls, unplanned = collectives_of(fn, args, mesh)
@@ -460,8 +456,8 @@ def assert_collectives(fn, args=(), expected: dict | None = None, mesh=None, exa
       errors.append(f"{kind} over {axis} runs {h['count']} times, expected {w['count']}")
   for u in unplanned:
     errors.append(f"the compiler added a {u['kind']} over {u['axis']} ({u['bytes']} bytes, {u['name']}) that "
-                  f"no collective in the code placed: resharding, e.g. in_specs that disagree with the "
-                  f"arguments' layout")
+                  f"no collective in the code placed (only shardlab.collectives places planned ones): "
+                  f"resharding, e.g. in_specs that disagree with the arguments' layout")
   if errors:
     raise AssertionError((label or f"mesh {mesh_id(mesh)}: ") + "; ".join(errors) + f". Ledger: {format_ledger(ledger)}")
   return ledger
@@ -567,35 +563,75 @@ def _check_claims(ledger, base, comm, label) -> None:
                          f"Baseline: {format_ledger(base)}")
 
 
+def _schedule_name(cls, items) -> str:
+  defaults = dict(_schedule_key(None, {})[1])
+  return cls.__name__ if cls else ", ".join(f"{k}={v}" for k, v in items if v != defaults[k]) or "baseline"
+
+
 def assert_schedule_matches_baseline(schedule=None, mesh_shapes=((2, 4),), comm=None, reference: bool = False,
-                                     rtol: float = 2e-5, atol: float = 2e-5, **knobs) -> dict:
+                                     rtol: float = 2e-5, atol: float = 2e-5, against=None, overlap=None,
+                                     **knobs) -> dict:
   """A schedule trains the tiny model exactly as `baseline` does (loss and every gradient) on each mesh, and
   moves no more bytes than it claims; returns {mesh id: {"ledger", "baseline"}}.
 
   schedule    a ScheduleConfig, a dict of knobs, or a schedule class (see compile_schedule); knobs override.
+  against     the schedule to compare with instead of `baseline` (same forms as `schedule`, None: baseline);
+              `comm` claims are then relative to it, and the result's "baseline" is its ledger.
   comm        the byte claim, checked on the compiled programs' ledgers: None (no claim); "baseline" (no
               row and no total above the baseline's); or {"all-gather fsdp": 0.5, "total": 1.0, ...}: each
               named row (kind and axis) or the total at most that many times the baseline's bytes.
+  overlap     a claim on what the schedule hides, checked on the compiled program (see assert_overlap): a dict
+              of its arguments ({"kind": "reduce-scatter", "scope": "fsdp_all_gather", "behind": "all"}), or a
+              list of them.
   reference   also compare with the unsharded reference (the baseline already is, in tests/).
-  Every schedule is also audited: the compiler may add no collective of its own.
+  Every schedule is also audited: no collective that shardlab.collectives did not place (the one rule).
   """
   cls, items = _schedule_key(schedule, knobs)
-  defaults = dict(_schedule_key(None, {})[1])
-  name = cls.__name__ if cls else ", ".join(f"{k}={v}" for k, v in items if v != defaults[k]) or "baseline"
+  other_cls, other_items = _schedule_key(against, {})
+  name, other = _schedule_name(cls, items), _schedule_name(other_cls, other_items)
   out = {}
   for shape in mesh_shapes:
     shape = parse_mesh_shape(shape)
     label = f"{name} on {mesh_id(shape)}"
     compiled, (loss, grads) = _compile_schedule(shape, cls, items)
-    base_compiled, (base_loss, base_grads) = compile_schedule(None, shape)
-    assert_trees_close(loss, base_loss, rtol=1e-6, atol=0, label=f"{label}, loss vs baseline")
-    assert_trees_close(grads, base_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs baseline ")
+    base_compiled, (base_loss, base_grads) = _compile_schedule(shape, other_cls, other_items)
+    assert_trees_close(loss, base_loss, rtol=1e-6, atol=0, label=f"{label}, loss vs {other}")
+    assert_trees_close(grads, base_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs {other} ")
     if reference:
       ref_loss, ref_grads = reference_loss_and_grads()
       assert_trees_close(grads, ref_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs reference ")
     ledger = assert_collectives(compiled, mesh=mesh_of(*shape), label=f"{label}: ")
-    base = assert_collectives(base_compiled, mesh=mesh_of(*shape), label=f"baseline on {mesh_id(shape)}: ")
+    base = assert_collectives(base_compiled, mesh=mesh_of(*shape), label=f"{other} on {mesh_id(shape)}: ")
     if comm is not None:
       _check_claims(ledger, base, comm, label)
+    for claim in ([overlap] if isinstance(overlap, dict) else overlap or []):
+      assert_overlap(compiled, label=f"{label}: ", **claim)
     out[mesh_id(shape)] = {"ledger": ledger, "baseline": base}
   return out
+
+
+def assert_overlap(fn, args=(), kind: str | None = None, scope: str | None = None, behind="any",
+                   in_loop: bool = True, label: str = "") -> list:
+  """Every matching collective of the compiled program could run behind matmuls: none of `behind` ("any": at
+  least one, "all": every one) of its computation's matmuls has a data path to or from it (hlo.overlap_rows:
+  the dependency structure a GPU's latency-hiding scheduler works from). Returns the matching rows.
+
+  kind        HLO kind ('reduce-scatter', ...); scope: the collectives.scope name ('fsdp_all_gather' also
+              names the reduce-scatter that is its transpose); in_loop: only collectives in a loop body (the
+              layer loop), where overlap is decided. Fails if nothing matches."""
+  from shardlab.analysis import hlo
+  if behind not in ("any", "all"):
+    raise ValueError(f"behind={behind!r}: 'any' or 'all'")
+  rows = [r for r in hlo.overlap_rows(hlo.parse(_compiled(fn, args).as_text())[0])
+          if (kind is None or r.kind == kind) and (scope is None or r.scope == scope) and (r.in_loop or not in_loop)]
+  what = " ".join(x for x in (kind, f"({scope})" if scope else None) if x) or "collective"
+  if not rows:
+    raise AssertionError(f"{label}no {what} {'in a loop body ' if in_loop else ''}of the compiled program")
+  need = (lambda r: r.independent_matmuls == r.matmuls) if behind == "all" else (lambda r: r.independent_matmuls > 0)
+  bad = [r for r in rows if not need(r)]
+  if bad:
+    r = bad[0]
+    raise AssertionError(f"{label}{len(bad)} of {len(rows)} {what} cannot run behind {behind} matmuls of their "
+                         f"computation: e.g. {r.collective} in {r.computation} is independent of "
+                         f"{r.independent_matmuls} of {r.matmuls}")
+  return rows

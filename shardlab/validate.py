@@ -165,10 +165,11 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   _divides("train.batch_size", t.batch_size, "mesh.fsdp", mesh.fsdp, "the batch is sharded over fsdp")
   _divides("train.batch_size", t.batch_size, "mesh.fsdp * schedule.microbatches", mesh.fsdp * s.microbatches,
            "each device splits its batch into microbatches")
-  schedules.build(s, m, DTYPES[cfg.precision.compute_dtype])   # the schedule checks its own knobs
-  if s.tp in ("allgather", "ring"):
+  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype])   # the schedule checks its own knobs
+  ops = getattr(sched, "ops", None)
+  if getattr(ops, "seq_sharded", False) and not getattr(ops, "bidirectional", False):
     _divides("model.seq_len", m.seq_len, "mesh.tensor", mesh.tensor, "sequence parallelism shards it over tensor")
-  if s.tp == "ring_bidi":
+  if getattr(ops, "bidirectional", False):
     _divides("model.seq_len", m.seq_len, "2 * mesh.tensor", 2 * mesh.tensor,
              "the bidirectional ring splits each sequence block in halves")
   if t.steps < 1:

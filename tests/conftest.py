@@ -14,6 +14,9 @@ _CACHE = Path(tempfile.gettempdir()) / f"shardlab-test-jax-cache-{os.getuid()}"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The audit reads each collective's op_name (its collectives.scope): a cached program must carry its own
+# metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
+os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")
 
 from shardlab.mesh import set_cpu_devices  # noqa: E402
 
@@ -28,6 +31,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Dtype promotion stays "standard": optax's bias correction mixes Python floats and int32 counts.
 
 from shardlab import testing  # noqa: E402
+from shardlab.config import CONF_DIR  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = testing.mesh_shapes(8)   # 1x8, 2x4, 4x2, 8x1
@@ -41,7 +45,7 @@ reference_loss_and_grads = testing.reference_loss_and_grads
 
 
 def preset_names():
-  return sorted(p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml"))
+  return sorted(p.stem for p in (CONF_DIR / "schedule").glob("*.yaml"))
 
 
 def compose(*overrides: str):
@@ -49,7 +53,7 @@ def compose(*overrides: str):
   from hydra import compose as hydra_compose, initialize_config_dir
   from shardlab.config import register_configs
   register_configs()
-  with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     return hydra_compose(config_name="config", overrides=list(overrides))
 
 

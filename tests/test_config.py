@@ -5,9 +5,10 @@ import sys
 import pytest
 
 from conftest import ROOT, compose
+from shardlab.config import CONF_DIR
 
 GROUPS = ["mesh", "model", "schedule", "train", "data", "precision", "hardware"]
-OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((ROOT / "conf" / g).glob("*.yaml"))]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])

@@ -1,5 +1,5 @@
 """Every schedule is the same training as the unsharded reference: loss and every gradient, float32, on
-every mesh shape. New presets in conf/schedule/ are picked up by themselves."""
+every mesh shape. New presets in shardlab/conf/schedule/ are picked up by themselves."""
 import itertools
 
 import jax
@@ -38,6 +38,8 @@ MATRIX = [
     ((2, 4), dict(reshard_after_forward=False, remat="full", tp="allreduce")),
     ((4, 2), dict(grad_reduce="deferred", microbatches=2, tp="ring_bidi", remat="save_matmuls")),
     ((2, 4), dict(gather_dtype="compute", prefetch=1, reshard_after_forward=False, microbatches=2)),
+    ((4, 2), dict(grad_reduce="next_layer", prefetch=2, tp="ring", remat="full")),
+    ((2, 4), dict(grad_reduce="next_layer", reshard_after_forward=False, microbatches=2, tp="allreduce")),
 ]
 
 
@@ -107,3 +109,32 @@ def test_bfloat16_compute_trains_the_same_model_and_gathers_half_the_bytes():
     assert cos(np.asarray(g, np.float64).ravel(), np.asarray(r, np.float64).ravel()) > 0.99, path
   gathers = ledger.nested(ledger.from_program(jax.make_jaxpr(fn)(params, b)))["all-gather"]["fsdp"]
   assert set(gathers) == {"bf16"}, gathers
+
+
+def test_layout_rule_change_changes_the_sharding_and_still_matches_reference(monkeypatch):
+  """params.LAYOUT["embed"] = None: weights replicated over fsdp (plain data parallelism) instead of sharded
+  (ZeRO-3). The compiled program changes (no FSDP gathers; gradients all-reduced over fsdp) and the training
+  is still the reference's. A rule the schedule cannot honour fails with one line before compiling."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from conftest import batch, mesh_of
+  from shardlab import params as PM, schedules, train as T
+  from shardlab.analysis import hlo
+  from shardlab.mesh import ConfigError
+  cfg, mesh = tiny_config(), mesh_of(2, 4)
+  monkeypatch.setitem(PM.LAYOUT, "embed", None)
+  decls = PM.declare(cfg.model)
+  assert decls["layers"]["wi"].spec() == P(None, None, None, "tensor")
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  params = PM.init_sharded(0, decls, cfg.model, mesh)
+  compiled = fn.lower(params, jax.device_put(batch(), NamedSharding(mesh, P("fsdp")))).compile()
+  loss, grads = compiled(params, jax.device_put(batch(), NamedSharding(mesh, P("fsdp"))))
+  ref_loss, ref_grads = reference_loss_and_grads()
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="LAYOUT[embed]=None: ")
+  ledger = hlo.ledger(hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names)))
+  assert "fsdp" not in ledger.get("all-gather", {}) and "fsdp" not in ledger.get("reduce-scatter", {}), ledger
+  assert ledger["all-reduce"]["fsdp"]["bytes"] > 1000, ledger   # gradients all-reduced, not reduce-scattered
+  monkeypatch.setitem(PM.LAYOUT, "mlp", None)
+  with pytest.raises(ConfigError, match=r"^params.LAYOUT\['mlp'\]=None: the explicit schedule cannot honour it; "
+                                        r"it takes 'tensor'$"):
+    schedules.build(cfg.schedule, cfg.model, jnp.float32)

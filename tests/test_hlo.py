@@ -44,6 +44,17 @@ def test_hlo_collectives_are_the_placed_ones(preset):
   assert ("collective-permute" in found) == ring, f"{preset}: collective-permute present={not ring}"
 
 
+def test_audit_rule_is_the_collectives_scope_prefix():
+  """One rule: hlo's prefix is collectives.py's; any name under it is planned, nothing else is."""
+  from shardlab import collectives as C
+  from shardlab.analysis import hlo
+  assert hlo.SCOPE_PREFIX == C.SCOPE_PREFIX
+  assert hlo.scope_of("jit(step)/shard_map/transpose(jvp(shardlab.my_new_contraction))/all_gather") == \
+      "my_new_contraction"
+  assert hlo.scope_of("jit(step)/shard_map/shardlab.ag_matmul_ring/shardlab.ring_shift/ppermute") == "ring_shift"
+  assert not hlo.planned("jit(step)/shard_map/fsdp_all_gather/all_gather")   # a bare scope: not through C
+
+
 def test_gspmd_collectives_are_all_unplanned():
   """The audit's negative control: under plain jit every collective is the compiler's, and flagged."""
   import numpy as np

@@ -30,6 +30,14 @@ def test_claimed_overlap_is_structurally_possible(preset):
   elif knobs.get("grad_reduce") != "deferred":
     # Negative control: gathering on demand, the layer's matmuls wait for the gather.
     assert any(r.independent_matmuls < r.matmuls for r in gathers)
+  # Gradient reduce-scatters in the backward loop: one layer late, each is independent of every matmul of the
+  # iteration it runs in (the next layer's backward); in its own layer's iteration it waits for that layer's.
+  scatters = [r for r in rows if r.in_loop and r.kind == "reduce-scatter" and r.scope == "fsdp_all_gather"]
+  if knobs.get("grad_reduce") == "next_layer":
+    assert scatters and all(r.independent_matmuls == r.matmuls for r in scatters), \
+        [(r.collective, r.independent_matmuls, r.matmuls) for r in scatters]
+  elif knobs.get("grad_reduce") != "deferred":
+    assert any(r.independent_matmuls < r.matmuls for r in scatters)
   permutes = [r for r in rows if r.kind == "collective-permute"]
   if knobs.get("tp", "allgather").startswith("ring"):
     assert permutes and all(r.independent_matmuls >= 1 for r in permutes), \

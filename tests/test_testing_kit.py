@@ -199,3 +199,23 @@ def test_schedule_that_moves_more_bytes_than_it_claims_is_caught():
   assert re.match(r"GathersTensorToo on 2x4: moves \d+ bytes per device per step as all-gather over tensor, more "
                   r"than it claims: 1x the baseline's \d+; moves \d+ bytes per device per step as "
                   r"reduce-scatter over tensor, .*; moves \d+ bytes per device per step in all", str(e.value)), e.value
+
+
+def test_against_compares_with_another_schedule():
+  """against=: the comparison (numbers and byte claims) is with that schedule, and messages name it."""
+  out = T.assert_schedule_matches_baseline(GathersTensorToo, mesh_shapes=["2x4"], against={"prefetch": 1},
+                                           comm={"all-gather fsdp": 1.0})
+  assert out["2x4"]["baseline"]["all-gather"][FSDP] == out["2x4"]["ledger"]["all-gather"][FSDP]
+  with pytest.raises(AssertionError, match=r"GathersTensorToo on 2x4: moves \d+ bytes .* as all-gather over tensor"):
+    T.assert_schedule_matches_baseline(GathersTensorToo, mesh_shapes=["2x4"], against={"prefetch": 1},
+                                       comm="baseline")
+
+
+def test_overlap_assertion_sees_prefetched_gathers_and_catches_unprefetched_ones():
+  """prefetch=1: every FSDP all-gather in the layer loops is independent of all of its body's matmuls; without
+  prefetch the gathered weight feeds them, and the claim fails with the collective named."""
+  claim = {"kind": "all-gather", "scope": "fsdp_all_gather", "behind": "all"}
+  T.assert_schedule_matches_baseline({"prefetch": 1}, mesh_shapes=["2x4"], overlap=claim)
+  with pytest.raises(AssertionError, match=r"baseline on 2x4: \d+ of \d+ all-gather \(fsdp_all_gather\) cannot "
+                                           r"run behind all matmuls of their computation: e\.g\. "):
+    T.assert_schedule_matches_baseline(mesh_shapes=["2x4"], overlap=claim)

@@ -43,7 +43,7 @@ def main() -> None:
   model = [f"model.{kv}" for kv in a.model.split(",")]
   runs = {}
   for name in a.schedules.split(","):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
       cfg = to_config(compose("config", overrides=[f"schedule={name}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}",
                                                    f"cpu_devices={a.devices}", f"train.batch_size={a.batch}", *model]))
     validate(cfg, len(jax.devices()))

@@ -29,7 +29,7 @@ def loop_collectives(model: dict, flags: dict, preset: str = "fsdp_prefetch") ->
   from shardlab.analysis.program import Program
   from shardlab.mesh import make_mesh
   from shardlab.testing import tiny_config
-  knobs = {k: v for k, v in yaml.safe_load((ROOT / f"conf/schedule/{preset}.yaml").read_text()).items()
+  knobs = {k: v for k, v in yaml.safe_load((ROOT / f"shardlab/conf/schedule/{preset}.yaml").read_text()).items()
            if k not in ("name", "defaults")}
   cfg = tiny_config(model=model, **knobs)
   mesh = make_mesh(8, 1, TG.mesh_devices(TG.devices(hardware_preset("h100"), 8), (8, 1)))
@@ -51,7 +51,7 @@ def main() -> None:
   out = []
   for size, model in SIZES.items():
     for bundle in BUNDLES:
-      flags = yaml.safe_load((ROOT / f"conf/xla/{bundle}.yaml").read_text())["flags"]
+      flags = yaml.safe_load((ROOT / f"shardlab/conf/xla/{bundle}.yaml").read_text())["flags"]
       t0 = time.perf_counter()
       rows = loop_collectives(model, flags)
       out.append({"model": size, "xla": bundle, "compile_s": round(time.perf_counter() - t0, 1), "loop": rows})

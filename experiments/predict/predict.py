@@ -1,4 +1,4 @@
-"""Predicted step time of every schedule preset (conf/schedule/) for the exact LLaMA-3 8B preset (grouped-query
+"""Predicted step time of every schedule preset (shardlab/conf/schedule/) for the exact LLaMA-3 8B preset (grouped-query
 attention, 8.03e9 parameters) at 4 x 4096 tokens per device on an H100 node (compiled for the target: the H100
 compiler's program, memory and the calibrated prediction) and a TPU v5p slice (compiled by XLA:CPU on fake
 devices, the peak-rate model); and the memory of MaxText's one-node Llama-2-7B configuration on 8 x H100,
@@ -19,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from shardlab.config import CONF_DIR  # noqa: E402
 RUNS = ROOT / "outputs" / "predict"
 # 4 sequences of 4096 tokens per device; MaxText's remat "minimal_flash" (every projection and the attention
 # output kept, the rest recomputed) is shardlab's save_matmuls_attn_out; the preset's blockwise attention.
@@ -46,7 +48,7 @@ LLAMA2_7B_RUNS = {
 
 
 def presets() -> dict:
-  names = sorted(p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml"))
+  names = sorted(p.stem for p in (CONF_DIR / "schedule").glob("*.yaml"))
   return {**{n: [f"schedule={n}"] for n in names}, **VARIANTS}
 
 

@@ -18,15 +18,23 @@ import numpy as np
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
-# The named scopes shardlab puts around its collectives (collectives.py, schedules/): how a ledger row is named.
-SCOPES = ("fsdp_all_gather", "tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_enter", "ring_shift",
-          "ag_matmul_ring", "matmul_rs_ring", "vocab_max", "vocab_sum", "loss_sum", "grad_norm", "replicated_weight")
+# The audit's one rule: a collective placed through shardlab.collectives runs under a named scope
+# `shardlab.<name>` (collectives.scope), whatever the name; any other collective is unplanned (UNPLANNED).
+SCOPE_PREFIX = "shardlab."   # = collectives.SCOPE_PREFIX (tests/test_hlo.py checks; this module imports no JAX)
+UNPLANNED = "other"
+_TAG = re.compile(re.escape(SCOPE_PREFIX) + r"(\w+)")
 
 
 def scope_of(op_name: str) -> str:
-  """The innermost shardlab named scope in an op_name path ('.../transpose(jvp(ring_shift))/..' -> 'ring_shift')."""
-  found = re.findall(r"\b(" + "|".join(SCOPES) + r")\b", op_name)
-  return found[-1] if found else "other"
+  """The innermost collective scope in an op_name path ('.../transpose(jvp(shardlab.ring_shift))/..' ->
+  'ring_shift'), or UNPLANNED when no shardlab.collectives call placed it."""
+  found = _TAG.findall(op_name)
+  return found[-1] if found else UNPLANNED
+
+
+def planned(op_name: str) -> bool:
+  """Placed through shardlab.collectives (under any name)."""
+  return scope_of(op_name) != UNPLANNED
 
 
 @dataclass

@@ -37,7 +37,7 @@ class Row:
   kind: str          # HLO opcode: all-gather | reduce-scatter | all-reduce | collective-permute | all-to-all
   axis: str          # mesh axis, or axes joined by '+'
   dtype: str         # HLO dtype name (f32, bf16, ..)
-  scope: str         # innermost shardlab named scope (hlo.SCOPES), 'other' if none
+  scope: str         # innermost collectives.scope name (hlo.scope_of), 'other' if unplanned
   backward: bool     # runs in the backward pass ('transpose(' in its name stack)
   group_size: int    # devices on the axis
   arrays: int        # arrays carried (XLA's combiners merge several into one instruction)

@@ -13,15 +13,15 @@ Everything it returns is a MODEL PREDICTION (or the target compiler's report), n
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
+from shardlab.config import CONF_DIR
 from shardlab.hardware import HardwareConfig
 
-CONF_HARDWARE = Path(__file__).resolve().parents[2] / "conf" / "hardware"
+CONF_HARDWARE = CONF_DIR / "hardware"
 
 
 def hardware_preset(name: str | HardwareConfig) -> HardwareConfig:
-  """A preset of conf/hardware/ by name (or a HardwareConfig, returned as is)."""
+  """A preset of shardlab/conf/hardware/ by name (or a HardwareConfig, returned as is)."""
   if isinstance(name, HardwareConfig):
     return name
   import dataclasses

@@ -6,7 +6,8 @@
                    reshard_after_forward); False: kept as residuals (one all-gather per step, more memory)
   gather_dtype     "compute": cast the shard first, gather in the compute dtype (half the bytes in bf16)
   tp               the tensor-parallel contraction (schedules/tp.py)
-  grad_reduce      per_layer: each layer's gradient is reduce-scattered inside backward;
+  grad_reduce      per_layer: each layer's gradient is reduce-scattered inside backward, in its own iteration;
+                   next_layer: one layer later, in the next backward iteration (behind that layer's matmuls);
                    deferred: weights gathered once, local gradients accumulated over the microbatches,
                    reduce-scattered once per step
   microbatches     gradient accumulation inside the step
@@ -26,8 +27,8 @@ from shardlab import collectives as C
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
 from shardlab.mesh import FSDP, TENSOR, ConfigError
-from shardlab.params import declare, is_param
-from shardlab.schedules.tp import MATMUL, make_tp
+from shardlab.params import LAYOUT, declare, is_param
+from shardlab.schedules.tp import MATMUL, TP, make_tp
 
 # remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
 #   none                   everything JAX's AD saves (with plain attention, the [B, H, L, L] probabilities)
@@ -45,8 +46,24 @@ REMAT = {
     "save_qkv_attn_out": (M.QKV_PROJ, M.ATTN_OUT),
     "save_matmuls_attn_out": (MATMUL, M.ATTN_OUT),
 }
-KNOBS = {"tp": ("allgather", "ring", "ring_bidi", "allreduce"), "grad_reduce": ("per_layer", "deferred"),
+KNOBS = {"tp": tuple(TP), "grad_reduce": ("per_layer", "next_layer", "deferred"),
          "remat": tuple(REMAT), "gather_dtype": ("param", "compute")}
+
+
+# The layout rules (params.LAYOUT) this schedule can honour: its TP contractions shard heads, d_ff, vocab and
+# the sequence over `tensor`, and the batch is split over `fsdp`; a weight's `embed` dim may be sharded over
+# `fsdp` (FSDP / ZeRO-3) or replicated (None: plain data parallelism, gradients all-reduced over fsdp).
+HONOURS = {"embed": (FSDP, None), "heads": (TENSOR,), "kv_heads": (TENSOR,), "mlp": (TENSOR,), "vocab": (TENSOR,),
+           "batch": (FSDP,), "seq": (TENSOR,)}
+
+
+def check_layout(layout: dict, name: str = "the explicit schedule") -> None:
+  """A rule of `layout` this schedule cannot honour: one line, before anything compiles."""
+  for logical, allowed in HONOURS.items():
+    got = layout.get(logical)
+    if got not in allowed:
+      raise ConfigError(f"params.LAYOUT[{logical!r}]={got!r}: {name} cannot honour it; it takes "
+                        f"{' or '.join(repr(a) for a in allowed)}")
 
 
 def _remat_policy(remat: str):
@@ -65,37 +82,59 @@ def _put(bufs, values, l):
   return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, l, 0), bufs, values)
 
 
-def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs):
+def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs, settle=None):
   """`carry, bufs = body(l, carry, W_l, bufs)` for l = 0..n-1 (n-1..0 if reverse), W_l = fetch(l) issued
   `depth` layers ahead and held in the loop carry. The last `depth` layers fetch nothing (no extra bytes).
-  `fetch(l, carry)` sees the loop carry at the time it is issued (see `bwd`)."""
+  `fetch(l, carry)` sees the loop carry at the time it is issued (see `bwd`).
+
+  settle: one layer late. `body` then returns (carry, bufs, item), and `bufs = settle(l, item, bufs)` runs in
+  the next layer's iteration (the last layer's after the loop): e.g. a gradient reduce-scatter issued while the
+  next layer's backward computes (grad_reduce=next_layer). The first layer runs outside the loop."""
   order = (lambda j: n - 1 - j) if reverse else (lambda j: j)
   k = depth if fetch is not None else 0
   ahead = ()
   for j in range(k):
     ahead += (fetch(order(j), carry),)
 
-  def step(state, j):
-    carry, ahead, bufs = state
+  def step(state, j, tail: bool = False):
+    carry, ahead, bufs, pending = state
     l = order(j)
     if fetch is None:
       w = None
     elif k == 0:
       w = fetch(l, carry)
+    elif tail:                          # the last k layers: already fetched, fetch nothing more
+      w, ahead = ahead[0], ahead[1:]
     else:
       w, ahead = ahead[0], ahead[1:] + (fetch(order(j + k), carry),)   # W_{l+k} in flight during layer l
-    carry, bufs = body(l, carry, w, bufs)
-    return (carry, ahead, bufs), None
+    if settle is None:
+      carry, bufs = body(l, carry, w, bufs)
+      return carry, ahead, bufs, pending
+    if pending is not None:
+      bufs = settle(*pending, bufs)     # the previous layer's item, while this layer computes
+    carry, bufs, item = body(l, carry, w, bufs)
+    return carry, ahead, bufs, (jnp.asarray(l, jnp.int32), item)
 
-  if n > k:
-    (carry, ahead, bufs), _ = jax.lax.scan(step, (carry, ahead, bufs), jnp.arange(n - k))
-  for i in range(k):
-    carry, bufs = body(order(n - k + i), carry, ahead[i], bufs)
+  state, start = (carry, ahead, bufs, None), 0
+  if settle is not None:                # the first layer has nothing to settle: outside the loop
+    state, start = step(state, 0, tail=n <= k), 1
+  if n - k > start:
+    state, _ = jax.lax.scan(lambda s, j: (step(s, j), None), state, jnp.arange(start, n - k))
+  for j in range(max(start, n - k), n):
+    state = step(state, j, tail=True)
+  carry, _, bufs, pending = state
+  if settle is not None:
+    bufs = settle(*pending, bufs)
   return carry, bufs
 
 
-def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
-  """x -> layer_fn(..layer_fn(layer_fn(x, W_0), W_1).., W_{n-1}) with W_l = gather(stacked[l])."""
+def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, reduce=None, late: bool = False):
+  """x -> layer_fn(..layer_fn(layer_fn(x, W_0), W_1).., W_{n-1}) with W_l = gather(stacked[l]).
+
+  Backward: reduce(dW_l, stacked[l]) is layer l's gradient shard (default: the transpose of `gather`), issued
+  in layer l's backward iteration, or with `late` in the next one's (layer l-1)."""
+  if reduce is None:
+    reduce = lambda dw, shard: jax.vjp(gather, shard)[1](dw)[0]
   n = jax.tree.leaves(stacked)[0].shape[0]
   f = layer_fn if policy is None else jax.checkpoint(layer_fn, policy=policy)
   meta = {}
@@ -147,15 +186,17 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy):
       return gather(_take(stacked, l))
     grads = jax.tree.map(C.zeros_like, stacked)
 
+    def settle(l, dw, grads):
+      return _put(grads, reduce(dw, _take(stacked, l)), l)   # W_l's gradient reduce-scattered, in backward
+
     def body(l, dx, w, grads):
       saved = iter(_take(bufs, l))
       w_leaves = jax.tree.leaves(w) if w is not None else []
       leaves = [next(saved) if i < 0 else w_leaves[i] for i in where_w]
       dx, dw = jax.tree.unflatten(treedef, leaves)(dx)
-      _, gather_t = jax.vjp(gather, _take(stacked, l))
-      return dx, _put(grads, gather_t(dw)[0], l)   # W_l's gradient reduce-scattered now, in backward
+      return (dx, grads, dw) if late else (dx, settle(l, dw, grads))
 
-    dx, grads = pipeline(n, depth, True, None if keep else regather, body, dy, grads)
+    dx, grads = pipeline(n, depth, True, None if keep else regather, body, dy, grads, settle if late else None)
     return dx, grads
 
   stack.defvjp(fwd, bwd)
@@ -170,29 +211,36 @@ class _Weights:
 
   def get(self, name):
     p = self.params[name]
-    return p if self.gathered else self.s.gather(p, self.s.decls[name])
+    return p if self.gathered else self.s.fetch(p, self.s.decls[name])
 
   def layers(self, x, layer_fn):
-    s = self.s
-    if self.gathered:   # deferred reduction: weights already gathered; backward re-reads them, no comm
-      return layer_stack(x, self.params["layers"], layer_fn, lambda w: w, 0, False, s.policy)
-    decls = {k: d.per_layer() for k, d in s.decls["layers"].items()}
-    gather = lambda w: {k: s.gather(v, decls[k]) for k, v in w.items()}
-    return layer_stack(x, self.params["layers"], layer_fn, gather, s.cfg.prefetch,
-                       not s.cfg.reshard_after_forward, s.policy)
+    return self.s.layer_loop(x, self.params["layers"], layer_fn, self.gathered)
 
 
 class ExplicitSchedule:
-  """Hand-placed FSDP x TP. Runs inside shard_map over the (fsdp, tensor) mesh."""
+  """Hand-placed FSDP x TP. Runs inside shard_map over the (fsdp, tensor) mesh.
+
+  Its hooks (schedules/protocol.py: `LayerSchedule`) are the extension points; override one in a subclass
+  in your own file and run it with `schedule.impl=your_module:YourClass`:
+    gather(shard, decl, stacked)             how a weight is gathered
+    reduce_grad(grad, shard, decl, stacked)  how its gradient is reduced (default: the transpose of gather)
+    layer_loop(x, stacked, layer_fn, gathered)  the layer loop (prefetch, what backward keeps, when
+                                             gradients are reduced: schedule.grad_reduce)
+    ops                                      the TP contraction, an instance of `schedule.tp`'s class
+                                             (schedules/tp.py: TP registry, or package.module:Class)
+  """
 
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32):
     for knob, allowed in KNOBS.items():
+      if knob == "tp":
+        continue                                    # a registered contraction or package.module:Class
       if getattr(cfg, knob) not in allowed:
         raise ConfigError(f"schedule.{knob}={getattr(cfg, knob)}: unknown; choose one of {', '.join(allowed)}")
     if not 0 <= cfg.prefetch <= model.n_layers:
       raise ConfigError(f"schedule.prefetch={cfg.prefetch}: must be between 0 and model.n_layers={model.n_layers}")
     if cfg.microbatches < 1:
       raise ConfigError(f"schedule.microbatches={cfg.microbatches}: must be >= 1")
+    check_layout(LAYOUT)
     if cfg.grad_reduce == "deferred" and (cfg.prefetch or not cfg.reshard_after_forward):
       raise ConfigError("schedule.grad_reduce=deferred gathers every weight once per step, so it takes no "
                         "schedule.prefetch and no schedule.reshard_after_forward=false; set prefetch=0 and "
@@ -217,10 +265,44 @@ class ExplicitSchedule:
       w = C.all_gather(w, FSDP, dim + stacked, name="fsdp_all_gather")   # W[D_fsdp, N_tp] -> W[D, N_tp]
     return C.pvary(w.astype(self.dtype), self.residual_axes, name="replicated_weight")
 
+  def reduce_grad(self, grad, shard, decl, stacked: bool = False):
+    """grad (the gradient of gather(shard, decl, stacked), varying over the residual axes) -> the gradient of
+    `shard`, fully reduced: the transpose of `gather` (a psum_scatter over fsdp, psums over the axes the
+    weight is replicated on). Override to reduce differently (bucketed, another collective, another scope);
+    it must stay the same sum."""
+    return jax.vjp(lambda s: self.gather(s, decl, stacked), shard)[1](grad)[0]
+
+  def fetch(self, shard, decl, stacked: bool = False):
+    """gather(shard) whose backward is reduce_grad: how the model reads a weight outside the layer loop."""
+    @jax.custom_vjp
+    def fetched(s):
+      return self.gather(s, decl, stacked)
+    fetched.defvjp(lambda s: (self.gather(s, decl, stacked), s),
+                   lambda s, g: (self.reduce_grad(g, s, decl, stacked),))
+    return fetched(shard)
+
+  def layer_loop(self, x, stacked, layer_fn, gathered: bool = False):
+    """x through every layer of `stacked` (each layer's weights [NL, ..] sharded like params): the prefetch
+    depth, what backward keeps, and when each layer's gradient is reduced (in its backward iteration, or with
+    grad_reduce=next_layer in the next one's, so that it runs behind that layer's matmuls)."""
+    if gathered:   # deferred reduction: weights already gathered; backward re-reads them, no comm
+      return layer_stack(x, stacked, layer_fn, lambda w: w, 0, False, self.policy)
+    decls = {k: d.per_layer() for k, d in self.decls["layers"].items()}
+    gather = lambda w: {k: self.gather(v, decls[k]) for k, v in w.items()}
+    reduce = lambda g, w: {k: self.reduce_grad(g[k], v, decls[k]) for k, v in w.items()}
+    return layer_stack(x, stacked, layer_fn, gather, self.cfg.prefetch, not self.cfg.reshard_after_forward,
+                       self.policy, reduce, late=self.cfg.grad_reduce == "next_layer")
+
   def gather_all(self, params):
     return {k: (jax.tree.map(lambda p, d: self.gather(p, d.per_layer(), stacked=True), v, self.decls[k],
                              is_leaf=is_param) if k == "layers" else self.gather(v, self.decls[k]))
             for k, v in params.items()}
+
+  def reduce_all(self, grads, params):
+    """gather_all's transpose, through reduce_grad (grad_reduce=deferred)."""
+    return {k: (jax.tree.map(lambda g, p, d: self.reduce_grad(g, p, d.per_layer(), stacked=True), v, params[k],
+                             self.decls[k], is_leaf=is_param) if k == "layers"
+                else self.reduce_grad(v, params[k], self.decls[k])) for k, v in grads.items()}
 
   def loss_and_grads(self, params, tokens_BL, targets_BL, n_tokens: int):
     """Loss and gradients (shaped and sharded like `params`, fully reduced) for this device's batch."""
@@ -228,9 +310,9 @@ class ExplicitSchedule:
     mb = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
     toks, tgts = mb(tokens_BL), mb(targets_BL)
     if self.cfg.grad_reduce == "deferred":
-      gathered, gather_t = jax.vjp(self.gather_all, params)      # one all-gather per parameter per step
+      gathered = self.gather_all(params)                          # one all-gather per parameter per step
       loss, g = self._accumulate(gathered, toks, tgts, n_tokens, gathered=True)
-      return loss, gather_t(g)[0]                                 # one reduce-scatter per parameter per step
+      return loss, self.reduce_all(g, params)                     # one reduce-scatter per parameter per step
     return self._accumulate(params, toks, tgts, n_tokens, gathered=False)
 
   def _accumulate(self, params, toks, tgts, n_tokens, gathered):

@@ -22,6 +22,7 @@ class ConstrainedOps(IdentityOps):
 
   def __init__(self, seq_parallel: bool):
     self.residual = P(FSDP, TENSOR if seq_parallel else None, None)   # x[B_fsdp, L_tp, D]
+    self.seq_sharded = seq_parallel
     self.mesh = None
 
   def c(self, x, spec):

@@ -127,6 +127,17 @@ class AllReduceTP(_TensorParallel):
     return C.psum(y, TENSOR, name="tp_all_reduce")
 
 
+class BidiRingTP(RingTP):
+  def __init__(self):
+    super().__init__(bidirectional=True)
+
+
+# schedule.tp: a name here, or package.module:Class (a class in your own file; subclass one of these and
+# override `_column` / `row` / `reduce`). Every collective through shardlab.collectives, under any name.
+TP = {"allgather": AllGatherTP, "ring": RingTP, "ring_bidi": BidiRingTP, "allreduce": AllReduceTP}
+
+
 def make_tp(mode: str):
-  return {"allgather": AllGatherTP, "ring": RingTP, "ring_bidi": lambda: RingTP(bidirectional=True),
-          "allreduce": AllReduceTP}[mode]()
+  """An instance of the contraction class `schedule.tp` names."""
+  from shardlab.schedules import load_object
+  return load_object(mode, "schedule.tp", TP)()

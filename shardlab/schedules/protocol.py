@@ -1,0 +1,87 @@
+"""What a schedule is, as typing Protocols: the extension points a new schedule overrides.
+
+`Schedule` is all train.py needs. `LayerSchedule` is the explicit schedule's shape (schedules/explicit.py:
+`ExplicitSchedule` implements it): each method is one decision about when and how bytes move, and a subclass
+overrides only the one it changes. `TPContraction` is the model's view of tensor parallelism
+(schedules/tp.py), picked by `schedule.tp` from `tp.TP` or as `package.module:Class`.
+
+Plugging in your own, from your own file (no change to this package):
+
+    # my_schedule.py (on sys.path: the current directory, or PYTHONPATH)
+    from shardlab import collectives as C
+    from shardlab.schedules.explicit import ExplicitSchedule
+    from shardlab.schedules.tp import AllGatherTP
+
+    class MyTP(AllGatherTP): ...                 # a TP contraction class
+    class MySchedule(ExplicitSchedule):
+      def reduce_grad(self, grad, shard, decl, stacked=False): ...   # one hook
+
+    python -m shardlab schedule.impl=my_schedule:MySchedule schedule.tp=my_schedule:MyTP
+
+Every collective goes through `shardlab.collectives` (any `name=`): that is what makes it planned in the
+audit (summary.json `audit.unplanned`); a bare `jax.lax` collective is flagged. `examples/user_schedule.py`
+is a complete one, checked by `examples/test_user_schedule.py`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Schedule(Protocol):
+  """What train.py calls. Built as `cls(cfg: ScheduleConfig, model: ModelConfig, compute_dtype)`; the
+  constructor rejects knobs it cannot honour with a one-line `shardlab.mesh.ConfigError`."""
+
+  def loss_and_grads(self, params: dict, tokens_BL, targets_BL, n_tokens: int) -> tuple[Any, dict]:
+    """Inside shard_map (unless `shard_mapped = False`: plain jit on global arrays): this device's loss
+    contribution (summed over devices it is the global mean) and gradients shaped, sharded and fully reduced
+    like `params`."""
+    ...
+
+
+@runtime_checkable
+class TPContraction(Protocol):
+  """How the model's sharded contractions move bytes over `tensor` (model.py's `ops`)."""
+  seq_sharded: bool   # the residual stream between layers is sequence-sharded over tensor
+
+  def columns(self, x, ws: tuple, eqs: tuple) -> tuple:
+    """Column-parallel: x[B, L(_tp), D] . w[D, .., N_tp] -> y[B, L, .., N_tp] for each (w, eq)."""
+    ...
+
+  def column(self, x, w, eq: str): ...
+
+  def row(self, h, w, eq: str):
+    """Row-parallel: h[B, L, .., N_tp] . w[.., N_tp, D] -> y[B, L(_tp), D], reduced over tensor."""
+    ...
+
+  def reduce(self, y):
+    """y[B, L, D]{U_tp} -> y[B, L(_tp), D] (the embedding's reduction)."""
+    ...
+
+  def vocab_max(self, x): ...
+  def vocab_sum(self, x): ...
+  def vocab_start(self, v_local: int): ...
+  def head_start(self, h_local: int): ...
+  def batch_sum(self, x): ...
+
+
+@runtime_checkable
+class LayerSchedule(Schedule, Protocol):
+  """The explicit schedule's hooks, one decision each."""
+  ops: TPContraction  # the TP contraction (schedule.tp)
+
+  def gather(self, shard, decl, stacked: bool = False):
+    """How a weight is gathered: W[D_fsdp, ..] -> W[D, ..] in the compute dtype, varying over the residual
+    axes. `decl` is its params.Param (which dims are sharded over which axes); stacked: a leading layer dim."""
+    ...
+
+  def reduce_grad(self, grad, shard, decl, stacked: bool = False):
+    """How a gradient is reduced: the gradient of gather(shard) -> the gradient of `shard`, fully reduced (the
+    same sum as gather's transpose). Per layer, one layer later or deferred is `schedule.grad_reduce`; a
+    bucketed or otherwise different reduction overrides this."""
+    ...
+
+  def layer_loop(self, x, stacked: dict, layer_fn: Callable, gathered: bool = False):
+    """The layer loop: x -> layer_fn(.. layer_fn(x, W_0) .., W_{n-1}), deciding when each layer's weights are
+    gathered (prefetch), what backward keeps, and when each layer's gradient is reduced (reduce_grad)."""
+    ...
