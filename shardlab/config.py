@@ -99,7 +99,7 @@ class PrecisionConfig:
 
 @dataclass
 class CheckpointConfig:
-  """What is saved when, and where a run resumes from (README: Failure handling)."""
+  """What is saved when, and where a run resumes from (docs/failure_handling.md)."""
   enabled: bool = True            # save at the end, and on SIGTERM/SIGINT before exiting; false: never save
   every: int = 0                  # also save every N steps (0: only at the end and on a signal)
   keep: int = 3                   # keep the last k checkpoints; older ones are deleted
@@ -130,7 +130,7 @@ class ProfileConfig:
 class XlaConfig:
   """A bundle of XLA compiler options (DebugOptions fields, e.g. `xla_gpu_enable_pipelined_all_gather: true`),
   passed to every compile of the run (`lowered.compile(compiler_options=...)`), local and target alike, and
-  recorded in summary.json. shardlab/conf/xla/ holds the bundles real GPU recipes set (README: Targets)."""
+  recorded in summary.json. shardlab/conf/xla/ holds the bundles real GPU recipes set (docs/targets.md)."""
   name: str = "none"
   flags: dict[str, Any] = field(default_factory=dict)
 
