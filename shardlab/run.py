@@ -46,6 +46,16 @@ def build(cfg: Config, devices=None):
               abstract_batch=abstract_batch)
 
 
+def lower(built: dict):
+  """built["step_fn"].lower(...) for build()'s abstract inputs; one layer's residual bytes, read off that trace
+  (schedules.explicit.record_residuals), go into built["layer_residuals"] for the memory breakdown."""
+  from shardlab.schedules.explicit import record_residuals
+  with record_residuals() as rec:
+    lowered = built["step_fn"].lower(built["abstract_state"], built["abstract_batch"])
+  built["layer_residuals"] = max(rec, key=lambda r: r["saved"]) if rec else None
+  return lowered
+
+
 def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None) -> dict:
   """Validate, build, compile, analyze and (unless cfg.dry_run) train; returns the summary, which is also
   written to out_dir/summary.json."""
@@ -71,14 +81,14 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   if not (on_target and cfg.dry_run):             # the local program: what trains here
     b = build(cfg)
     t0 = time.perf_counter()
-    compiled = TGC.compile_with(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]), cfg.xla.flags)
+    compiled = TGC.compile_with(lower(b), cfg.xla.flags)
     compile_time["local"] = time.perf_counter() - t0
   a = b                                           # the program every analysis reads
   if on_target:                                   # the same step, compiled by the target's compiler
     devs = TG.devices(cfg.hardware, n_mesh)
     a = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
     t0 = time.perf_counter()
-    a["compiled"] = TG.compile_(a["step_fn"].lower(a["abstract_state"], a["abstract_batch"]), cfg.xla.flags)
+    a["compiled"] = TG.compile_(lower(a), cfg.xla.flags)
     compile_time["target"] = time.perf_counter() - t0
   else:
     a["compiled"] = compiled

@@ -29,14 +29,14 @@ def compare(overrides: list[str]) -> dict:
   from shardlab.analysis import memory_model as MM
   from shardlab.analysis.program import memory
   from shardlab.config import register_configs, to_config
-  from shardlab.run import CONF_DIR, build
+  from shardlab.run import CONF_DIR, build, lower
   register_configs()
-  with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     cfg = to_config(compose("config", overrides=overrides))
   devs = TG.devices(cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor)
   b = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
-  c = TG.compile_(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]), cfg.xla.flags)
-  return MM.compare(cfg, memory(c))["components"]
+  c = TG.compile_(lower(b), cfg.xla.flags)
+  return MM.compare(cfg, memory(c), b["layer_residuals"])["components"]
 
 
 def main() -> None:

@@ -173,8 +173,13 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   import jax
   from shardlab import params as PM
   from shardlab.analysis import memory_model
-  program = None if built is None else ledger.from_program(   # traced as .lower() traces it
-      built["step_fn"].trace(built["abstract_state"], built["abstract_batch"]).jaxpr)
+  from shardlab.schedules.explicit import record_residuals
+  program, residuals = None, None
+  if built is not None:
+    with record_residuals() as rec:           # one layer's residual bytes, read off the same trace
+      traced = built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
+    program = ledger.from_program(traced.jaxpr)   # traced as .lower() traces it
+    residuals = max(rec, key=lambda r: r["saved"]) if rec else built.get("layer_residuals")   # (a cached trace)
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
   ici = {"fsdp": cfg.mesh.fsdp_ici_axes, "tensor": cfg.mesh.tensor_ici_axes}
@@ -192,7 +197,7 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   if program is not None:
     led.update(program=ledger.nested(program), differences=ledger.compare(program, rows))
     audit = reconcile_audit(audit, program, rows, prog)
-  mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"])}
+  mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals)}
   mem["compiled_by"] = prog.platform
   if prog.platform != "cpu":                     # the target compiler's buffers against the preset's HBM
     mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=analysis["memory"]["peak"] <= cfg.hardware.hbm_bytes,

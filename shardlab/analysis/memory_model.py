@@ -5,15 +5,18 @@ copies, fusion buffers) or saves (buffer reuse) against the textbook count.
 ZeRO-3 (arXiv:1910.02054): fp32 master weights, fp32 gradients and two fp32 Adam moments are 16 B/param,
 sharded over every device (ZeRO-3); the compute-dtype copy, the gathered weights (one layer at prefetch 0, k+1 at
 depth k, every layer when they are kept for backward or gathered once per step) and the activations come on top.
-Local sizes here are exact (from the parameter declarations and the mesh); activations are the planner's estimate
-(planner.activation_elements_per_token), divided over `tensor` except, under the all-reduce (Megatron) contraction,
-the parts a layer keeps of the replicated residual stream (`_replicated_per_token`). The loss holds the float32
-logits and their float32 cotangent at once where the backward starts: 8 bytes per local logit.
+Local sizes here are exact (from the parameter declarations and the mesh). Activations: with one layer's
+residuals read off the traced step (run.lower, schedules.explicit.record_residuals: the shapes and dtypes AD keeps
+on a device), n_layers x the saved set + one layer's set without remat (held while that layer's backward runs);
+without a trace (the planner, the preflight check), the planner's per-token estimate
+(planner.activation_elements_per_token), divided over `tensor` except, under the all-reduce (Megatron)
+contraction, the residual stream it keeps whole (`_replicated_per_token`). The loss holds the float32 logits and
+their float32 cotangent at once where the backward starts: 8 bytes per local logit.
 
-What it leaves out (experiments/validate/README.md measures it against the compilers' `memory_analysis()`): the
-transients of one layer's backward (the gradient of the largest activation, a tensor-parallel ring's chunk
-buffers, the all-reduce's float32 partial sums), which XLA's buffer reuse may or may not fit into memory freed
-elsewhere, and the compiler's fusion choices (it may keep a bfloat16 copy of the logits, or none).
+What it leaves out (experiments/validate/README.md measures it against the compilers' `memory_analysis()`: within
+10% on six of eight presets with the trace, 20-38% short without it on a 4x2 mesh): XLA's buffer reuse and fusion
+(it may keep less than AD saves, e.g. a collective-matmul ring's received blocks, or a bfloat16 copy of the
+logits), and the rings' chunk buffers.
 """
 from __future__ import annotations
 
@@ -24,8 +27,13 @@ from shardlab.analysis.planner import activation_elements_per_token, dtype_bytes
 from shardlab.mesh import FSDP, TENSOR
 
 
-def breakdown(cfg) -> dict:
-  """Bytes per device: master_params, grads, optimizer, compute_params, gathered_weights, activations, total."""
+def breakdown(cfg, residuals: dict | None = None) -> dict:
+  """Bytes per device: master_params, grads, optimizer, compute_params, gathered_weights, activations, total.
+
+  `residuals`: one layer's residual bytes per device from the traced program (schedules.explicit.
+  record_residuals: `saved` under the remat policy, `unremat` without it). With them, activations are exact
+  shapes and dtypes: n_layers x saved + one layer's unremat (the layer whose backward runs holds its whole
+  set, recomputed or saved, beside its cotangents' first buffers); without them, the per-token estimate."""
   m, s = cfg.model, cfg.schedule
   sizes = {FSDP: cfg.mesh.fsdp, TENSOR: cfg.mesh.tensor}
   decls = PM.declare(m, cfg.mesh.tensor)
@@ -44,7 +52,10 @@ def breakdown(cfg) -> dict:
   t = cfg.mesh.tensor
   per_token = activation_elements_per_token(m, s.remat)
   rep = _replicated_per_token(m, s.remat) if s.tp == "allreduce" else 0
-  acts = tokens * m.n_layers * ((per_token - rep) // t + rep) * cb
+  if residuals:
+    acts = m.n_layers * residuals["saved"] + residuals["unremat"]
+  else:
+    acts = tokens * m.n_layers * ((per_token - rep) // t + rep) * cb
   acts += tokens * m.vocab_size // t * 8           # fp32 logits and their fp32 cotangent, live at once
   accum = 0 if s.microbatches == 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
   out = {
@@ -76,16 +87,17 @@ def _leaves(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=PM.is_param)
 
 
-def compare(cfg, compiled: dict) -> dict:
+def compare(cfg, compiled: dict, residuals: dict | None = None) -> dict:
   """{"analytic": breakdown, "compiled_over_analytic": compiled peak / analytic total, "components": per part,
   the analytic and compiled bytes and the error (analytic / compiled - 1)}. The parts a compiler reports:
   `state` (the arguments less the token batch: fp32 weights and Adam moments), `working` (its temporaries:
   gradients, gathered weights, saved activations, the logits) and `peak`."""
-  a = breakdown(cfg)
+  a = breakdown(cfg, residuals)
   state = a["master_params"] + a["optimizer"]
   batch = cfg.train.batch_size // cfg.mesh.fsdp * (cfg.model.seq_len + 1) * 4      # int32 tokens per device
   parts = {"state": (state, compiled["argument"] - batch), "working": (a["total"] - state, compiled["temp"]),
            "peak": (a["total"], compiled["peak"])}
-  return {"analytic": a, "compiled_over_analytic": compiled["peak"] / a["total"] if a["total"] else 0.0,
+  return {"analytic": a, "activations_from": "traced residuals" if residuals else "per-token estimate",
+          "compiled_over_analytic": compiled["peak"] / a["total"] if a["total"] else 0.0,
           "components": {k: {"analytic": an, "compiled": co, "error": an / co - 1 if co else None}
                          for k, (an, co) in parts.items()}}

@@ -20,6 +20,8 @@ ready. Plain AD of a prefetching scan would save every gathered weight (the carr
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -128,6 +130,27 @@ def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs, settle
   return carry, bufs
 
 
+_RECORD: list | None = None    # a list while record_residuals() is active
+
+
+@contextlib.contextmanager
+def record_residuals():
+  """Within it, every layer stack traced appends one layer's residual bytes per device (one microbatch), from the
+  avals of its abstract trace: {"saved": what the remat policy keeps for backward, gathered weights left out (they
+  are memory_model's gathered_weights), "unremat": all a layer's backward needs without remat, which its backward
+  holds, recomputed or saved, while it runs}. memory_model.breakdown counts activations from them."""
+  global _RECORD
+  prev, _RECORD = _RECORD, []
+  try:
+    yield _RECORD
+  finally:
+    _RECORD = prev
+
+
+def _nbytes(avals) -> int:
+  return sum(a.size * a.dtype.itemsize for a in avals)
+
+
 def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, reduce=None, late: bool = False):
   """x -> layer_fn(..layer_fn(layer_fn(x, W_0), W_1).., W_{n-1}) with W_l = gather(stacked[l]).
 
@@ -163,6 +186,14 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, re
       meta.update(treedef=treedef, where_w=where_w)
       return save(leaves, where_w)
     avals = jax.make_jaxpr(probe)(x, stacked).out_avals
+    if _RECORD is not None:
+      def activations(fn):            # one layer's residuals, the weights (gathered inputs) left out
+        def go(x, stacked):
+          w = gather(_take(stacked, 0))
+          ids = {id(a) for a in jax.tree.leaves(w)}
+          return [a for a in jax.tree.leaves(jax.vjp(fn, x, w)[1]) if id(a) not in ids]
+        return _nbytes(jax.make_jaxpr(go)(x, stacked).out_avals)
+      _RECORD.append({"saved": activations(f), "unremat": activations(layer_fn)})
     bufs = [C.pvary(jnp.zeros((n, *a.shape), a.dtype), a.manual_axis_type.varying, name="zeros")
             for a in avals]
 
