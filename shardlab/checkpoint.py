@@ -94,7 +94,7 @@ class Checkpointer:
   """One run's checkpoints in `directory`. Every process calls every method (each writes and reads its own
   shards; process 0 writes the JSON record)."""
 
-  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, int], settings: dict | None = None):
+  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, ...], settings: dict | None = None):
     self.c, self.dir, self.mesh_shape = c, Path(directory).absolute(), list(mesh_shape)
     self.settings = settings or {}   # model/batch/seed/data settings, compared on resume (preflight.check_resume)
     if not any(isinstance(f, _NoOrbaxTracebacks) for f in logging.getLogger("absl").filters):

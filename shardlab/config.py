@@ -20,11 +20,28 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 @dataclass
 class MeshConfig:
+  data: int = 1            # size of the `data` mesh axis (HSDP replicas: batch only, weights replicated); 1: none
   fsdp: int = 4            # size of the `fsdp` mesh axis: batch and every large weight's `embed` dim
   tensor: int = 2          # size of the `tensor` mesh axis: heads, d_ff, vocab (and sequence, when sequence-parallel)
   # Physical interconnect axes each mesh axis spans (the Scaling Book's M_X, M_Y); used only by prediction.
   fsdp_ici_axes: int = 1
   tensor_ici_axes: int = 1
+  data_ici_axes: int = 1
+
+  @property
+  def shape(self) -> dict:
+    """{axis: size} of the mesh, outer to inner (`data` only when > 1): mesh.shape_of."""
+    from shardlab.mesh import shape_of
+    return shape_of(self.fsdp, self.tensor, self.data)
+
+  @property
+  def n_devices(self) -> int:
+    return self.data * self.fsdp * self.tensor
+
+  @property
+  def label(self) -> str:
+    """'4x2' (fsdp x tensor), or '2x2x2' (data x fsdp x tensor) with a data axis."""
+    return "x".join(str(n) for n in self.shape.values())
 
 
 @dataclass
@@ -65,7 +82,8 @@ class ScheduleConfig:
   tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce | package.module:Class (schedules/tp.py)
   grad_reduce: str = "per_layer"  # per_layer | next_layer (one backward iteration later) | deferred (once per step)
   microbatches: int = 1
-  remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_attn_out | save_matmuls_and_attn
+  remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_qkv_attn_out
+                                  # | save_matmuls_attn_out (schedules/explicit.py: REMAT)
 
 
 @dataclass
@@ -165,6 +183,11 @@ GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, 
 def register_configs() -> None:
   """Register the schemas so that every YAML in shardlab/conf/<group>/ is checked against its dataclass."""
   from hydra.core.config_store import ConfigStore
+  from omegaconf import OmegaConf
+  # ${mesh_label:${mesh.data},${mesh.fsdp},${mesh.tensor}} -> '4x2', or '2x2x2' with a data axis (run dir names)
+  if not OmegaConf.has_resolver("mesh_label"):
+    OmegaConf.register_new_resolver("mesh_label", lambda d, f, t: "x".join(map(str, ((d,) if int(d) != 1 else ())
+                                                                                   + (f, t))))
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)
   for group, node in GROUPS.items():

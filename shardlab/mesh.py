@@ -1,4 +1,10 @@
-"""The 2D `fsdp x tensor` mesh: axis names defined once, devices checked, fake CPU devices set in one place."""
+"""The mesh: its named axes defined once (`data`, `fsdp`, `tensor`, outer to inner), devices checked, fake CPU
+devices set in one place.
+
+A mesh holds the axes its configuration sizes: always `fsdp` and `tensor` (the 2D `fsdp x tensor` mesh), and
+`data` in front of them when `mesh.data > 1` (HSDP: weights replicated over `data`, sharded over `fsdp`). What
+each axis shards is not decided here but by the logical-to-mesh rules, `params.LAYOUT`.
+"""
 from __future__ import annotations
 
 import glob
@@ -8,9 +14,10 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+DATA = "data"      # batch only: weights replicated (HSDP's replica groups, usually across nodes)
 FSDP = "fsdp"      # batch and the `embed` dimension of every weight (ZeRO-3)
 TENSOR = "tensor"  # heads, d_ff and vocab (Megatron TP); the sequence too when sequence-parallel
-AXES = (FSDP, TENSOR)
+AXES = (DATA, FSDP, TENSOR)   # every axis a mesh may have, outer (slowest links) to inner
 
 
 class ConfigError(ValueError):
@@ -38,15 +45,33 @@ def accelerator_present() -> bool:
   return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def make_mesh(fsdp: int, tensor: int, devices=None) -> Mesh:
-  """A `fsdp x tensor` mesh over exactly fsdp*tensor devices (JAX would silently take a subset)."""
+def shape_of(fsdp: int, tensor: int, data: int = 1) -> dict[str, int]:
+  """{axis: size} of the mesh these sizes make, outer to inner: `data` only when it is > 1."""
+  return {**({DATA: data} if data != 1 else {}), FSDP: fsdp, TENSOR: tensor}
+
+
+def config_shape(m) -> dict[str, int]:
+  """shape_of for a MeshConfig."""
+  return shape_of(m.fsdp, m.tensor, m.data)
+
+
+def describe(shape: dict) -> str:
+  """{data: 2, fsdp: 2, tensor: 2} -> 'mesh.data=2 x mesh.fsdp=2 x mesh.tensor=2' (messages)."""
+  return " x ".join(f"mesh.{a}={n}" for a, n in shape.items())
+
+
+def make_mesh(fsdp: int, tensor: int, devices=None, data: int = 1) -> Mesh:
+  """A `[data x] fsdp x tensor` mesh over exactly data*fsdp*tensor devices (JAX would silently take a subset)."""
   devices = jax.devices() if devices is None else devices
-  if fsdp < 1 or tensor < 1:
-    raise ConfigError(f"mesh.fsdp={fsdp} mesh.tensor={tensor}: axis sizes must be >= 1")
-  if fsdp * tensor != np.size(devices):
-    raise ConfigError(f"mesh.fsdp={fsdp} x mesh.tensor={tensor} = {fsdp * tensor} devices, but "
-                      f"{np.size(devices)} are present; choose a mesh whose product is {np.size(devices)}")
+  shape = shape_of(fsdp, tensor, data)
+  if min(shape.values()) < 1 or data < 1:
+    raise ConfigError(f"{describe(shape)}: axis sizes must be >= 1")
+  n = int(np.prod(list(shape.values())))
+  if n != np.size(devices):
+    raise ConfigError(f"{describe(shape)} = {n} devices, but {np.size(devices)} are present; choose a mesh whose "
+                      f"product is {np.size(devices)}")
   # Auto axes: shard_map takes inputs placed with NamedSharding, and jax.test_util.check_grads works.
   devices = np.asarray(devices)
-  grid = devices if devices.shape == (fsdp, tensor) else devices.reshape(fsdp, tensor)
-  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 2)
+  dims = tuple(shape.values())
+  grid = devices if devices.shape == dims else devices.reshape(dims)
+  return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))

@@ -13,16 +13,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab.config import ModelConfig
-from shardlab.mesh import FSDP, TENSOR
+from shardlab.mesh import DATA, FSDP, TENSOR
 
-# logical axis -> mesh axis. `layers` (the scan dimension) and `head_dim` are never sharded.
+# logical axis -> mesh axis (or a tuple of them, major to minor). `layers` (the scan dimension) and `head_dim` are
+# never sharded. An axis the mesh does not have (`data` on a 2D mesh) drops out of every spec made here.
 LAYOUT = {
     "embed": FSDP,    # every weight's d_model dim: FSDP (ZeRO-3) shards all parameter state over `fsdp`
     "heads": TENSOR,  # attention heads: column-parallel QKV, row-parallel output projection
     "kv_heads": TENSOR,  # key/value heads when mesh.tensor divides them (else declared replicated: see declare)
     "mlp": TENSOR,    # d_ff: column-parallel gate/up, row-parallel down
     "vocab": TENSOR,  # vocabulary-parallel embedding, unembedding and cross-entropy
-    "batch": FSDP,    # activations: the batch
+    "batch": (DATA, FSDP),  # activations: the batch (over data x fsdp: HSDP replicas, each FSDP-sharded)
     "seq": TENSOR,    # activations: the sequence, between layers, when the TP contraction is sequence-parallel
 }
 
@@ -53,6 +54,35 @@ class Param:
     """The declaration of one layer's slice of a stacked (`layers`, ...) parameter."""
     assert self.axes[0] == "layers"
     return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+
+
+def rule(logical: str, axis_names) -> tuple[str, ...]:
+  """The mesh axes LAYOUT maps `logical` to, as a tuple, keeping only those in `axis_names` (the mesh's)."""
+  got = LAYOUT.get(logical)
+  got = () if got is None else (got,) if isinstance(got, str) else tuple(got)
+  return tuple(a for a in got if a in axis_names)
+
+
+def _entry(axes: tuple):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def batch_axes(axis_names) -> tuple[str, ...]:
+  """The mesh axes the batch is split over (LAYOUT['batch'] on this mesh): what the residual stream varies
+  over, and what the loss and a replicated weight's gradient are summed over."""
+  return rule("batch", axis_names)
+
+
+def batch_spec(axis_names) -> P:
+  """tokens[B, L] on this mesh: B split over the batch axes."""
+  return P(_entry(batch_axes(axis_names)))
+
+
+def replica_axes(axis_names) -> tuple[str, ...]:
+  """Batch axes no weight is sharded over (HSDP's `data`): every weight is replicated there, and its gradient is
+  all-reduced over them (after the reduce-scatter over the axes it is sharded on)."""
+  weight_axes = {a for k, v in LAYOUT.items() if k not in ("batch", "seq") for a in rule(k, axis_names)}
+  return tuple(a for a in batch_axes(axis_names) if a not in weight_axes)
 
 
 def kv_sharded(m: ModelConfig, tensor: int | None) -> bool:

@@ -14,7 +14,7 @@ Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
   top=K              list only the K best layouts (implies search=true) and compile them for the target: each
                      gains `target` (compiled memory per device, calibrated step time, beside the closed forms;
                      needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
-  devices=N          the device count searched (default mesh.fsdp * mesh.tensor)
+  devices=N          the device count searched (default mesh.data * mesh.fsdp * mesh.tensor)
   torus=16x16x16     the TPU slice's torus (default: the most nearly cubic one of the preset's rank)
   plot=PATH.png      the efficiency curve: step time and MFU against per-device batch, for the configured mesh
                      or, with search, the best (top, default 3) layouts
@@ -111,7 +111,7 @@ def run(argv: list[str]) -> dict:
     result["batch_window"]["target"] = confirm_batch_window(cfg)
   if opts["search"]:
     layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
-    result["search"] = {"devices": opts["devices"] or cfg.mesh.fsdp * cfg.mesh.tensor, "considered": len(layouts),
+    result["search"] = {"devices": opts["devices"] or cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor, "considered": len(layouts),
                         "qualifying": sum(not l["rejected_because"] for l in layouts)}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
     if opts["confirm"]:

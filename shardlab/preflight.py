@@ -62,7 +62,7 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   from shardlab import target as TG
   TG.check_flags(cfg.xla.flags)                   # every XLA option known to this XLA (a trivial compile)
   if cfg.compile_for == "target":                 # the target's compiler installed, its topology valid
-    TG.check(cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor)
+    TG.check(cfg.hardware, cfg.mesh.n_devices)
   # The mesh against every process's devices (a dry run compiled for a target needs none of them).
   validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))
   main = lock and jax.process_index() == 0
@@ -159,7 +159,7 @@ def check_memory(cfg: Config) -> None:
   if have is None or b["total"] <= have:
     return
   parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in b.items() if k != "total" and v)
-  raise ConfigError(f"model={cfg.model.name} on mesh {cfg.mesh.fsdp}x{cfg.mesh.tensor} needs "
+  raise ConfigError(f"model={cfg.model.name} on mesh {cfg.mesh.label} needs "
                     f"{b['total'] / 2**30:.2f} GiB per device (analytic: {parts} GiB), but {where}; use "
                     "dry_run=true to compile and analyze without allocating, or a smaller model or train.batch_size")
 

@@ -8,6 +8,7 @@
                   count (ids '1x8', '2x4', ...), or over the shapes a `meshes` marker names:
                       @pytest.mark.meshes((2, 4), "4x2")   # these shapes
                       @pytest.mark.meshes(n=4)             # every factorization of 4 (on the first 4 devices)
+                      @pytest.mark.meshes(rank=3)          # every data x fsdp x tensor factorization (HSDP)
 Disable the plugin with `-p no:shardlab`.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "meshes(*shapes, n=None): the mesh shapes the `mesh` fixture runs a test "
+  config.addinivalue_line("markers", "meshes(*shapes, n=None, rank=2): the mesh shapes the `mesh` fixture runs a test "
                                      "on ('2x4' or (2, 4)); n=N: every fsdp x tensor factorization of N")
   n = config.getoption("shardlab_devices")
   n = int(config.getini("shardlab_devices") or -1) if n is None else n
@@ -52,17 +53,19 @@ def _user_parametrized(metafunc) -> bool:
   return False
 
 
-def mesh_shapes_for(marker, n_devices: int) -> list[tuple[int, int]]:
-  """The shapes a `meshes` marker (or none) asks for, checked against the device count."""
+def mesh_shapes_for(marker, n_devices: int) -> list[tuple[int, ...]]:
+  """The shapes a `meshes` marker (or none) asks for, checked against the device count. `meshes(rank=3)`: every
+  data x fsdp x tensor factorization (of `n`, default the device count)."""
+  import math
   if marker is None or not (marker.args or marker.kwargs):
     return testing.mesh_shapes(n_devices)
-  if marker.kwargs.get("n"):
-    shapes = testing.mesh_shapes(marker.kwargs["n"])
-  else:
+  if marker.args:
     shapes = [testing.parse_mesh_shape(s) for s in marker.args]
-  for f, t in shapes:
-    if f * t > n_devices:
-      pytest.fail(f"meshes({testing.mesh_id((f, t))}) needs {f * t} devices; the tests have {n_devices} "
+  else:
+    shapes = testing.mesh_shapes(marker.kwargs.get("n") or n_devices, marker.kwargs.get("rank", 2))
+  for s in shapes:
+    if math.prod(s) > n_devices:
+      pytest.fail(f"meshes({testing.mesh_id(s)}) needs {math.prod(s)} devices; the tests have {n_devices} "
                   f"(--shardlab-devices)", pytrace=False)
   return shapes
 
@@ -76,6 +79,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def mesh(request):
-  """A `fsdp x tensor` mesh (jax.sharding.Mesh, Auto axes); the test runs once per shape."""
+  """A `fsdp x tensor` (or `data x fsdp x tensor`) mesh (jax.sharding.Mesh, Auto axes); the test runs once per
+  shape."""
   shape = getattr(request, "param", None) or testing.mesh_shapes(testing.device_count())[0]
   return testing.mesh_of(*shape)

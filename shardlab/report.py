@@ -24,7 +24,8 @@ def load_jobs(d: Path) -> list[dict]:
   for p in dirs:
     s = _read_summary(p / "summary.json")
     cfg = s.get("config") if isinstance(s.get("config"), dict) else {}
-    label = p.name if p != d else f"{s.get('schedule', '?')}_{(s.get('mesh') or {}).get('fsdp')}x{(s.get('mesh') or {}).get('tensor')}"
+    mesh = s.get("mesh") if isinstance(s.get("mesh"), dict) else {}
+    label = p.name if p != d else f"{s.get('schedule', '?')}_{'x'.join(str(v) for v in mesh.values()) or '?'}"
     jobs.append({"dir": p, "label": label, "summary": s, "status": s.get("status"),
                  "schedule": s.get("schedule") or (cfg.get("schedule") or {}).get("name")})
   return jobs
@@ -129,7 +130,7 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
            "times are from the machine that ran them (on fake CPU devices they are a regression canary, not a "
            "claim about overlap); predicted times come from the cost model on the named hardware preset.", ""]
   cols = ["run", "status", "final loss", "step ms (measured)", "pred. ms (overlap)", "pred. ms (serial)",
-          "MiB fsdp", "MiB tensor", "peak MiB", "error"]
+          "MiB data", "MiB fsdp", "MiB tensor", "peak MiB", "error"]
   lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for j in jobs:
     s, p = j["summary"], j["summary"].get("prediction") or {}
@@ -137,7 +138,7 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
     ms = lambda v: None if v is None else v * 1e3
     mib = lambda v: None if v is None else v / 2**20
     row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")), ms(p.get("t_overlapped_s")),
-           ms(p.get("t_serial_s")), mib(b.get("fsdp")), mib(b.get("tensor")), mib((s.get("memory") or {}).get("peak")),
+           ms(p.get("t_serial_s")), mib(b.get("data")), mib(b.get("fsdp")), mib(b.get("tensor")), mib((s.get("memory") or {}).get("peak")),
            s.get("error")]
     lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
   lines.append("")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s", "bytes_fsdp",
-           "bytes_tensor", "memory_peak_bytes", "predicted_step_s", "hardware", "error"]
+COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s", "bytes_data",
+           "bytes_fsdp", "bytes_tensor", "memory_peak_bytes", "predicted_step_s", "hardware", "error"]
 
 
 def _bytes_per_axis(comm: dict) -> dict:
@@ -45,7 +45,8 @@ def job_row(job_dir: Path) -> dict:
   pred = s.get("prediction") or {}
   per_axis = _bytes_per_axis(s.get("comm", {}))
   row.update(status=s.get("status"), final_loss=s.get("final_loss"), step_time_s_median=s.get("step_time_s_median"),
-             tokens_per_s=s.get("tokens_per_s_median"), bytes_fsdp=per_axis.get("fsdp"),
+             tokens_per_s=s.get("tokens_per_s_median"), bytes_data=per_axis.get("data"),
+             bytes_fsdp=per_axis.get("fsdp"),
              bytes_tensor=per_axis.get("tensor"), memory_peak_bytes=(s.get("memory") or {}).get("peak"),
              predicted_step_s=pred.get("t_overlapped_s"), hardware=pred.get("hardware"), error=s.get("error"))
   return row

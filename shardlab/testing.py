@@ -5,8 +5,9 @@ starts and gives every test a `mesh` fixture; nothing else is needed in a test f
 
 Devices and meshes
   set_devices(n)                  n fake CPU devices, before JAX starts (the plugin calls it)
-  mesh_shapes(n)                  every fsdp x tensor factorization of n
-  mesh_of(fsdp, tensor)           a cached mesh over the first fsdp*tensor devices (Auto axes)
+  mesh_shapes(n, rank=2)          every fsdp x tensor factorization of n (rank=3: data x fsdp x tensor)
+  mesh_of(fsdp, tensor)           a cached mesh over the first fsdp*tensor devices (Auto axes);
+  mesh_of(data, fsdp, tensor)     the same with an HSDP `data` axis in front (none when data is 1)
 Rank-coded inputs
   rank_coded(shape)               an array whose every value says where it came from (index i -> value i)
   where(x, shape)                 decode a rank-coded value back to its index in the original array
@@ -50,7 +51,7 @@ def set_devices(n: int = DEFAULT_DEVICES, fast_compile: bool = True) -> None:
     os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
   from shardlab.mesh import set_cpu_devices
   set_cpu_devices(n)
-  import jax   # the audit reads op_names: a cached program must carry its own (see shardlab.run.build)
+  import jax   # the audit reads op_names: a cached program must carry its own (see shardlab.trainer.build)
   jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
@@ -80,31 +81,37 @@ def device_count() -> int:
   return configured_devices() or len(jax.devices())
 
 
-def mesh_shapes(n: int = 8) -> list[tuple[int, int]]:
-  return [(f, n // f) for f in range(1, n + 1) if n % f == 0]
+def mesh_shapes(n: int = 8, rank: int = 2) -> list[tuple[int, ...]]:
+  """Every factorization of n into `rank` axes: (fsdp, tensor), or (data, fsdp, tensor) with rank=3."""
+  if rank not in (2, 3):
+    raise ValueError(f"rank={rank}: meshes have 2 (fsdp x tensor) or 3 (data x fsdp x tensor) axes")
+  two = [(f, n // f) for f in range(1, n + 1) if n % f == 0]
+  return two if rank == 2 else [(d, *s) for d in range(1, n + 1) if n % d == 0 for s in mesh_shapes(n // d)]
 
 
 def mesh_id(shape) -> str:
-  """(2, 4) or a mesh -> '2x4' (test ids and messages)."""
+  """(2, 4) or a mesh -> '2x4', (2, 2, 2) -> '2x2x2' (test ids and messages)."""
   shape = tuple(shape.devices.shape) if hasattr(shape, "devices") else tuple(shape)
   return "x".join(str(s) for s in shape)
 
 
-def parse_mesh_shape(shape) -> tuple[int, int]:
-  """'2x4', (2, 4) -> (2, 4)."""
+def parse_mesh_shape(shape) -> tuple[int, ...]:
+  """'2x4', (2, 4) -> (2, 4); '2x2x2' -> (2, 2, 2) (data x fsdp x tensor)."""
   if isinstance(shape, str):
     shape = shape.lower().split("x")
   out = tuple(int(s) for s in shape)
-  if len(out) != 2 or min(out) < 1:
-    raise ValueError(f"mesh shape {shape!r}: expected 'FxT' or (fsdp, tensor)")
+  if len(out) not in (2, 3) or min(out) < 1:
+    raise ValueError(f"mesh shape {shape!r}: expected 'FxT' (fsdp, tensor) or 'DxFxT' (data, fsdp, tensor)")
   return out
 
 
 @functools.lru_cache(maxsize=None)
-def mesh_of(fsdp: int, tensor: int):
-  """The `fsdp x tensor` mesh (shardlab.mesh.make_mesh: Auto axes, so check_grads works)."""
+def mesh_of(*shape: int):
+  """The `fsdp x tensor` (or `data x fsdp x tensor`) mesh (shardlab.mesh.make_mesh: Auto axes, so check_grads
+  works; a data axis of 1 is no axis)."""
   from shardlab.mesh import make_mesh
-  return make_mesh(fsdp, tensor, devices(fsdp * tensor))
+  data, fsdp, tensor = parse_mesh_shape(shape) if len(shape) == 3 else (1, *parse_mesh_shape(shape))
+  return make_mesh(fsdp, tensor, devices(data * fsdp * tensor), data=data)
 
 
 def _meshes(meshes) -> list:
@@ -520,7 +527,9 @@ def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
   **knobs), model, compute_dtype), like the registered ones); knobs override. model: ModelConfig fields
   to change (tiny_config)."""
-  return _compile_schedule(tuple(mesh_shape), *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())))
+  shape = parse_mesh_shape(mesh_shape)
+  shape = shape[1:] if len(shape) == 3 and shape[0] == 1 else shape     # data 1: the 2D mesh (one compile)
+  return _compile_schedule(shape, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -531,9 +540,9 @@ def _compile_schedule(mesh_shape, cls, items, model_items=()):
   from shardlab import params as PM, schedules, train as T
   cfg = tiny_config(dict(model_items), **dict(items))
   mesh = mesh_of(*mesh_shape)
-  decls = PM.declare(cfg.model, mesh_shape[1])
+  decls = PM.declare(cfg.model, mesh_shape[-1])
   params = PM.init_sharded(0, decls, cfg.model, mesh)
-  b = jax.device_put(tiny_batch(), NamedSharding(mesh, P("fsdp")))
+  b = jax.device_put(tiny_batch(), NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
   sched = cls(cfg.schedule, cfg.model, jnp.float32) if cls else schedules.build(cfg.schedule, cfg.model, jnp.float32)
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()

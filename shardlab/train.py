@@ -9,8 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import collectives as C
 from shardlab.config import Config
-from shardlab.mesh import FSDP
-from shardlab.params import is_param, specs
+from shardlab.params import batch_spec, is_param, specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -80,7 +79,7 @@ def make_grad_fn(cfg: Config, schedule, decls, mesh):
   fn = lambda p, b: schedule.loss_and_grads(p, b[:, :-1], b[:, 1:], n_tokens)
   if hasattr(schedule, "bind"):
     schedule.bind(mesh)
-  return _jit(fn, mesh, (pspecs, P(FSDP)), (P(), pspecs), getattr(schedule, "shard_mapped", True))
+  return _jit(fn, mesh, (pspecs, batch_spec(mesh.axis_names)), (P(), pspecs), getattr(schedule, "shard_mapped", True))
 
 
 def make_train_step(cfg: Config, schedule, decls, opt, mesh):
@@ -101,4 +100,4 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
     params = optax.apply_updates(params, updates)
     return {"params": params, "opt": opt_state, "step": state["step"] + 1}, {"loss": loss, "grad_norm": norm}
 
-  return _jit(step, mesh, (sspecs, P(FSDP)), (sspecs, P()), shard_mapped, donate_argnums=0)
+  return _jit(step, mesh, (sspecs, batch_spec(mesh.axis_names)), (sspecs, P()), shard_mapped, donate_argnums=0)

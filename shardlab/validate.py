@@ -24,10 +24,12 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
 # fix the message gives.
 RANGES = [
     ("cpu_devices", 1, None, "fake CPU devices of this process"),
+    ("mesh.data", 1, None, "size of the data mesh axis (HSDP replicas; 1: none)"),
     ("mesh.fsdp", 1, None, "size of the fsdp mesh axis"),
     ("mesh.tensor", 1, None, "size of the tensor mesh axis"),
     ("mesh.fsdp_ici_axes", 1, None, "physical interconnect axes the fsdp axis spans"),
     ("mesh.tensor_ici_axes", 1, None, "physical interconnect axes the tensor axis spans"),
+    ("mesh.data_ici_axes", 1, None, "physical interconnect axes the data axis spans"),
     ("model.d_model", 1, None, "model width"),
     ("model.d_ff", 1, None, "feed-forward width"),
     ("model.n_layers", 1, None, "transformer layers"),
@@ -122,10 +124,11 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   from shardlab.train import DTYPES
   m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
   check_ranges(cfg)
-  if mesh.fsdp < 1 or mesh.tensor < 1:
-    raise ConfigError(f"mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}: axis sizes must be >= 1")
-  if n_devices is not None and mesh.fsdp * mesh.tensor != n_devices:
-    raise ConfigError(f"mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor} = {mesh.fsdp * mesh.tensor} devices, "
+  from shardlab.mesh import describe
+  if min(mesh.data, mesh.fsdp, mesh.tensor) < 1:
+    raise ConfigError(f"{describe(mesh.shape)}: axis sizes must be >= 1")
+  if n_devices is not None and mesh.n_devices != n_devices:
+    raise ConfigError(f"{describe(mesh.shape)} = {mesh.n_devices} devices, "
                       f"but {n_devices} are present; choose a mesh whose product is {n_devices}"
                       + (" (or set cpu_devices)" if cfg.cpu_devices != n_devices else ""))
   if cfg.compile_for not in ("local", "target"):
@@ -162,9 +165,15 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
   _divides("model.d_ff", m.d_ff, "mesh.tensor", mesh.tensor, "d_ff is sharded over tensor")
   _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
-  _divides("train.batch_size", t.batch_size, "mesh.fsdp", mesh.fsdp, "the batch is sharded over fsdp")
-  _divides("train.batch_size", t.batch_size, "mesh.fsdp * schedule.microbatches", mesh.fsdp * s.microbatches,
-           "each device splits its batch into microbatches")
+  if mesh.data > 1:
+    _divides("train.batch_size", t.batch_size, "mesh.data * mesh.fsdp", mesh.data * mesh.fsdp,
+             "the batch is sharded over data x fsdp")
+    _divides("train.batch_size", t.batch_size, "mesh.data * mesh.fsdp * schedule.microbatches",
+             mesh.data * mesh.fsdp * s.microbatches, "each device splits its batch into microbatches")
+  else:
+    _divides("train.batch_size", t.batch_size, "mesh.fsdp", mesh.fsdp, "the batch is sharded over fsdp")
+    _divides("train.batch_size", t.batch_size, "mesh.fsdp * schedule.microbatches", mesh.fsdp * s.microbatches,
+             "each device splits its batch into microbatches")
   sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype])   # the schedule checks its own knobs
   ops = getattr(sched, "ops", None)
   if getattr(ops, "seq_sharded", False) and not getattr(ops, "bidirectional", False):

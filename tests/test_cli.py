@@ -62,3 +62,17 @@ def test_user_schedule_from_its_own_file_trains_like_baseline(default_run, tmp_p
                     "train.steps=3", "tensorboard=false", cwd=ROOT / "examples"), tmp_path)
   np.testing.assert_allclose(s["losses"], default_run[1]["losses"][:3], rtol=1e-6)
   assert s["audit"]["unplanned"] == [] and s["audit"]["collectives"] > 0
+
+
+def test_hsdp_mesh_trains_like_the_2d_run(default_run, tmp_path):
+  """mesh=2x2x2 from the command line (HSDP: weights replicated over data): the default run's losses, the
+  `data` axis in summary.json's mesh, ledger (the gradient all-reduce over data) and prediction, nothing
+  unplanned, and the sweep row's bytes_data."""
+  from shardlab.sweep import job_row
+  s = finish(launch(tmp_path, "mesh=2x2x2", "train.steps=3", "tensorboard=false"), tmp_path)
+  np.testing.assert_allclose(s["losses"], default_run[1]["losses"][:3], rtol=1e-5)
+  assert s["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and s["audit"]["unplanned"] == []
+  assert s["comm"]["all-reduce"]["data"]["bytes"] > 0 and s["prediction"]["t_comm_s"]["data"] > 0
+  (tmp_path / ".hydra").mkdir(exist_ok=True)
+  assert job_row(tmp_path)["bytes_data"] == sum(
+      r["bytes"] for rows in s["comm"].values() for a, r in rows.items() if "data" in a.split("+"))

@@ -15,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import MESHES, mesh_of
 from shardlab import collectives as C
-from shardlab.mesh import AXES, FSDP, TENSOR
+from shardlab.mesh import FSDP, TENSOR
+
+AXES = (FSDP, TENSOR)
 from shardlab import testing as K
 from shardlab.testing import assert_trees_close, block, owner, rank_coded, where
 

@@ -143,3 +143,21 @@ def test_widened_collectives_are_costed_at_the_program_bytes():
   program = [row("bf16", "fsdp_all_gather", 4096), row("f32", "vocab_max", 64)]
   compiled = [row("f32", "fsdp_all_gather", 8192), row("f32", "vocab_max", 64)]
   assert dtype_scale(program, compiled) == {("all-gather", "fsdp", "fsdp_all_gather"): 0.5}
+
+
+def test_data_axis_across_nodes_is_costed_at_the_nodes_nics():
+  """HSDP over 8 nodes of 8 H100 (data 8 x fsdp 8): fsdp stays inside a node (NVLink, ici_bandwidth); the data
+  axis joins one GPU per node, so it gets that GPU's NIC share (dcn_bandwidth, 50 GB/s: Scaling Book gpus.md).
+  On one node (2x2x2) every axis is NVLink; on a TPU torus the data axis uses ICI like the others."""
+  from conftest import compose
+  from shardlab.analysis.costmodel import axis_bandwidth, link_axes
+  from shardlab.config import to_config
+  cfg = to_config(compose("hardware=h100", "mesh.data=8", "mesh.fsdp=8", "mesh.tensor=1"))
+  links, hw = link_axes(cfg), cfg.hardware
+  assert axis_bandwidth("fsdp", hw, links) == hw.ici_bandwidth
+  assert axis_bandwidth("data", hw, links) == hw.dcn_bandwidth < hw.ici_bandwidth
+  assert axis_bandwidth("data+fsdp", hw, links) == hw.dcn_bandwidth
+  one_node = to_config(compose("hardware=h100", "mesh=2x2x2"))
+  assert axis_bandwidth("data", one_node.hardware, link_axes(one_node)) == one_node.hardware.ici_bandwidth
+  tpu = to_config(compose("hardware=tpu_v5p", "mesh=2x2x2", "mesh.data_ici_axes=2"))
+  assert axis_bandwidth("data", tpu.hardware, link_axes(tpu)) == 2 * tpu.hardware.ici_bandwidth

@@ -240,7 +240,7 @@ def test_a_changed_setting_resumes_when_allowed(tmp_path):
 
 
 def test_non_finite_gradient_norm_is_not_called_a_loss():
-  from shardlab.run import _non_finite
+  from shardlab.outputs import non_finite as _non_finite
 
   class Ck:
     latest, dir = 4, "/ck"
@@ -249,7 +249,7 @@ def test_non_finite_gradient_norm_is_not_called_a_loss():
 
 
 def test_summary_json_is_strict():
-  from shardlab.run import _strict
+  from shardlab.outputs import strict as _strict
   assert json.dumps(_strict({"l": [1.0, float("nan")], "g": float("-inf")}), allow_nan=False) == \
       '{"l": [1.0, null], "g": null}'
 

@@ -6,6 +6,7 @@ Bytes are per device per step, bandwidth-optimal (NCCL tests, doc/PERFORMANCE.md
 of a full array of V bytes over n devices moves V (n-1)/n, an all-reduce 2 V (n-1)/n, a ppermute its operand.
 """
 import functools
+import math
 
 import pytest
 
@@ -33,7 +34,7 @@ def grad_fn_and_args(mesh_shape: tuple, knobs: tuple):
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
   tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                sharding=NamedSharding(mesh, P("fsdp")))
+                                sharding=NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
   return fn, (params, tokens)
 
 
@@ -54,18 +55,21 @@ def compiled_rows(mesh_shape, knobs):
 
 
 def hand_ledger(mesh_shape, knobs: dict) -> dict:
-  """{(kind, axis): {"count", "bytes"}} of one step of make_grad_fn, from the model dims alone (float32)."""
+  """{(kind, axis): {"count", "bytes"}} of one step of make_grad_fn, from the model dims alone (float32).
+  mesh_shape: (fsdp X, tensor Y) or (data Z, fsdp X, tensor Y)."""
   cfg = tiny_config(**knobs)
   m, s = cfg.model, cfg.schedule
   D, F, H, K, V, NL, L = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers, m.seq_len
   G = m.kv_heads
-  X, Y = mesh_shape
+  Z, X, Y = mesh_shape if len(mesh_shape) == 3 else (1, *mesh_shape)
+  sizes = {"data": Z, "fsdp": X, "tensor": Y}
   k = s.microbatches
-  b = cfg.train.batch_size // X // k                 # sequences per device per microbatch
+  b = cfg.train.batch_size // (Z * X) // k           # sequences per device per microbatch
   out = {}
 
   def add(kind, axis, elements, count=1):
-    n = {"fsdp": X, "tensor": Y}[axis]
+    axis = "+".join(a for a in axis.split("+") if sizes[a] > 1)   # axes of size 1 are no axes
+    n = 1 if not axis else math.prod(sizes[a] for a in axis.split("+"))
     if n == 1 or count == 0:
       return                                          # nothing to move (XLA drops these too)
     full = 4 * elements
@@ -81,6 +85,7 @@ def hand_ledger(mesh_shape, knobs: dict) -> dict:
     for e in [NL * e for e in norms + mats] + top:
       add("all-gather", "fsdp", e)
       add("reduce-scatter", "fsdp", e)
+      add("all-reduce", "data", e // X)               # HSDP: the fsdp shard's gradient, over the data replicas
   else:
     for e in norms + mats:
       add("all-gather", "fsdp", e, NL)               # forward
@@ -90,7 +95,9 @@ def hand_ledger(mesh_shape, knobs: dict) -> dict:
     for e in top:                                     # gathered once; plain AD keeps them for backward
       add("all-gather", "fsdp", e)
       add("reduce-scatter", "fsdp", e)
-  add("all-reduce", "fsdp", 1, k)                     # loss_sum, a scalar per microbatch
+    for e, times in [(e, NL) for e in norms + mats] + [(e, 1) for e in top]:
+      add("all-reduce", "data", e // X, times)        # HSDP: after each reduce-scatter, its shard over data
+  add("all-reduce", "data+fsdp", 1, k)                # loss_sum, a scalar per microbatch
 
   # TP: a sequence-sharded activation x[b, L_tp, D] gathers to `act` elements. Contractions: per layer
   # column(q and k/v, one gather), row(out), column(wi), row(wd); plus the unembedding column; plus the
@@ -120,7 +127,7 @@ def without_arrays(totals: dict) -> dict:
   return {key: {"count": t["count"], "bytes": t["bytes"]} for key, t in totals.items()}
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mesh_shape", MESHES + [(2, 2, 2), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
 def test_program_ledger_equals_hand_count(mesh_shape):
   """Every schedule family, from the traced program (no compile): executions and bytes per (kind, axis)."""
   from shardlab.analysis import ledger
@@ -187,3 +194,20 @@ def test_dead_collectives_are_not_counted():
     return n
   live = ledger.totals(program_rows((2, 4), knobs_of("baseline")))[("all-gather", "fsdp")]["count"]
   assert gathers(jaxpr) > live == hand_ledger((2, 4), dict(knobs_of("baseline")))[("all-gather", "fsdp")]["count"]
+
+
+@pytest.mark.parametrize("preset", ["baseline", "deferred_reduce"])
+def test_hsdp_compiled_ledger_equals_program_and_nothing_unplanned(preset):
+  """HSDP on 2x2x2: the compiled program holds the traced program's collectives and nothing unplanned; each
+  weight's gradient is reduce-scattered over fsdp and then all-reduced over data on the fsdp shard, so the
+  data all-reduce moves exactly what the fsdp reduce-scatter does (2 V/2 (2-1)/2 = V (2-1)/2)."""
+  from shardlab.analysis import ledger, program
+  knobs = knobs_of(preset)
+  colls, compiled = compiled_rows((2, 2, 2), knobs)
+  assert program.audit(colls)["unplanned"] == []
+  prog = program_rows((2, 2, 2), knobs)
+  assert ledger.compare(prog, compiled) == []
+  t = ledger.totals(compiled)
+  assert t[("all-reduce", "data")]["bytes"] == t[("reduce-scatter", "fsdp")]["bytes"] > 0
+  assert {key: v["bytes"] for key, v in t.items()} == {
+      key: v["bytes"] for key, v in hand_ledger((2, 2, 2), dict(knobs)).items()}

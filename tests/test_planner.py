@@ -425,3 +425,18 @@ def test_cli_bad_planner_option_exits_2_with_one_line(bad, capsys, tmp_path):
   assert main(["search=true", bad]) == 2
   out, err = capsys.readouterr()
   assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("shardlab.plan: error:")
+
+
+def test_plan_of_an_hsdp_mesh_costs_the_gradient_allreduce_over_data():
+  """mesh.data=8 x fsdp 8 over 8 nodes of 8 H100: the FSDP x TP fields describe one node's replica (a 1/8 of the
+  global batch on its 8 GPUs); `hsdp` adds the data axis on the nodes' NICs (50 GB/s per GPU, gpus.md): a
+  block's gradient AllReduce of its W[D_X, F] shard, 2 V/X (n-1)/n over n = 8 replicas, against 2x the math."""
+  cfg = compose(["model=llama2_7b", "hardware=h100", "mesh.data=8", "mesh.fsdp=8", "mesh.tensor=1",
+                 "train.global_batch_tokens=4194304"])
+  out = planner.plan(cfg)
+  h = out["hsdp"]
+  assert out["mesh_data"] == 8 and out["batch_per_device_tokens"] == 4194304 / 64 == h["batch_per_device_tokens"]
+  assert h["axis_bandwidth"]["data"] == cfg.hardware.dcn_bandwidth and h["axis_bandwidth"]["fsdp"] == 4.5e11
+  assert h["comm_to_math"]["data"] > 0 and {"data", "fsdp", "tensor"} == set(h["comm_to_math"])
+  same = next(l for l in planner.search(cfg) if (l["data"], l["fsdp"], l["tensor"]) == (8, 8, 1))
+  assert same["step_time_s"] == h["step_time_s"] and same["comm_to_math"] == h["comm_to_math"]

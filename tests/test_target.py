@@ -246,16 +246,21 @@ def test_plan_top_k_compiles_the_best_layouts_for_the_target():
   assert peaks[0] != peaks[1]          # two compiles of two meshes, not one result copied
 
 
-def test_plan_top_k_says_why_a_layout_is_not_compiled(monkeypatch):
-  """An HSDP layout (data > 1) is listed with why it was not compiled (no data axis in the train step); a
-  missing target compiler is one line and exit 2 before anything compiles."""
+def test_plan_top_k_compiles_hsdp_and_says_why_a_layout_is_not_compiled(monkeypatch):
+  """An HSDP layout (data 2 x fsdp 2 x tensor 2) compiles for the target like any other; a layout the train step
+  cannot express (4 sequences over 8 batch shards) is listed with why; a missing target compiler is one line
+  and exit 2 before anything compiles."""
   import importlib.util
   from shardlab.analysis import planner
   from shardlab.plan import compose, main
   cfg = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2"])
-  hsdp = next(l for l in planner.search(cfg) if l["data"] == 2)
-  out = planner.confirm_on_target([hsdp], cfg, 1)
-  assert out[0]["target"] == {"compiled": False, "why": out[0]["target"]["why"]} and "HSDP" in out[0]["target"]["why"]
+  hsdp = next(l for l in planner.search(cfg) if (l["data"], l["fsdp"], l["tensor"]) == (2, 2, 2))
+  out = planner.confirm_on_target([hsdp], cfg, 1)[0]["target"]
+  assert out["compiled"] is True and out["memory_compiled_bytes"] > 0, out
+  small = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "train.batch_size=4"])
+  odd = next(l for l in planner.search(small) if (l["data"], l["fsdp"], l["tensor"]) == (2, 4, 1))
+  out = planner.confirm_on_target([odd], small, 1)[0]["target"]
+  assert out == {"compiled": False, "why": out["why"]} and "not a whole number" in out["why"]
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "jax_cuda12_plugin" else real(name, *a))

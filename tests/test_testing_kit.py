@@ -4,6 +4,7 @@ wrong dimension, a gather whose transpose loses a factor, a schedule that moves 
 
 Functions are tiny (a few KB) so that each mesh costs one small compile; the schedule checks share the
 tiny-model compiles with test_equivalence (same cache, same worker)."""
+import math
 import re
 import textwrap
 
@@ -27,6 +28,15 @@ pytest_plugins = ["pytester"]
 def test_mesh_marker_picks_the_shapes(mesh, request):
   assert T.mesh_id(mesh) == request.node.callspec.id
   assert T.mesh_id(mesh) in ("2x4", "4x2") and mesh.axis_names == (FSDP, TENSOR)
+
+
+@pytest.mark.meshes(rank=3)
+def test_mesh_marker_takes_every_data_fsdp_tensor_factorization(mesh, request):
+  """meshes(rank=3): every data x fsdp x tensor factorization of the 8 devices (a data axis of 1 is none)."""
+  shape = tuple(int(v) for v in request.node.callspec.id.split("x"))
+  assert len(shape) == 3 and math.prod(shape) == 8
+  want = (("data",) if shape[0] > 1 else ()) + (FSDP, TENSOR)
+  assert mesh.axis_names == want and mesh.devices.shape == (shape if shape[0] > 1 else shape[1:])
 
 
 def test_plugin_parametrizes_every_factorization_without_boilerplate(pytester):

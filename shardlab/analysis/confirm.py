@@ -32,19 +32,18 @@ def compile_on_target(cfg) -> dict[str, Any]:
   from shardlab.analysis import costmodel, memory_model
   from shardlab.analysis.program import Program
   from shardlab.run import build
-  hw, n = cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor
+  hw, n = cfg.hardware, cfg.mesh.n_devices
   topo = TG.check(hw, n)
   start_jax(cfg)
   devs = TG.devices(hw, n)
-  b = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
+  b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   t0 = time.perf_counter()
   compiled = TG.compile_(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]))
   seconds = time.perf_counter() - t0
   prog = Program.of(compiled, b["mesh"])
   mem = prog.memory()
   flops = 6 * PM.count(b["decls"]) * cfg.train.batch_size * cfg.model.seq_len / n
-  pred, _ = costmodel.predict(prog, b["mesh"], hw, {"fsdp": cfg.mesh.fsdp_ici_axes,
-                                                    "tensor": cfg.mesh.tensor_ici_axes}, flops)
+  pred, _ = costmodel.predict(prog, b["mesh"], hw, costmodel.link_axes(cfg), flops)
   return {"memory": mem, "memory_analytic": memory_model.breakdown(cfg), "fits": mem["peak"] <= hw.hbm_bytes,
           "headroom_bytes": hw.hbm_bytes - mem["peak"], "prediction": pred, "target": TG.describe(devs, topo),
           "compile_time_s": seconds}
@@ -52,23 +51,22 @@ def compile_on_target(cfg) -> dict[str, Any]:
 
 def layout_config(cfg, layout: dict) -> tuple[Any, str | None]:
   """(the Config that runs `layout` at the configured global batch, None) or (None, why it cannot be built):
-  shardlab's train step has no data (HSDP replica) axis, shards whole sequences over fsdp and needs every
-  sharded dim divisible by its mesh axis."""
+  shardlab's train step shards whole sequences over data x fsdp and needs every sharded dim divisible by its mesh
+  axis."""
   from shardlab.analysis import planner
   m = cfg.model
-  if layout["data"] > 1:
-    return None, (f"data={layout['data']}: shardlab's train step has an fsdp x tensor mesh only (no HSDP replica "
-                  "axis to compile)")
   sharding = [r for r in layout["rejected_because"] if r.startswith("sharding:")]
   if sharding:
     return None, sharding[0]
   seqs = planner.global_tokens(cfg) / m.seq_len
-  if seqs != int(seqs) or int(seqs) % layout["fsdp"]:
-    return None, (f"the global batch is {seqs:.3g} sequences of {m.seq_len} tokens: not a whole number per fsdp "
-                  f"shard of {layout['fsdp']} (shardlab shards whole sequences)")
-  sub = planner.override(cfg, mesh={"fsdp": layout["fsdp"], "tensor": layout["tensor"],
+  shards = layout["data"] * layout["fsdp"]
+  if seqs != int(seqs) or int(seqs) % shards:
+    return None, (f"the global batch is {seqs:.3g} sequences of {m.seq_len} tokens: not a whole number per batch "
+                  f"shard of data x fsdp = {shards} (shardlab shards whole sequences)")
+  sub = planner.override(cfg, mesh={"data": layout["data"], "fsdp": layout["fsdp"], "tensor": layout["tensor"],
                                     "fsdp_ici_axes": layout["ici_axes"]["fsdp"],
-                                    "tensor_ici_axes": layout["ici_axes"]["tensor"]},
+                                    "tensor_ici_axes": layout["ici_axes"]["tensor"],
+                                    "data_ici_axes": layout["ici_axes"]["data"]},
                          train={"batch_size": int(seqs), "global_batch_tokens": 0})
   return sub, None
 

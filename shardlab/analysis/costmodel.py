@@ -33,8 +33,25 @@ from shardlab.analysis import hlo, ledger, timeline as TL
 
 
 def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
-  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus)."""
+  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus). On a
+  switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
+  (HSDP's data axis, typically) gets the nodes' NICs, not NVLink; an axis made of several takes the slowest."""
+  over = ici_axes.get("bytes_per_s")
+  if over:
+    return min(over.get(a, hw.ici_bandwidth) for a in axis.split("+"))
   return hw.axis_bandwidth(sum(ici_axes.get(a, 1) for a in axis.split("+")))
+
+
+def link_axes(cfg) -> dict:
+  """What the cost model knows of each mesh axis of cfg.mesh: the physical interconnect axes it spans (a torus's
+  M_X, M_Y; mesh.*_ici_axes) and, on a switch (GPU nodes), its bytes/s: NVLink inside a node, the nodes' NICs
+  for an axis that spans nodes (planner.switch_bandwidths; axes laid out tensor innermost, then fsdp, data)."""
+  from shardlab.analysis.planner import switch_bandwidths
+  m, hw = cfg.mesh, cfg.hardware
+  out = {"fsdp": m.fsdp_ici_axes, "tensor": m.tensor_ici_axes, "data": m.data_ici_axes}
+  if not hw.torus:
+    out["bytes_per_s"] = dict(zip(("tensor", "fsdp", "data"), switch_bandwidths(hw, [m.tensor, m.fsdp, m.data])))
+  return out
 
 
 def collective_seconds(kind: str, bytes_moved: float, n: int, axis: str, hw, ici_axes: dict) -> float:
@@ -182,7 +199,7 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     residuals = max(rec, key=lambda r: r["saved"]) if rec else built.get("layer_residuals")   # (a cached trace)
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
-  ici = {"fsdp": cfg.mesh.fsdp_ici_axes, "tensor": cfg.mesh.tensor_ici_axes}
+  ici = link_axes(cfg)
   from shardlab.analysis.program import Program
   prog = prog or Program.of(compiled, mesh)
   pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program)
@@ -222,6 +239,6 @@ def reconcile_audit(audit: dict, program: list, rows: list, prog) -> dict:
 
 
 def title(cfg, pred: dict) -> str:
-  return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.fsdp}x{cfg.mesh.tensor} | {pred['hardware']}: "
+  return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.label} | {pred['hardware']}: "
           f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
           f"MFU {pred['mfu']:.0%}  [MODEL PREDICTION, not a measurement]")

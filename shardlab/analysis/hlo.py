@@ -181,15 +181,18 @@ def moved_bytes(kind: str, full: int, n: int) -> int:
   return full * (n - 1) // n
 
 
-def collectives(text: str, device_ids, axis_names=("fsdp", "tensor")) -> list[Collective]:
+def collectives(text: str, device_ids, axis_names=None) -> list[Collective]:
   """Every collective in the compiled program, with its mesh axis, bytes and execution count."""
   comps, entry = parse(text)
   return collectives_in(comps, multiplicities(comps, entry), device_ids, axis_names)
 
 
-def collectives_in(comps: dict, mult: dict, device_ids, axis_names=("fsdp", "tensor")) -> list[Collective]:
+def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list[Collective]:
   """`collectives` of an already parsed program. An async pair (`all-gather-start` .. `all-gather-done`, as GPU
-  programs have) is one collective: its start."""
+  programs have) is one collective: its start. axis_names: the mesh's (default: the last ndim of data, fsdp,
+  tensor, for device_ids of that many dims)."""
+  if axis_names is None:
+    axis_names = ("data", "fsdp", "tensor")[3 - np.ndim(device_ids):]
   out = []
   for comp, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}

@@ -64,7 +64,7 @@ def _nbytes(aval) -> int:
   return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def from_program(closed_jaxpr, axis_order=("fsdp", "tensor")) -> list[Row]:
+def from_program(closed_jaxpr, axis_order=("data", "fsdp", "tensor")) -> list[Row]:
   """Every collective equation of a traced step (`jax.make_jaxpr(step)(*args)`), with its trip count.
   Collectives over axes of size 1 move nothing and are dropped (XLA removes them too)."""
   from jax.extend.core import jaxprs_in_params
@@ -93,6 +93,8 @@ def _row(eqn, name, times, sizes, where, axis_order) -> Row:
   axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
   axes = tuple(a for a in axis_order if a in axes) + tuple(a for a in axes if a not in axis_order)
   n = int(np.prod([sizes.get(a, 1) for a in axes]))
+  if n > 1:   # axes of size 1 take no part (the compiled program names the group by the others)
+    axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
   kind = PRIMITIVES[name]
   operand = sum(_nbytes(v.aval) for v in eqn.invars)
   full = operand * n if kind == "all-gather" else operand

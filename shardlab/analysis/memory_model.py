@@ -48,7 +48,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   top = sum(local(d, True) for k, d in decls.items() if k != "layers")
   deferred = s.grad_reduce == "deferred"
   live = m.n_layers if deferred or not s.reshard_after_forward else min(m.n_layers, s.prefetch + 1)
-  tokens = cfg.train.batch_size // cfg.mesh.fsdp // s.microbatches * m.seq_len
+  tokens = cfg.train.batch_size // (cfg.mesh.data * cfg.mesh.fsdp) // s.microbatches * m.seq_len   # per device
   t = cfg.mesh.tensor
   per_token = activation_elements_per_token(m, s.remat)
   rep = _replicated_per_token(m, s.remat) if s.tp == "allreduce" else 0
@@ -94,7 +94,7 @@ def compare(cfg, compiled: dict, residuals: dict | None = None) -> dict:
   gradients, gathered weights, saved activations, the logits) and `peak`."""
   a = breakdown(cfg, residuals)
   state = a["master_params"] + a["optimizer"]
-  batch = cfg.train.batch_size // cfg.mesh.fsdp * (cfg.model.seq_len + 1) * 4      # int32 tokens per device
+  batch = cfg.train.batch_size // (cfg.mesh.data * cfg.mesh.fsdp) * (cfg.model.seq_len + 1) * 4   # int32 tokens per device
   parts = {"state": (state, compiled["argument"] - batch), "working": (a["total"] - state, compiled["temp"]),
            "peak": (a["total"], compiled["peak"])}
   return {"analytic": a, "activations_from": "traced residuals" if residuals else "per-token estimate",

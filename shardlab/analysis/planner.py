@@ -530,13 +530,13 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
 
 
 def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-  """Every data x fsdp x tensor factorization of the device count (default mesh.fsdp * mesh.tensor), laid out
+  """Every data x fsdp x tensor factorization of the device count (default mesh.data * mesh.fsdp * mesh.tensor), laid out
   tensor innermost, then fsdp, then data, ranked best first: qualifying layouts (they fit and are compute-bound)
   by step time, then the smallest worst comm/math ratio (the most slack), then memory; then the rejected ones,
   fewest kinds of problem first (sharding, memory, communication), then by the microbatches they need to fit
   (those that no microbatching fits last), then by step time."""
   hw = cfg.hardware
-  n = devices or cfg.mesh.fsdp * cfg.mesh.tensor
+  n = devices or cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
   if n < 1:
     raise ValueError(f"devices={n} must be >= 1")
   if torus is not None and not hw.torus:
@@ -598,9 +598,25 @@ def check(cfg) -> None:
     raise ValueError(f"schedule.gather_dtype={cfg.schedule.gather_dtype!r} must be param or compute")
 
 
+def this_layout(cfg) -> dict[str, Any]:
+  """evaluate_layout for cfg.mesh as configured (data x fsdp x tensor, its *_ici_axes): on a switch each axis
+  gets switch_bandwidths' share (the data axis the nodes' NICs once it spans nodes), on a torus its links."""
+  mesh, hw = cfg.mesh, cfg.hardware
+  names, sizes = ("tensor", "fsdp", "data"), [mesh.tensor, mesh.fsdp, mesh.data]
+  ici = {"tensor": mesh.tensor_ici_axes, "fsdp": mesh.fsdp_ici_axes, "data": mesh.data_ici_axes}
+  bws = ({a: hw.axis_bandwidth(ici[a]) for a in names} if hw.torus else
+         dict(zip(names, switch_bandwidths(hw, sizes))))
+  return evaluate_layout(cfg, mesh.data, mesh.fsdp, mesh.tensor, bws, ici)
+
+
 def plan(cfg) -> dict[str, Any]:
-  """Everything the planner predicts for one `Config`, as a JSON-ready dict (see shardlab/plan.py)."""
+  """Everything the planner predicts for one `Config`, as a JSON-ready dict (see shardlab/plan.py). With
+  mesh.data > 1 (HSDP) the FSDP x TP fields describe one data replica (fsdp x tensor devices, the global batch
+  / data) and `hsdp` the whole layout, the gradient AllReduce over data included (evaluate_layout)."""
   check(cfg)
+  if cfg.mesh.data > 1:
+    replica = override(cfg, mesh={"data": 1}, train={"global_batch_tokens": global_tokens(cfg) / cfg.mesh.data})
+    return {**plan(replica), "mesh_data": cfg.mesh.data, "hsdp": this_layout(cfg)}
   m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
   x, y = mesh.fsdp, mesh.tensor
   n = x * y

@@ -110,7 +110,7 @@ def _direction(pairs, device_ids: np.ndarray, axis_names: tuple, axis: str) -> s
   return "-" if n > 2 and (pos[t] - pos[s]) % n == n - 1 else "+"
 
 
-def build(prog, device_ids=None, axis_names=("fsdp", "tensor")) -> list[Task]:
+def build(prog, device_ids=None, axis_names=("data", "fsdp", "tensor")) -> list[Task]:
   """The step's dependency graph, while loops unrolled; tasks are in a topological order (deps first).
   `prog`: an analysis.program.Program (or HLO text, parsed here, with the mesh's device_ids and axis names)."""
   if isinstance(prog, str):

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from shardlab import collectives as C
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
-from shardlab.mesh import FSDP, TENSOR, ConfigError
-from shardlab.params import LAYOUT, declare, is_param
+from shardlab.mesh import DATA, FSDP, TENSOR, ConfigError
+from shardlab.params import LAYOUT, batch_axes, declare, is_param, replica_axes
 from shardlab.schedules.tp import MATMUL, TP, make_tp
 
 # remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
@@ -53,10 +53,11 @@ KNOBS = {"tp": tuple(TP), "grad_reduce": ("per_layer", "next_layer", "deferred")
 
 
 # The layout rules (params.LAYOUT) this schedule can honour: its TP contractions shard heads, d_ff, vocab and
-# the sequence over `tensor`, and the batch is split over `fsdp`; a weight's `embed` dim may be sharded over
-# `fsdp` (FSDP / ZeRO-3) or replicated (None: plain data parallelism, gradients all-reduced over fsdp).
+# the sequence over `tensor`, and the batch is split over `fsdp` (and `data` in front of it, when the mesh has
+# one); a weight's `embed` dim may be sharded over `fsdp` (FSDP / ZeRO-3) or replicated (None: plain data
+# parallelism, gradients all-reduced over fsdp). Weights are always replicated over `data` (HSDP).
 HONOURS = {"embed": (FSDP, None), "heads": (TENSOR,), "kv_heads": (TENSOR,), "mlp": (TENSOR,), "vocab": (TENSOR,),
-           "batch": (FSDP,), "seq": (TENSOR,)}
+           "batch": ((DATA, FSDP), FSDP), "seq": (TENSOR,)}
 
 
 def check_layout(layout: dict, name: str = "the explicit schedule") -> None:
@@ -249,7 +250,8 @@ class _Weights:
 
 
 class ExplicitSchedule:
-  """Hand-placed FSDP x TP. Runs inside shard_map over the (fsdp, tensor) mesh.
+  """Hand-placed FSDP x TP, and HSDP when the mesh has a `data` axis. Runs inside shard_map over the mesh; which
+  axes the batch and the weights are split over comes from params.LAYOUT on that mesh (`batch_axes`).
 
   Its hooks (schedules/protocol.py: `LayerSchedule`) are the extension points; override one in a subclass
   in your own file and run it with `schedule.impl=your_module:YourClass`:
@@ -280,18 +282,28 @@ class ExplicitSchedule:
     self.ops = make_tp(cfg.tp)
     self.decls = declare(model)
     self.policy = _remat_policy(cfg.remat)
-    # The residual stream varies over fsdp (batch) and, when sequence-parallel, over tensor (sequence).
-    self.residual_axes = (FSDP, TENSOR) if self.ops.seq_sharded else (FSDP,)
+
+  @property
+  def residual_axes(self) -> tuple[str, ...]:
+    """Mesh axes the residual stream varies over: the batch axes and, when sequence-parallel, `tensor` (the
+    sequence). Read at trace time, inside shard_map, from the mesh being traced."""
+    names = jax.sharding.get_abstract_mesh().axis_names
+    return batch_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
 
   def gather(self, shard, decl, stacked: bool = False):
     """W[D_fsdp, ..] -> W[D, ..] in the compute dtype. Backward (AD): psum_scatter of the gradient over fsdp,
     and a psum over the residual axes the weight is replicated on (e.g. norm scales under SP), and over
     `tensor` for weights replicated there but read by tensor-parallel compute (K/V heads tensor does not
-    divide; summed on the fsdp shard: pvary before the gather in forward, psum after its transpose)."""
+    divide). Over HSDP's `data` axis (params.replica_axes) and those `tensor` replicas the shard is marked
+    varying before the gather, so the gradient is summed there on the fsdp shard, after the reduce-scatter:
+    W{U_data}[D_fsdp] -> all-reduce over data of 1/fsdp of the bytes, as HSDP does."""
     w = shard.astype(self.dtype) if self.cfg.gather_dtype == "compute" else shard
-    if decl.tensor_replicated:
-      w = C.pvary(w, TENSOR, name="replicated_weight")
     dim = decl.dim_of(FSDP)
+    early = (TENSOR,) if decl.tensor_replicated else ()
+    if dim is not None:     # sharded over fsdp: reduce the data replicas' gradients on the shard
+      early += replica_axes(jax.sharding.get_abstract_mesh().axis_names)
+    if early:
+      w = C.pvary(w, early, name="replicated_weight")
     if dim is not None:
       w = C.all_gather(w, FSDP, dim + stacked, name="fsdp_all_gather")   # W[D_fsdp, N_tp] -> W[D, N_tp]
     return C.pvary(w.astype(self.dtype), self.residual_axes, name="replicated_weight")

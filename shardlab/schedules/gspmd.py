@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
-from shardlab.mesh import FSDP, TENSOR, ConfigError
-from shardlab.params import declare
+from shardlab.mesh import TENSOR, ConfigError
+from shardlab.params import batch_axes, declare
 from shardlab.schedules.explicit import _remat_policy
 from shardlab.schedules.tp import IdentityOps
 
@@ -21,15 +21,25 @@ class ConstrainedOps(IdentityOps):
   """Plain math on global arrays with the explicit schedule's activation layouts as sharding hints."""
 
   def __init__(self, seq_parallel: bool):
-    self.residual = P(FSDP, TENSOR if seq_parallel else None, None)   # x[B_fsdp, L_tp, D]
+    self.seq_parallel = seq_parallel
     self.seq_sharded = seq_parallel
     self.mesh = None
+
+  @property
+  def batch(self):
+    """The batch dim's spec entry: the mesh axes params.LAYOUT['batch'] names that this mesh has."""
+    axes = batch_axes(self.mesh.axis_names)
+    return axes[0] if len(axes) == 1 else axes or None
+
+  @property
+  def residual(self):
+    return P(self.batch, TENSOR if self.seq_parallel else None, None)   # x[B_batch, L_tp, D]
 
   def c(self, x, spec):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
   def columns(self, x, ws, eqs):   # each y[B_fsdp, L, .., N_tp]
-    return tuple(self.c(y, P(FSDP, *([None] * (y.ndim - 2)), TENSOR)) for y in super().columns(x, ws, eqs))
+    return tuple(self.c(y, P(self.batch, *([None] * (y.ndim - 2)), TENSOR)) for y in super().columns(x, ws, eqs))
 
   def row(self, h, w, eq):
     return self.c(super().row(h, w, eq), self.residual)
@@ -81,8 +91,8 @@ class GSPMDSchedule:
     k = self.cfg.microbatches
     if k == 1:
       return vg(params, tokens_BL, targets_BL)
-    # Microbatch j takes rows j, j+k, ...: every device keeps its own rows (batch sharded over fsdp).
-    mb = lambda a: self.ops.c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, FSDP))
+    # Microbatch j takes rows j, j+k, ...: every device keeps its own rows (the batch stays sharded).
+    mb = lambda a: self.ops.c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, self.ops.batch))
 
     def micro(acc, b):
       loss, g = vg(params, *b)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlab import collectives as C
-from shardlab.mesh import FSDP, TENSOR
+from shardlab.mesh import TENSOR
+from shardlab.params import batch_axes
 
 SEQ_DIM = 1      # activations are [B, L, ...]
 MATMUL = "matmul_out"  # the name remat="save_matmuls" keeps
@@ -87,7 +88,8 @@ class _TensorParallel(IdentityOps):
     return jax.lax.axis_index(TENSOR) * h_local
 
   def batch_sum(self, x):
-    return C.psum(x, FSDP, name="loss_sum")
+    """Over the mesh axes the batch is split on (params.LAYOUT['batch'] on the mesh being traced)."""
+    return C.psum(x, batch_axes(jax.sharding.get_abstract_mesh().axis_names), name="loss_sum")
 
 
 class AllGatherTP(_TensorParallel):

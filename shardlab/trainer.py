@@ -1,0 +1,191 @@
+"""One configuration, end to end: build the step, compile it (for the local devices, the target's, or both),
+analyze the compiled program, then train it. `python -m shardlab` (shardlab/run.py) calls `train`.
+
+  build(cfg, devices)            mesh, declarations, schedule, optimizer, the jitted step, its abstract inputs
+  lower(built)                   the step lowered for those inputs (one layer's residual bytes recorded)
+  compile_and_analyze(cfg, out)  the local and/or target program and the summary's analysis of it
+  fit(cfg, built, compiled, ..)  the step loop: data, checkpoints, signals, metrics
+  train(cfg, out, resolved)      all of it; returns the summary, also written to out/summary.json
+
+What a run writes (metrics.jsonl, summary.json, TensorBoard, the profile) goes through shardlab/outputs.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+from shardlab import outputs as O
+from shardlab.config import Config
+from shardlab.mesh import ConfigError
+
+
+def build(cfg: Config, devices=None):
+  """Everything a run needs before it has data: mesh, parameter declarations, schedule, optimizer and the
+  jitted step, plus the abstract (shape, dtype, sharding) state and batch it compiles for. `devices`: lay the
+  mesh over these (a target's, target.devices) instead of the local ones."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+
+  from shardlab import params as PM, schedules, train as T
+  from shardlab.mesh import make_mesh
+  # The audit reads each collective's op_name: a program from a persistent compilation cache must carry its own
+  # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
+  jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+  mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor, devices, data=cfg.mesh.data)
+  decls = PM.declare(cfg.model, cfg.mesh.tensor)
+  sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype])
+  opt = T.make_optimizer(cfg, decls)
+  step_fn = T.make_train_step(cfg, sched, decls, opt, mesh)
+  specs = T.state_specs(opt, decls)
+  shapes = jax.eval_shape(lambda: T.init_state_local(PM.init(jax.random.key(0), decls, cfg.model), opt))
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                                shapes, specs)
+  abstract_batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                        sharding=NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
+  return dict(mesh=mesh, decls=decls, schedule=sched, opt=opt, step_fn=step_fn, abstract_state=abstract_state,
+              abstract_batch=abstract_batch)
+
+
+def lower(built: dict):
+  """built["step_fn"].lower(...) for build()'s abstract inputs; one layer's residual bytes, read off that trace
+  (schedules.explicit.record_residuals), go into built["layer_residuals"] for the memory breakdown."""
+  from shardlab.schedules.explicit import record_residuals
+  with record_residuals() as rec:
+    lowered = built["step_fn"].lower(built["abstract_state"], built["abstract_batch"])
+  built["layer_residuals"] = max(rec, key=lambda r: r["saved"]) if rec else None
+  return lowered
+
+
+def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict, dict]:
+  """(the local build or None, its compiled step or None, the analysed build, the analysis). The local program
+  is what trains here; with compile_for=target the same step is also compiled by the target's compiler and
+  every analysis (ledger, audit, memory, overlap, prediction; timeline.* in out_dir) reads that program."""
+  from shardlab import target as TG
+  from shardlab.analysis.costmodel import predict_run
+  from shardlab.analysis.program import Program, analyze
+  on_target = cfg.compile_for == "target"
+  b = compiled = None
+  times = {}
+  if not (on_target and cfg.dry_run):
+    b = build(cfg)
+    t0 = time.perf_counter()
+    compiled = TG.compile_with(lower(b), cfg.xla.flags)
+    times["local"] = time.perf_counter() - t0
+  a = b
+  if on_target:
+    topo = TG.topology(cfg.hardware, cfg.mesh.n_devices)   # (preflight.check found the extra and it valid)
+    devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
+    a = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
+    t0 = time.perf_counter()
+    a["compiled"] = TG.compile_(lower(a), cfg.xla.flags)
+    times["target"] = time.perf_counter() - t0
+  else:
+    a["compiled"] = compiled
+  prog = Program.of(a["compiled"], a["mesh"])     # the compiled HLO, parsed once
+  analysis = analyze(a["compiled"], a["mesh"], prog)
+  analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
+  if on_target:
+    analysis["target"] = TG.describe(devs, topo)
+  analysis.update(compile_time_s=sum(times.values()), compile_times_s=times)
+  return b, compiled, a, analysis
+
+
+def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None) -> dict:
+  """Validate, build, compile, analyze and (unless cfg.dry_run) train; returns the summary, which is also
+  written to out_dir/summary.json."""
+  from shardlab import preflight
+  preflight.check(cfg, out_dir)                   # settings, processes, devices, memory, dirs, lock; before compile
+  import dataclasses
+
+  import jax
+  from shardlab import params as PM
+  b, compiled, a, analysis = compile_and_analyze(cfg, out_dir)
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  devs = jax.devices()
+  summary = {
+      "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
+      "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.name,
+      "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
+      "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
+      **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
+  main = jax.process_index() == 0                 # only process 0 writes the run's files
+  try:
+    if not cfg.dry_run:
+      fit(cfg, b, compiled, summary, out, main)
+    if main:
+      O.write_json(out / "summary.json", summary)
+  finally:
+    preflight.unlock_run_dir(out)
+  return summary
+
+
+def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) -> None:
+  """The step loop on the local devices, from a fresh state or the newest checkpoint: metrics.jsonl per step,
+  checkpoints every `checkpoint.every` steps, at the end and on SIGTERM/SIGINT; fills in the summary's losses
+  and step times. On an error summary.json says why, with the losses so far, and the error is raised."""
+  from jax.sharding import NamedSharding
+  from tqdm import tqdm
+
+  from shardlab import checkpoint as CK, params as PM, preflight, train as T
+  from shardlab.data import MarkovData
+  mesh = b["mesh"]
+  ckpt = CK.Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or out / "checkpoints", tuple(cfg.mesh.shape.values()),
+                         preflight.record_settings(cfg))
+  try:
+    state, losses = ckpt.restore(b["abstract_state"]) if cfg.checkpoint.resume else (None, [])
+    start = len(losses)                           # steps done; the data resumes there (a batch is f(seed, step))
+    if start > cfg.train.steps:
+      raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {ckpt.dir} is already at step {start}; "
+                        f"raise train.steps to continue it")
+    if state is None:
+      state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
+    summary["checkpoint"] = {"dir": str(ckpt.dir), "resumed_from": ckpt.latest, "saved": ckpt.saved}
+    data = MarkovData(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
+                      cfg.data.branching, NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    times = []
+    try:
+      with O.open_metrics(out, start, main) as f, CK.StopOnSignal() as stop, O.Logs(cfg, out, main, start) as logs:
+        bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
+                   disable=not cfg.progress or not main, desc="train")
+        for step in bar:
+          batch = data.batch(step)
+          logs.before(step)
+          t = time.perf_counter()
+          state, met = compiled(state, batch)
+          loss, gnorm = float(met["loss"]), float(met["grad_norm"])   # waits for the step
+          dt = time.perf_counter() - t
+          losses.append(loss)
+          times.append(dt)
+          rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
+          f.write(json.dumps(O.strict(rec), allow_nan=False) + "\n")   # strict JSON: null for NaN/inf
+          f.flush()
+          logs.after(step, rec)
+          bar.set_postfix(loss=f"{loss:.4f}")
+          if not (math.isfinite(loss) and math.isfinite(gnorm)):   # this state is never saved
+            raise FloatingPointError(O.non_finite(loss, gnorm, step, ckpt))
+          ckpt.check()                            # a save that failed in the background stops the run now
+          signum = stop.requested()
+          if signum or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+            ckpt.save(step + 1, state, losses)
+          if signum:
+            raise CK.Interrupted(signum, step + 1, ckpt)
+        ckpt.save(cfg.train.steps, state, losses)  # the final save (skipped if `every` just saved it)
+        ckpt.wait()                               # a save that failed in the background raises here
+    except Exception as e:                        # summary.json says why, with the losses so far
+      summary.update(status="interrupted" if isinstance(e, (CK.Interrupted, CK.StoppedAtOnce)) else "error",
+                     error=f"{type(e).__name__}: {e}", losses=losses)
+      if main:
+        O.write_json(out / "summary.json", summary)
+      raise
+  finally:
+    ckpt.close()                                  # bounded wait for a save still being written
+  median = statistics.median(times[1:] or times) if times else None
+  summary.update(losses=losses, final_loss=losses[-1], step_time_s_median=median,
+                 tokens_per_s_median=tokens / median if median else None)
