@@ -1,20 +1,27 @@
 """Predicted step time of every schedule preset (shardlab/conf/schedule/) for the exact LLaMA-3 8B preset (grouped-query
-attention, 8.03e9 parameters) at 4 x 4096 tokens per device on an H100 node (compiled for the target: the H100
-compiler's program, memory and the calibrated prediction) and a TPU v5p slice (compiled by XLA:CPU on fake
-devices, the peak-rate model); and the memory of MaxText's one-node Llama-2-7B configuration on 8 x H100,
-compiled against analytic. MODEL PREDICTIONS from dry runs (compile and analyze, nothing allocated, no step run),
-not measurements. Writes results.md and results.json here and copies some timeline charts to img/.
+attention, 8.03e9 parameters) at 4 x 4096 tokens per device, on an H100 node and a TPU v5p slice; and the memory of
+MaxText's one-node Llama-2-7B configuration on 8 x H100, compiled against analytic. MODEL PREDICTIONS from dry runs
+(compile and analyze, nothing allocated, no step run), not measurements. Writes results.md and results.json here and
+copies some timeline charts to img/. See README.md for what each table means.
 
-  python experiments/predict/predict.py          # every dry run, one after another
+  python experiments/predict/predict.py          # every dry run not yet done with these arguments, then the tables
+  python experiments/predict/predict.py --force  # every dry run again
   python experiments/predict/predict.py --table  # only rebuild the tables from outputs/predict/
   python experiments/predict/predict.py gspmd    # only these presets (then the tables)
-  python experiments/predict/predict.py --machine=h100   # only this machine's runs
+  python experiments/predict/predict.py --machine=h100   # only this machine's runs (h100, tpu_v5p, llama2_7b)
+
+Each dry run writes outputs/predict/<machine>/<name>/: shardlab's summary.json (status ok, or error with the
+exception) plus predict.json (the arguments, exit code, wall time, the last lines of stderr). A run that left no
+summary.json (killed, interrupted) is a row saying so, and the script exits 1 while any row is in that state: the
+tables are never silently built from a partial run.
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,28 +30,42 @@ sys.path.insert(0, str(ROOT))
 from shardlab.config import CONF_DIR  # noqa: E402
 RUNS = ROOT / "outputs" / "predict"
 # 4 sequences of 4096 tokens per device; MaxText's remat "minimal_flash" (every projection and the attention
-# output kept, the rest recomputed) is shardlab's save_matmuls_attn_out; the preset's blockwise attention.
+# output kept, the rest recomputed) is shardlab's save_matmuls_attn_out.
 COMMON = ["dry_run=true", "progress=false", "model=llama3_8b", "model.seq_len=4096", "precision=bf16",
           "schedule.remat=save_matmuls_attn_out"]
 MACHINES = {
-    "h100": ["compile_for=target", "hardware=h100", "cpu_devices=8", "mesh.fsdp=4", "mesh.tensor=2",
-             "train.batch_size=32"],
-    "tpu_v5p": ["hardware=tpu_v5p", "cpu_devices=64", "mesh.fsdp=16", "mesh.tensor=4", "mesh.fsdp_ici_axes=2",
-                "train.batch_size=256"],
+    # GPU: compiled by the H100 compiler; dot_product lowers to cuDNN's fused flash attention there. The preset's
+    # blockwise attention is a while loop of small kernels on a GPU (each block's scores through HBM): see the
+    # llama2_7b table, where the two are compared on the same configuration.
+    "h100": ["compile_for=target", "hardware=h100", "model.attention=dot_product", "cpu_devices=8", "mesh.fsdp=4",
+             "mesh.tensor=2", "train.batch_size=32"],
+    # TPU: jax.nn.dot_product_attention has no fused TPU implementation (XLA's materialises the [B, H, L, L]
+    # scores), so the memory-efficient blockwise attention. Compiled by XLA:CPU on 64 fake devices and costed by
+    # the peak-rate model: compile_for=target compiles with libtpu but shardlab cannot read that program yet
+    # (TPU_PROBE below records the error, and libtpu's memory of the baseline).
+    "tpu_v5p": ["hardware=tpu_v5p", "model.attention=blockwise", "cpu_devices=64", "mesh.fsdp=16", "mesh.tensor=4",
+                "mesh.fsdp_ici_axes=2", "train.batch_size=256"],
 }
 VARIANTS = {"fsdp_prefetch+bf16_gather": ["schedule=fsdp_prefetch", "schedule.gather_dtype=compute"]}
 OVERRIDES: dict = {}
 CHARTS = ("baseline", "fsdp_prefetch", "collective_matmul_bidi")
 # MaxText's one-node H100 configuration (configs/a3/llama_2_7b/1vm.sh: ici_fsdp_parallelism=8,
-# per_device_batch_size=4, max_target_length=4096, attention=cudnn_flash_te, remat_policy=minimal_flash).
+# per_device_batch_size=4, max_target_length=4096, attention=cudnn_flash_te, remat_policy=minimal_flash). The first
+# row is the configuration exactly as issue 11 states it (the presets' defaults: blockwise attention, schedule
+# baseline, no remat), compiled for the H100 target.
 LLAMA2_7B = ["dry_run=true", "progress=false", "model=llama2_7b", "mesh=8x1", "precision=bf16",
              "train.batch_size=32", "model.seq_len=4096", "compile_for=target", "hardware=h100"]
 LLAMA2_7B_RUNS = {
+    "defaults (blockwise, baseline, remat none)": [],
     "blockwise, save_matmuls_attn_out": ["model.attention=blockwise", "schedule.remat=save_matmuls_attn_out"],
+    "blockwise, full remat": ["model.attention=blockwise", "schedule.remat=full"],
     "dot_product, save_matmuls_attn_out": ["model.attention=dot_product", "schedule.remat=save_matmuls_attn_out"],
-    "blockwise, save_qkv_attn_out": ["model.attention=blockwise", "schedule.remat=save_qkv_attn_out"],
-    "blockwise, full": ["model.attention=blockwise", "schedule.remat=full"],
+    "dot_product, save_matmuls_attn_out, fsdp_prefetch, xla=maxtext_a3": [
+        "model.attention=dot_product", "schedule.remat=save_matmuls_attn_out", "schedule=fsdp_prefetch",
+        "xla=maxtext_a3"],
 }
+# libtpu's memory of one TPU configuration: its compile works; shardlab's analysis of the program does not (yet).
+TPU_PROBE = ("tpu_v5p", "baseline")
 
 
 def presets() -> dict:
@@ -52,20 +73,106 @@ def presets() -> dict:
   return {**{n: [f"schedule={n}"] for n in names}, **VARIANTS}
 
 
-def run_all(only: list[str], machines: list[str]) -> None:
-  jobs = [(RUNS / m / name, [*COMMON, *args, *extra, *OVERRIDES.get((m, name), [])])
-          for m, args in MACHINES.items() for name, extra in presets().items()
-          if (not only or name in only) and (not machines or m in machines)]
+def slug(name: str) -> str:
+  return re.sub(r"[^\w+.-]+", "_", name).strip("_")
+
+
+def jobs(only: list[str], machines: list[str]) -> list[tuple[Path, list[str]]]:
+  out = [(RUNS / m / name, [*COMMON, *args, *extra, *OVERRIDES.get((m, name), [])])
+         for m, args in MACHINES.items() for name, extra in presets().items()
+         if (not only or name in only) and (not machines or m in machines)]
   if not only and (not machines or "llama2_7b" in machines):
-    jobs += [(RUNS / "llama2_7b" / slug(name), [*LLAMA2_7B, *extra]) for name, extra in LLAMA2_7B_RUNS.items()]
-  for out, args in jobs:
+    out += [(RUNS / "llama2_7b" / slug(name), [*LLAMA2_7B, *extra]) for name, extra in LLAMA2_7B_RUNS.items()]
+  return out
+
+
+def done(out: Path, args: list[str]) -> bool:
+  """This run already finished (ok or with shardlab's own error) with exactly these arguments."""
+  try:
+    meta = json.loads((out / "predict.json").read_text())
+    return meta["args"] == args and (out / "summary.json").exists()
+  except (OSError, ValueError, KeyError):
+    return False
+
+
+def run_all(only: list[str], machines: list[str], force: bool) -> None:
+  for out, args in jobs(only, machines):
+    if not force and done(out, args):
+      print(f"done already: {out.relative_to(ROOT)}", flush=True)
+      continue
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)        # never read a summary of other arguments
     cmd = [sys.executable, "-m", "shardlab", *args, f"hydra.run.dir={out}"]
     print(" ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    tail = [l for l in p.stderr.splitlines() if l.strip()][-5:]
+    (out / "predict.json").write_text(json.dumps({"args": args, "rc": p.returncode, "wall_s": wall,
+                                                  "stderr_tail": tail}, indent=1))
+    print(f"  rc {p.returncode}, {wall:.0f} s" + (f": {tail[-1]}" if p.returncode and tail else ""), flush=True)
+  if (not machines or TPU_PROBE[0] in machines) and (not only or TPU_PROBE[1] in only):
+    tpu_probe(force)
 
 
-def slug(name: str) -> str:
-  return name.replace(", ", "_")
+def probe_args() -> list[str]:
+  m, name = TPU_PROBE
+  return [*COMMON, *MACHINES[m], *presets()[name], "compile_for=target"]
+
+
+def tpu_probe(force: bool) -> None:
+  """The TPU configuration compiled by libtpu (deviceless): its memory_analysis, in a subprocess of its own."""
+  f = RUNS / f"{TPU_PROBE[0]}_libtpu" / TPU_PROBE[1] / "memory.json"
+  if not force and f.exists() and json.loads(f.read_text()).get("args") == probe_args():
+    print(f"done already: {f.relative_to(ROOT)}", flush=True)
+    return
+  f.parent.mkdir(parents=True, exist_ok=True)
+  print("libtpu compile: " + " ".join(probe_args()), flush=True)
+  t0 = time.perf_counter()
+  p = subprocess.run([sys.executable, __file__, "--probe-child", str(f)], cwd=ROOT, check=False,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  if p.returncode:
+    tail = [l for l in p.stderr.splitlines() if l.strip()][-3:]
+    f.write_text(json.dumps({"args": probe_args(), "status": "error",
+                             "error": tail[-1] if tail else f"rc {p.returncode}",
+                             "wall_s": time.perf_counter() - t0}, indent=1))
+  print(f"  rc {p.returncode}, {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def probe_child(path: str) -> None:
+  from hydra import compose, initialize_config_dir
+  from shardlab import run as R, target as TG
+  from shardlab.analysis.program import memory
+  from shardlab.config import register_configs, to_config
+  register_configs()
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    cfg = to_config(compose("config", overrides=[a for a in probe_args() if not a.startswith("cpu_devices")]))
+  t0 = time.perf_counter()
+  devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
+  built = R.build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
+  compiled = TG.compile_(R.lower(built), cfg.xla.flags)
+  compile_s = time.perf_counter() - t0
+  status, error = "ok", None
+  try:                                  # what compile_for=target's analysis does first: parse the program
+    from shardlab.analysis.program import Program
+    Program.of(compiled, built["mesh"])
+  except Exception as e:                # noqa: BLE001  (recorded: why the TPU rows are not target-compiled)
+    status, error = "analysis_error", f"{type(e).__name__}: {e}"
+  Path(path).write_text(json.dumps({"args": probe_args(), "status": status, "analysis_error": error,
+                                    "memory": memory(compiled), "hbm_bytes": cfg.hardware.hbm_bytes,
+                                    "device_kind": devs[0].device_kind, "compile_s": compile_s}, indent=1))
+
+
+def load(f: Path) -> dict:
+  """summary.json, or why there is none (the run's own record of how it ended)."""
+  if f.exists():
+    return json.loads(f.read_text())
+  meta = f.parent / "predict.json"
+  if meta.exists():
+    m = json.loads(meta.read_text())
+    why = m["stderr_tail"][-1] if m.get("stderr_tail") else ""
+    return {"status": "not_run", "error": f"no summary.json: exit code {m['rc']}; {why}"}
+  return {"status": "not_run", "error": "not run (no outputs/predict entry): run predict.py without --table"}
 
 
 def row(name: str, s: dict) -> dict:
@@ -99,15 +206,33 @@ def replot(run: Path, summary: dict, png: Path) -> None:
   TL.plot(evs, png, costmodel.title(to_config(summary["config"]), summary["prediction"]))
 
 
+NOT_RUN: list[str] = []   # rows with no summary.json: the script exits 1
+
+
+def one_line(err: str) -> str:
+  """An error as one line: its first line, and the innermost exception of a traceback nested in it (JAX's
+  custom_partitioner errors carry the Python one inside)."""
+  lines = str(err).splitlines() or [""]
+  inner = [l for l in lines[1:] if re.match(r"\w+(Error|Exception): ", l)]
+  head = lines[0].removesuffix("Traceback (most recent call last):").strip()
+  return f"{head} ... {inner[-1].strip()}" if inner else head
+
+
+def error_row(name: str, s: dict, columns: int, key: str = "") -> str:
+  if s["status"] == "not_run":
+    NOT_RUN.append(key or name)
+  return f"| {name} | {s['status']}: {one_line(s.get('error', ''))[:200]} |" + " |" * (columns - 2)
+
+
 def table() -> list[str]:
   results, lines = {}, []
   for machine in MACHINES:
     rows = []
     for name in presets():
       f = RUNS / machine / name / "summary.json"
-      s = json.loads(f.read_text()) if f.exists() else {"status": "missing"}
+      s = load(f)
       if s.get("status") != "ok":
-        rows.append({"schedule": name, "error": s.get("error", s["status"])})
+        rows.append({"schedule": name, "status": s["status"], "error": s.get("error", "")})
         continue
       rows.append(row(name + "*" * ((machine, name) in OVERRIDES), s))
       if name in CHARTS:
@@ -115,17 +240,17 @@ def table() -> list[str]:
         replot(f.parent, s, HERE / "img" / f"{machine}_{name}.png")
     results[machine] = rows
     ok = [r for r in rows if "error" not in r]
-    by = ok[0]["compiled_by"] if ok else "?"
+    by = ok[0]["compiled_by"] if ok else None
     lines += [f"### {machine}: " + " ".join(MACHINES[machine]), "",
-              f"Compiled by {'the target (' + by + ')' if by != 'cpu' else 'XLA:CPU'}; prediction: "
-              f"{ok[0]['model'] if ok else '?'}.", "",
+              (f"Compiled by {'XLA:CPU (fake CPU devices)' if by == 'cpu' else 'the target compiler (' + by + ')'}; "
+               f"prediction: {ok[0]['model']}." if ok else "No run finished."), "",
               "| schedule | compute ms (matmuls) | fsdp comm ms | tensor comm ms | serial ms | **predicted ms** "
               "| exposed ms | MFU | peak-rate ms (MFU) | critical path at peak rate: compute / fsdp / tensor ms "
               "| GB fsdp | GB tensor | peak GB compiled | analytic GB | compile s |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
       if "error" in r:
-        lines.append(f"| {r['schedule']} | error: {r['error'][:80]} |" + " |" * 13)
+        lines.append(error_row(r["schedule"], r, 16, f"{machine} {r['schedule']}"))
         continue
       fits = "" if r["fits"] is None else (" (fits)" if r["fits"] else " (**over**)")
       lines.append(f"| {r['schedule']} | {r['t_compute_ms']:.0f} ({r['t_gemm_ms'] or r['t_compute_ms']:.0f}) "
@@ -141,6 +266,8 @@ def table() -> list[str]:
       notes.append("(+) compiler-placed: bytes as the compiler placed them" +
                    (" (XLA:CPU widens bf16 collectives to f32)" if by == "cpu" else ""))
     lines += [f"\\* {'; '.join(notes)}", ""] if notes else [""]
+    if machine == TPU_PROBE[0]:
+      lines += probe_lines(results)
   lines += memory_table(results)
   (HERE / "results.json").write_text(json.dumps(results, indent=1))
   (HERE / "results.md").write_text("\n".join(lines))
@@ -151,36 +278,65 @@ def table() -> list[str]:
 GB = 1e9
 
 
+def probe_lines(results: dict) -> list[str]:
+  f = RUNS / f"{TPU_PROBE[0]}_libtpu" / TPU_PROBE[1] / "memory.json"
+  if not f.exists():
+    NOT_RUN.append("libtpu probe")
+    return ["libtpu compile of the baseline: not run (run predict.py without --table).", ""]
+  p = json.loads(f.read_text())
+  results[f"{TPU_PROBE[0]}_libtpu"] = p
+  if p["status"] == "error":
+    return [f"libtpu compile of the {TPU_PROBE[1]}: failed: {p['error'][:200]}", ""]
+  m = p["memory"]
+  return [f"The same {TPU_PROBE[1]} compiled by libtpu ({p['device_kind']}, `compile_for=target`, "
+          f"{p['compile_s']:.0f} s): arguments {m['argument'] / GB:.1f} / temp {m['temp'] / GB:.1f} / "
+          f"**peak {m['peak'] / GB:.1f} GB** per chip ({'fits' if m['peak'] <= p['hbm_bytes'] else '**over**'} "
+          f"{p['hbm_bytes'] / GB:.0f} GB). shardlab's analysis of that program: "
+          + (f"`{p['analysis_error']}`." if p["analysis_error"] else "ok."), ""]
+
+
 def memory_table(results: dict) -> list[str]:
   """MaxText's Llama-2-7B configuration on 8 x H100: the target compiler's memory per device against the analytic
-  breakdown (shardlab/analysis/memory_model.py), per component."""
+  breakdown (shardlab/analysis/memory_model.py), per component, and the predicted step."""
   out = ["### llama2_7b on 8 x H100 (MaxText's one-node configuration): " + " ".join(LLAMA2_7B), "",
-         "| attention, remat | compiled: arguments / temp / peak GB | fits 80 GB | analytic: state (params + "
-         "Adam) / grads / gathered weights / activations / total GB | compiled / analytic | target compile s "
-         "| predicted step s (MFU) |",
-         "|---|---|---|---|---:|---:|---|"]
+         "| added overrides (attention, remat, ...) | compiled: arguments / temp / **peak** GB | fits 80 GB "
+         "| analytic: state (params + Adam) / grads / gathered weights / activations / **total** GB "
+         "| compiled / analytic | predicted step s (MFU) | GEMM / other kernels s (kernels) | compile s |",
+         "|---|---|---|---|---:|---|---|---:|"]
   rows = {}
-  for name in LLAMA2_7B_RUNS:
+  for name, extra in LLAMA2_7B_RUNS.items():
     f = RUNS / "llama2_7b" / slug(name) / "summary.json"
-    s = json.loads(f.read_text()) if f.exists() else {"status": "missing"}
+    s = load(f)
+    label = f"{name}: `{' '.join(extra) or '(none)'}`"
     if s.get("status") != "ok":
-      out.append(f"| {name} | error: {str(s.get('error', s['status']))[:80]} | | | | | |")
+      out.append(error_row(label, s, 9, f"llama2_7b {name}"))
+      rows[name] = {"status": s["status"], "error": s.get("error")}
       continue
     m, a, p = s["memory"], s["memory"]["analytic"], s["prediction"]
-    rows[name] = {"memory": m, "compile_times_s": s["compile_times_s"], "t_overlapped_s": p["t_overlapped_s"],
-                  "mfu": p["mfu"]}
-    out.append(f"| {name} | {m['argument'] / GB:.1f} / {m['temp'] / GB:.1f} / **{m['peak'] / GB:.1f}** "
+    rows[name] = {"overrides": extra, "memory": m, "compile_times_s": s["compile_times_s"],
+                  "t_overlapped_s": p["t_overlapped_s"], "mfu": p["mfu"], "t_gemm_s": p.get("t_gemm_s"),
+                  "t_other_kernels_s": p.get("t_other_kernels_s"), "kernels": p.get("kernels"),
+                  "n_params": s["n_params"]}
+    out.append(f"| {label} | {m['argument'] / GB:.1f} / {m['temp'] / GB:.1f} / **{m['peak'] / GB:.1f}** "
                f"| {'yes' if m['fits'] else '**no**'} ({m['headroom_bytes'] / GB:+.1f}) "
                f"| {(a['master_params'] + a['optimizer']) / GB:.1f} / {a['grads'] / GB:.1f} / "
                f"{(a['gathered_weights'] + a['compute_params']) / GB:.1f} / {a['activations'] / GB:.1f} / "
                f"**{a['total'] / GB:.1f}** | {m['compiled_over_analytic']:.2f} "
-               f"| {s['compile_times_s'].get('target', 0):.0f} | {p['t_overlapped_s']:.2f} ({p['mfu']:.0%}) |")
+               f"| {p['t_overlapped_s']:.2f} ({p['mfu']:.0%}) "
+               f"| {p.get('t_gemm_s', 0):.2f} / {p.get('t_other_kernels_s', 0):.2f} ({p.get('kernels', 0)}) "
+               f"| {s['compile_times_s'].get('target', 0):.0f} |")
   results["llama2_7b"] = rows
   return out + [""]
 
 
 if __name__ == "__main__":
+  if sys.argv[1:2] == ["--probe-child"]:
+    probe_child(sys.argv[2])
+    sys.exit(0)
   machines = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--machine=")]
   if "--table" not in sys.argv:
-    run_all([a for a in sys.argv[1:] if not a.startswith("-")], machines)
+    run_all([a for a in sys.argv[1:] if not a.startswith("-")], machines, "--force" in sys.argv)
   table()
+  if NOT_RUN:
+    print(f"\n{len(NOT_RUN)} rows have no run: {', '.join(NOT_RUN)}", file=sys.stderr)
+    sys.exit(1)
