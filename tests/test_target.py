@@ -283,3 +283,57 @@ def test_batch_window_confirmed_by_compiling_for_the_target():
   assert all(peaks[a] < peaks[b] for a, b in zip(sorted(peaks), sorted(peaks)[1:]))   # more batch, more memory
   a = w["analytic"]
   assert a["max_sequences_per_fsdp_shard"] > 0 and a["peak_on_target"] == peaks[a["max_sequences_per_fsdp_shard"]]
+
+
+@pytest.mark.parametrize("schedule", ["baseline", "fsdp_prefetch"])
+def test_tpu_loop_trip_counts_are_read_off_their_conditions(schedule):
+  """libtpu's while loops carry no known_trip_count (XLA:CPU's and the GPU compiler's do): the analysis reads
+  `i < N` off each loop's condition and the counter's initial constant. For the same step, every loop of the
+  TPU program runs as often as the annotated XLA:CPU program's; the TPU ledger is then the program's."""
+  pytest.importorskip("libtpu", reason="the TPU target needs the tpu extra: pip install 'shardlab[tpu]'")
+  from conftest import compose
+  from shardlab import target as TG
+  from shardlab.analysis import hlo
+  from shardlab.config import to_config
+  from shardlab.trainer import build, lower
+
+  def trips(text):
+    comps, _ = hlo.parse(text)
+    return sorted(hlo.trip_count(i, c, comps) for c, ins in comps.items() for i in ins if i.opcode == "while")
+  cfg = to_config(compose("hardware=tpu_v5p", f"schedule={schedule}", "model.n_layers=4"))
+  b = build(cfg)
+  local = b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile().as_text()
+  tpu = TG.compile_(lower(build(cfg, TG.mesh_devices(TG.devices(cfg.hardware, 8), (4, 2))))).as_text()
+  assert '"known_trip_count"' not in tpu and "known_trip_count" in local
+  assert trips(tpu) == trips(local) == ([4, 4] if schedule == "baseline" else [3, 3])
+
+
+def test_trip_count_of_an_unannotated_loop_through_a_copied_counter():
+  """The form libtpu emits: the counter starts as a copy of a constant; the condition is `i < N`."""
+  from shardlab.analysis import hlo
+  text = """HloModule m
+
+%cond (p: (s32[], f32[])) -> pred[] {
+  %n = s32[] constant(7)
+  %p = (s32[], f32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], f32[])) -> (s32[], f32[]) {
+  %q = (s32[], f32[]) parameter(0)
+  ROOT %r = (s32[], f32[]) copy(%q)
+}
+
+ENTRY %main (x: f32[]) -> (s32[], f32[]) {
+  %x = f32[] parameter(0)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %t = (s32[], f32[]) tuple(%start, %x)
+  ROOT %w = (s32[], f32[]) while(%t), condition=%cond, body=%body
+}
+"""
+  comps, entry = hlo.parse(text)
+  loop = next(i for i in comps[entry] if i.opcode == "while")
+  assert hlo.trip_count(loop, entry, comps) == 5
+  assert hlo.multiplicities(comps, entry)["body"] == 5

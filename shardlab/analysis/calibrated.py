@@ -117,7 +117,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
     for ins in instrs:
       op = ins.opcode
       if op == "while":
-        trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs).group(1))
+        trips = hlo.trip_count(ins, comp, comps)
         body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
         for k in range(trips):
           run(body, it + (k,))

@@ -214,6 +214,8 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   if program is not None:
     led.update(program=ledger.nested(program), differences=ledger.compare(program, rows))
     audit = reconcile_audit(audit, program, rows, prog)
+  if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product":
+    residuals = None   # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records
   mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals)}
   mem["compiled_by"] = prog.platform
   if prog.platform != "cpu":                     # the target compiler's buffers against the preset's HBM

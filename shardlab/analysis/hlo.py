@@ -93,7 +93,8 @@ def parse(text: str) -> tuple[dict, str]:
     if not m:
       continue
     close = _matching(rest, m.end() - 1)
-    operands = re.findall(r"%([\w.\-]+)", rest[m.end(): close])
+    inside = rest[m.end(): close]
+    operands = [inside] if m.group(1) == "constant" else re.findall(r"%([\w.\-]+)", inside)   # a constant: its literal
     comps[cur].append(Instr(lhs.lstrip("%"), shape, m.group(1), operands, rest[close + 1:]))
   return comps, entry
 
@@ -106,10 +107,7 @@ def multiplicities(comps: dict, entry: str) -> dict:
     mult[comp] += times
     for ins in comps.get(comp, []):
       if ins.opcode == "while":
-        m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
-        if not m:
-          raise ValueError(f"while loop {ins.name} has no known trip count")
-        trips = int(m.group(1))
+        trips = trip_count(ins, comp, comps)
         body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
         visit(body, times * trips)
       else:
@@ -120,6 +118,45 @@ def multiplicities(comps: dict, entry: str) -> dict:
           raise ValueError(f"conditional {ins.name}: collectives under a branch have no static count")
   visit(entry, 1)
   return dict(mult)
+
+
+def _constant(name: str, instrs: list) -> int | None:
+  """The integer a scalar instruction holds: a constant, through copies (TPU programs copy loop counters)."""
+  ins = next((i for i in instrs if i.name == name), None)
+  while ins is not None and ins.opcode in ("copy", "copy-done", "bitcast") and ins.operands:
+    ins = next((i for i in instrs if i.name == ins.operands[0]), None)
+  if ins is None or ins.opcode != "constant":
+    return None
+  return int(ins.operands[0]) if ins.operands and re.fullmatch(r"-?\d+", ins.operands[0]) else None
+
+
+def trip_count(ins: Instr, comp: str, comps: dict) -> int:
+  """How many times while loop `ins` (in computation `comp`) runs: the compiler's known_trip_count, or (TPU
+  programs carry none) read off its condition (_trip_count_from_condition)."""
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+  return int(m.group(1)) if m else _trip_count_from_condition(ins, comp, comps)
+
+
+def _trip_count_from_condition(ins: Instr, comp: str, comps: dict) -> int:
+  """A while loop's trip count when the compiler did not annotate it (TPU programs carry no known_trip_count):
+  its condition `i < N` (compare of tuple element k of the loop state with a constant, direction=LT) and the
+  constant that element starts from in the loop's initial tuple, the form every jax.lax.scan lowers to."""
+  cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs).group(1)
+  body = comps.get(cond, [])
+  root = next((i for i in body if i.opcode == "compare"), None)
+  fail = ValueError(f"while loop {ins.name} has no known trip count, and its condition is not `i < N`")
+  if root is None or "direction=LT" not in root.attrs or len(root.operands) != 2:
+    raise fail
+  gte = next((i for i in body if i.name == root.operands[0] and i.opcode == "get-tuple-element"), None)
+  limit = _constant(root.operands[1], body)
+  if gte is None or limit is None:
+    raise fail
+  k = int(re.search(r"index=(\d+)", gte.attrs).group(1))
+  init_tuple = next((i for i in comps[comp] if i.name == ins.operands[0]), None)
+  start = 0 if init_tuple is None or init_tuple.opcode != "tuple" else _constant(init_tuple.operands[k], comps[comp])
+  if start is None:
+    raise fail
+  return max(0, limit - start)
 
 
 def _groups(ins: Instr) -> list[list[int]] | None:

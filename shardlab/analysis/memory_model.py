@@ -33,7 +33,9 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   `residuals`: one layer's residual bytes per device from the traced program (schedules.explicit.
   record_residuals: `saved` under the remat policy, `unremat` without it). With them, activations are exact
   shapes and dtypes: n_layers x saved + one layer's unremat (the layer whose backward runs holds its whole
-  set, recomputed or saved, beside its cotangents' first buffers); without them, the per-token estimate."""
+  set, recomputed or saved, beside its cotangents' first buffers); without them, the per-token estimate (also
+  what a GPU target with model.attention=dot_product gets: the trace sees XLA's attention, the GPU runs cuDNN's
+  fused kernel, which keeps only its output and log-sum-exp)."""
   m, s = cfg.model, cfg.schedule
   sizes = {FSDP: cfg.mesh.fsdp, TENSOR: cfg.mesh.tensor}
   decls = PM.declare(m, cfg.mesh.tensor)

@@ -131,7 +131,7 @@ def build(prog, device_ids=None, axis_names=("data", "fsdp", "tensor")) -> list[
       deps = [local[o] for o in ins.operands if o in local] or (list(args) if ins.opcode == "parameter" else [])
       op, bwd = ins.opcode, "transpose(" in ins.op_name
       if op == "while":
-        trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs).group(1))
+        trips = hlo.trip_count(ins, comp, comps)
         body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
         for k in range(trips):
           deps = [emit(body, deps, it + (k,))]
