@@ -111,9 +111,10 @@ def test_damaged_checkpoints_fall_back_with_one_line_each(ref, tmp_path):
   assert sorted(p.name for p in ck.iterdir()) == ["2", "4", "4.unreadable", "6", "6.unreadable"]
 
 
-@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+@pytest.mark.parametrize("mesh", ["2x4", "1x8", "2x2x2"])
 def test_resume_onto_another_mesh_reshards(ref, tmp_path, mesh):
-  """The 4x2 checkpoint restored with the 2x4 / 1x8 shardings (every leaf, optimizer state included): the
+  """The 4x2 checkpoint restored with the 2x4 / 1x8 / HSDP 2x2x2 shardings (every leaf, optimizer state
+  included; on 2x2x2 replicated over data): the
   following losses match the uninterrupted 4x2 run to float32 rounding of a different reduction order."""
   ref_out, ref_s = ref
   ck = copy_checkpoints(ref_out, tmp_path / "ck", [2])

@@ -102,6 +102,18 @@ def test_overlap_baseline_vs_prefetch():
   assert op["not_realized"].get("all-gather fsdp (fsdp_all_gather)", 0) > 0
 
 
+def test_next_layer_reduce_realizes_the_gradient_reduce_scatter_overlap():
+  """fsdp_prefetch's gradient reduce-scatters are exposed: each is written into the gradient stack in its own
+  backward iteration, so XLA's scheduler has nothing to put between its start and done. grad_reduce=next_layer
+  (the schedule fix: issue it one iteration later) lets the scheduler put the next layer's backward matmuls
+  there, on the same 8x1 H100 program (prefetch 1 in both)."""
+  pre = target_grads((8, 1), knobs_of("fsdp_prefetch"))[0].overlap()["by_kind"]["reduce-scatter"]["fsdp"]
+  late = dict(knobs_of("next_layer_reduce"), prefetch=1)
+  nxt = target_grads((8, 1), tuple(sorted(late.items())))[0].overlap()["by_kind"]["reduce-scatter"]["fsdp"]
+  assert pre["with_matmul"] == 0, pre
+  assert nxt["with_matmul"] >= 2 and nxt["matmuls_between"] >= 2, nxt
+
+
 def test_calibrated_prediction_and_memory():
   """The calibrated replay of the target's order is slower than its peak-rate ceiling, and each of its parts is
   counted; memory comes from the GPU compiler."""
