@@ -132,6 +132,7 @@ def test_memory_breakdown_by_hand():
   got = breakdown(cfg)
   assert (got["master_params"], got["grads"], got["optimizer"]) == (4 * local, 4 * local, 8 * local)
   assert got["gathered_weights"] == 4 * (2 * (2 * D + mats // Y) + 2 * V * D // Y + D)
+  assert got["layer_gradient"] == 4 * (2 * D + mats // Y)          # one layer's W[D, N_tp] gradient, fp32
   assert got["total"] == sum(v for k, v in got.items() if k != "total")
 
 

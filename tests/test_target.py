@@ -196,7 +196,7 @@ def small_target(schedule: str, **model):
   return cfg, TG.compile_(lower(b)), b["layer_residuals"]
 
 
-@pytest.mark.parametrize("schedule", ["baseline", "megatron_allreduce"])
+@pytest.mark.parametrize("schedule", ["baseline", "megatron_allreduce", "collective_matmul", "prefetch_ring"])
 def test_target_memory_explained_by_the_analytic_breakdown(schedule):
   """The H100 compiler's memory_analysis() of a small bf16 transformer on 4x2 (experiments/validate/memory.py's
   configuration, which runs every preset) against memory_model.breakdown with one layer's residuals read off the

@@ -14,9 +14,9 @@ contraction, the residual stream it keeps whole (`_replicated_per_token`). The l
 their float32 cotangent at once where the backward starts: 8 bytes per local logit.
 
 What it leaves out (experiments/validate/README.md measures it against the compilers' `memory_analysis()`: within
-10% on six of eight presets with the trace, 20-38% short without it on a 4x2 mesh): XLA's buffer reuse and fusion
-(it may keep less than AD saves, e.g. a collective-matmul ring's received blocks, or a bfloat16 copy of the
-logits), and the rings' chunk buffers.
+10% on every explicit preset with the trace, 20-38% short without it on a 4x2 mesh): XLA's buffer reuse and
+fusion (it may keep less than AD saves, or a bfloat16 copy of the logits), the rings' chunk buffers, and the
+other transients of one layer's backward beyond its weight gradient (`layer_gradient`).
 """
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
       "optimizer": 2 * shard * pb,                                # Adam mu and nu
       "compute_params": shard * cb if s.gather_dtype == "compute" and cb != pb else 0,   # the cast shard
       "gathered_weights": (live * per_layer + top) * cb,          # embed/unembed stay gathered for backward
+      # One layer's whole weight gradient W[D, N_tp], produced by its backward before the reduce-scatter over
+      # fsdp takes its shard (in the gather's dtype); deferred reduction holds the stack instead (in grads).
+      "layer_gradient": 0 if deferred else per_layer * (cb if s.gather_dtype == "compute" else pb),
       "activations": acts,
   }
   out["total"] = sum(out.values())

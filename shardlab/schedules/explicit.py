@@ -152,6 +152,27 @@ def _nbytes(avals) -> int:
   return sum(a.size * a.dtype.itemsize for a in avals)
 
 
+def _read_residual_bytes(fn, gather, x, stacked) -> int:
+  """Bytes per device of the residuals of one layer `fn` that its backward reads, the gathered weights left out
+  (memory_model counts those as gathered_weights). AD's closure can hold residuals its transpose never reads
+  (a collective-matmul ring's per-step values); the stack saves them, and XLA removes them from the loop state
+  as dead, so they are left out here too (DCE of the backward's jaxpr)."""
+  from jax._src.interpreters import partial_eval as pe   # the DCE ledger.py uses; no public equivalent
+  meta = {}
+
+  def forward(x, stacked):
+    w = gather(_take(stacked, 0))
+    y, vjp = jax.vjp(fn, x, w)
+    leaves, meta["treedef"] = jax.tree.flatten(vjp)
+    ids = {id(a) for a in jax.tree.leaves(w)}
+    meta["weight"] = [id(a) in ids for a in leaves]
+    return y, leaves
+  y, leaves = jax.eval_shape(forward, x, stacked)
+  backward = jax.make_jaxpr(lambda leaves, ct: jax.tree.unflatten(meta["treedef"], leaves)(ct))(leaves, y).jaxpr
+  used = pe.dce_jaxpr(backward, [True] * len(backward.outvars))[1]
+  return _nbytes([a for a, u, w in zip(leaves, used, meta["weight"] + [False] * len(used)) if u and not w])
+
+
 def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, reduce=None, late: bool = False):
   """x -> layer_fn(..layer_fn(layer_fn(x, W_0), W_1).., W_{n-1}) with W_l = gather(stacked[l]).
 
@@ -188,13 +209,8 @@ def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, re
       return save(leaves, where_w)
     avals = jax.make_jaxpr(probe)(x, stacked).out_avals
     if _RECORD is not None:
-      def activations(fn):            # one layer's residuals, the weights (gathered inputs) left out
-        def go(x, stacked):
-          w = gather(_take(stacked, 0))
-          ids = {id(a) for a in jax.tree.leaves(w)}
-          return [a for a in jax.tree.leaves(jax.vjp(fn, x, w)[1]) if id(a) not in ids]
-        return _nbytes(jax.make_jaxpr(go)(x, stacked).out_avals)
-      _RECORD.append({"saved": activations(f), "unremat": activations(layer_fn)})
+      _RECORD.append({"saved": _read_residual_bytes(f, gather, x, stacked),
+                      "unremat": _read_residual_bytes(layer_fn, gather, x, stacked)})
     bufs = [C.pvary(jnp.zeros((n, *a.shape), a.dtype), a.manual_axis_type.varying, name="zeros")
             for a in avals]
 
