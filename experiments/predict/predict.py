@@ -41,8 +41,8 @@ MACHINES = {
              "mesh.tensor=2", "train.batch_size=32"],
     # TPU: jax.nn.dot_product_attention has no fused TPU implementation (XLA's materialises the [B, H, L, L]
     # scores), so the memory-efficient blockwise attention. Compiled by XLA:CPU on 64 fake devices and costed by
-    # the peak-rate model: compile_for=target compiles with libtpu but shardlab cannot read that program yet
-    # (TPU_PROBE below records the error, and libtpu's memory of the baseline).
+    # the peak-rate model: compile_for=target compiles with libtpu (TPU_PROBE below: libtpu's memory of the
+    # baseline, and whether shardlab parses that program), but these rows do not cost libtpu's program.
     "tpu_v5p": ["hardware=tpu_v5p", "model.attention=blockwise", "cpu_devices=64", "mesh.fsdp=16", "mesh.tensor=4",
                 "mesh.fsdp_ici_axes=2", "train.batch_size=256"],
 }
@@ -300,7 +300,7 @@ def memory_table(results: dict) -> list[str]:
   breakdown (shardlab/analysis/memory_model.py), per component, and the predicted step."""
   out = ["### llama2_7b on 8 x H100 (MaxText's one-node configuration): " + " ".join(LLAMA2_7B), "",
          "| added overrides (attention, remat, ...) | compiled: arguments / temp / **peak** GB | fits 80 GB "
-         "| analytic: state (params + Adam) / grads / gathered weights / activations / **total** GB "
+         "| analytic: state (params + Adam) / grads / gathered weights / layer gradient / activations / **total** GB "
          "| compiled / analytic | predicted step s (MFU) | GEMM / other kernels s (kernels) | compile s |",
          "|---|---|---|---|---:|---|---|---:|"]
   rows = {}
@@ -320,7 +320,8 @@ def memory_table(results: dict) -> list[str]:
     out.append(f"| {label} | {m['argument'] / GB:.1f} / {m['temp'] / GB:.1f} / **{m['peak'] / GB:.1f}** "
                f"| {'yes' if m['fits'] else '**no**'} ({m['headroom_bytes'] / GB:+.1f}) "
                f"| {(a['master_params'] + a['optimizer']) / GB:.1f} / {a['grads'] / GB:.1f} / "
-               f"{(a['gathered_weights'] + a['compute_params']) / GB:.1f} / {a['activations'] / GB:.1f} / "
+               f"{(a['gathered_weights'] + a['compute_params']) / GB:.1f} / {a.get('layer_gradient', 0) / GB:.1f} / "
+               f"{a['activations'] / GB:.1f} / "
                f"**{a['total'] / GB:.1f}** | {m['compiled_over_analytic']:.2f} "
                f"| {p['t_overlapped_s']:.2f} ({p['mfu']:.0%}) "
                f"| {p.get('t_gemm_s', 0):.2f} / {p.get('t_other_kernels_s', 0):.2f} ({p.get('kernels', 0)}) "
