@@ -7,7 +7,8 @@ query head h reads key/value head h // R, R = H / G (Llama's `repeat_kv` order).
   blockwise    memory-efficient attention in pure JAX (Rabe & Staats, arXiv:2112.05682; the FlashAttention
                recurrence, arXiv:2205.14135): queries and keys in blocks, an online softmax over key blocks; a
                custom_vjp saves only the output and the log-sum-exp and recomputes each block's scores in
-               backward, so memory is O(L) in forward and backward. Compiles anywhere (CPU included).
+               backward, so memory is O(L) in forward and backward; only the block pairs on or below the
+               causal diagonal are computed. Compiles anywhere (CPU included).
   dot_product  jax.nn.dot_product_attention(is_causal=True): cuDNN flash attention in programs lowered for a
                GPU (bf16/fp16), XLA's own implementation elsewhere (which materialises the scores, like plain)
 """
@@ -110,72 +111,94 @@ def _flash(n, q_BLHK, k_BLGK, v_BLGK):
   return _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK)[0]
 
 
+def _causal_pairs(nb: int, by_key: bool):
+  """The (query block i, key block j) pairs with j <= i, the only ones causal attention computes (the others are
+  wholly masked: half the score FLOPs at long sequences), as two int32 arrays of one static length nb(nb+1)/2:
+  by query block (j = 0..i for each i), or with by_key by key block (i = j..nb-1 for each j). One flat scan over
+  them keeps every loop's trip count static (the HLO analyses read it)."""
+  pairs = ([(i, j) for j in range(nb) for i in range(j, nb)] if by_key else
+           [(i, j) for i in range(nb) for j in range(i + 1)])
+  return tuple(jnp.asarray(a, jnp.int32) for a in zip(*pairs))
+
+
+def _at(x, i):
+  return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _set(x, v, i):
+  return jax.lax.dynamic_update_index_in_dim(x, v, i, 0)
+
+
 def _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK):
-  """For each query block, an online softmax over every key block (masked ones contribute exp(-inf) = 0;
-  key block 0 holds key 0, which every query sees, so the running max is finite after the first step).
+  """For each query block i, an online softmax over key blocks j = 0..i (key block 0 holds key 0, which every
+  query sees, so the running max is finite after the first step); the blocks above the diagonal are skipped.
   The output and the log-sum-exp are named ATTN_OUT: a remat policy that keeps them does not rerun this."""
   q_BLGRK = _grouped(q_BLHK, k_BLGK.shape[2])
   B, L, G, R, K = q_BLGRK.shape
-  kb, vb = _blocks(k_BLGK, n), _blocks(v_BLGK, n)
+  nb = L // n
+  qb, kb, vb = _blocks(q_BLGRK, n), _blocks(k_BLGK, n), _blocks(v_BLGK, n)
   axes = _varying(q_BLGRK, k_BLGK, v_BLGK)
 
-  def q_block(_, iq):
-    i, q_BNGRK = iq
+  def step(carry, ij):
+    (m_BGRN, l_BGRN, acc_BGRNK), ob, lse_b = carry
+    i, j = ij
+    first = j == 0                                   # a new query block: restart its running softmax
+    m_BGRN = jnp.where(first, -jnp.inf, m_BGRN)
+    l_BGRN, acc_BGRNK = jnp.where(first, 0.0, l_BGRN), jnp.where(first, 0.0, acc_BGRNK)
+    q_BNGRK, v_BMGK = _at(qb, i), _at(vb, j)
+    s = _scores(q_BNGRK, _at(kb, j), i, j)
+    m_new = jnp.maximum(m_BGRN, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m_BGRN - m_new)
+    pv = jnp.einsum("bgrnm,bmgk->bgrnk", p.astype(v_BMGK.dtype), v_BMGK, preferred_element_type=jnp.float32)
+    m_BGRN, l_BGRN, acc_BGRNK = m_new, l_BGRN * corr + jnp.sum(p, axis=-1), acc_BGRNK * corr[..., None] + pv
+    last = j == i                                    # the diagonal block is query block i's last
+    o_BNGRK = jnp.einsum("bgrnk->bngrk", acc_BGRNK / l_BGRN[..., None])
+    ob = _set(ob, jnp.where(last, o_BNGRK, _at(ob, i)), i)
+    lse_b = _set(lse_b, jnp.where(last, m_BGRN + jnp.log(l_BGRN), _at(lse_b, i)), i)
+    return ((m_BGRN, l_BGRN, acc_BGRNK), ob, lse_b), None
 
-    def k_block(carry, jkv):
-      m_BGRN, l_BGRN, acc_BGRNK = carry
-      j, k_BMGK, v_BMGK = jkv
-      s = _scores(q_BNGRK, k_BMGK, i, j)
-      m_new = jnp.maximum(m_BGRN, jnp.max(s, axis=-1))
-      p = jnp.exp(s - m_new[..., None])
-      corr = jnp.exp(m_BGRN - m_new)
-      pv = jnp.einsum("bgrnm,bmgk->bgrnk", p.astype(v_BMGK.dtype), v_BMGK, preferred_element_type=jnp.float32)
-      return (m_new, l_BGRN * corr + jnp.sum(p, axis=-1), acc_BGRNK * corr[..., None] + pv), None
-
-    init = (_zeros((B, G, R, n), axes, -jnp.inf), _zeros((B, G, R, n), axes), _zeros((B, G, R, n, K), axes))
-    (m, l, acc), _ = jax.lax.scan(k_block, init, (jnp.arange(L // n), kb, vb))
-    o_BNGRK = jnp.einsum("bgrnk->bngrk", acc / l[..., None]).astype(q_BNGRK.dtype)
-    return None, (o_BNGRK, m + jnp.log(l))
-
-  _, (ob, lse_b) = jax.lax.scan(q_block, None, (jnp.arange(L // n), _blocks(q_BLGRK, n)))
-  o_BLHK = checkpoint_name(_unblocks(ob).reshape(B, L, G * R, K), ATTN_OUT)
+  state = (_zeros((B, G, R, n), axes, -jnp.inf), _zeros((B, G, R, n), axes), _zeros((B, G, R, n, K), axes))
+  init = (state, _zeros((nb, B, n, G, R, K), axes), _zeros((nb, B, G, R, n), axes))
+  (_, ob, lse_b), _ = jax.lax.scan(step, init, _causal_pairs(nb, by_key=False))
+  o_BLHK = checkpoint_name(_unblocks(ob).reshape(B, L, G * R, K).astype(q_BLHK.dtype), ATTN_OUT)
   lse_b = checkpoint_name(lse_b, ATTN_OUT)                       # lse[L/n, B, G, R, n]
   return o_BLHK, (q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b)        # O(L) residuals; o is the output itself
 
 
 def _flash_bwd(n, res, do_BLHK):
-  """FlashAttention's backward: per (key block, query block) recompute p = exp(s - lse) and accumulate
-  dq, dk, dv; nothing of size L x L is ever held."""
+  """FlashAttention's backward: per key block j, for query blocks i = j..nb-1 (the pairs the forward computed),
+  recompute p = exp(s - lse) and accumulate dq, dk, dv; nothing of size L x L is ever held."""
   q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b = res
   G = k_BLGK.shape[2]
   q_BLGRK, o_BLGRK, do_BLGRK = (_grouped(a, G) for a in (q_BLHK, o_BLHK, do_BLHK))
   B, L, H, K = q_BLHK.shape
+  nb = L // n
   axes = _varying(q_BLGRK, k_BLGK, v_BLGK, do_BLGRK)
   delta_BLGR = jnp.sum(do_BLGRK.astype(jnp.float32) * o_BLGRK.astype(jnp.float32), axis=-1)
-  qb, dob = _blocks(q_BLGRK, n), _blocks(do_BLGRK, n)
+  qb, dob, kb, vb = _blocks(q_BLGRK, n), _blocks(do_BLGRK, n), _blocks(k_BLGK, n), _blocks(v_BLGK, n)
   delta_b = jnp.einsum("ibngr->ibgrn", _blocks(delta_BLGR, n))
 
-  def k_block(dq_b, jkv):
-    j, k_BMGK, v_BMGK = jkv
+  def step(carry, ij):
+    (dk_BMGK, dv_BMGK), dq_b, dk_b, dv_b = carry
+    i, j = ij
+    first = i == j                                   # a new key block: restart its dk, dv sums
+    dk_BMGK, dv_BMGK = jnp.where(first, 0.0, dk_BMGK), jnp.where(first, 0.0, dv_BMGK)
+    q_BNGRK, do_BNGRK, k_BMGK, v_BMGK = _at(qb, i), _at(dob, i), _at(kb, j), _at(vb, j)
+    p = jnp.exp(_scores(q_BNGRK, k_BMGK, i, j) - _at(lse_b, i)[..., None])           # p[B, G, R, N, M]
+    dv_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", p, do_BNGRK.astype(jnp.float32))
+    dp = jnp.einsum("bngrk,bmgk->bgrnm", do_BNGRK, v_BMGK, preferred_element_type=jnp.float32)
+    ds = p * (dp - _at(delta_b, i)[..., None]) / jnp.sqrt(K)
+    dq_b = _set(dq_b, _at(dq_b, i) + jnp.einsum("bgrnm,bmgk->bngrk", ds, k_BMGK.astype(jnp.float32)), i)
+    dk_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", ds, q_BNGRK.astype(jnp.float32))
+    last = i == nb - 1                               # key block j's last query block
+    dk_b = _set(dk_b, jnp.where(last, dk_BMGK, _at(dk_b, j)), j)
+    dv_b = _set(dv_b, jnp.where(last, dv_BMGK, _at(dv_b, j)), j)
+    return ((dk_BMGK, dv_BMGK), dq_b, dk_b, dv_b), None
 
-    def q_block(carry, iq):
-      dk_BMGK, dv_BMGK = carry
-      i, q_BNGRK, do_BNGRK, lse_BGRN, delta_BGRN = iq
-      p = jnp.exp(_scores(q_BNGRK, k_BMGK, i, j) - lse_BGRN[..., None])           # p[B, G, R, N, M]
-      dv_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", p, do_BNGRK.astype(jnp.float32))
-      dp = jnp.einsum("bngrk,bmgk->bgrnm", do_BNGRK, v_BMGK, preferred_element_type=jnp.float32)
-      ds = p * (dp - delta_BGRN[..., None]) / jnp.sqrt(K)
-      dq_BNGRK = jnp.einsum("bgrnm,bmgk->bngrk", ds, k_BMGK.astype(jnp.float32))
-      dk_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", ds, q_BNGRK.astype(jnp.float32))
-      return (dk_BMGK, dv_BMGK), dq_BNGRK
-
-    zero = _zeros(k_BMGK.shape, axes)
-    (dk, dv), dq_j = jax.lax.scan(q_block, (zero, zero), (jnp.arange(L // n), qb, dob, lse_b, delta_b))
-    return dq_b + dq_j, (dk, dv)
-
-  nb = L // n
-  dq_b, (dk_b, dv_b) = jax.lax.scan(k_block, _zeros(qb.shape, axes), (jnp.arange(nb), _blocks(k_BLGK, n),
-                                                                          _blocks(v_BLGK, n)))
+  kv = (_zeros(kb.shape[1:], axes), _zeros(kb.shape[1:], axes))
+  init = (kv, _zeros(qb.shape, axes), _zeros(kb.shape, axes), _zeros(kb.shape, axes))
+  (_, dq_b, dk_b, dv_b), _ = jax.lax.scan(step, init, _causal_pairs(nb, by_key=True))
   return (_unblocks(dq_b).reshape(B, L, H, K).astype(q_BLHK.dtype), _unblocks(dk_b).astype(k_BLGK.dtype),
           _unblocks(dv_b).astype(v_BLGK.dtype))
 

@@ -124,6 +124,17 @@ def test_blockwise_memory_grows_linearly_in_sequence_length():
   assert plain > 3.5, plain
 
 
+def test_blockwise_computes_only_the_causal_block_pairs():
+  """8 blocks of 128: forward and backward each run the nb(nb+1)/2 = 36 (query, key) block pairs on or below the
+  diagonal, not all 64 (the wholly masked ones are skipped: about half the score FLOPs of a long sequence), in
+  loops whose trip count is static (the HLO ledger and cost model read it)."""
+  from shardlab.analysis import hlo
+  x = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.float32)
+  g = jax.jit(jax.grad(lambda q, k, v: A.blockwise(q, k, v, 128).sum(), argnums=(0, 1, 2)))
+  comps, entry = hlo.parse(g.lower(x, x, x).compile().as_text())
+  assert sorted(hlo.trip_count(i, c, comps) for c, ins in comps.items() for i in ins if i.opcode == "while") == [36, 36]
+
+
 def test_blockwise_rejects_a_block_that_does_not_divide_the_sequence():
   with pytest.raises(ValueError, match="not a multiple of the block size 12"):
     A.blockwise(*_qkv(L=32), 12)
