@@ -8,8 +8,11 @@ trains exactly as `baseline`, and summary.json's `audit.unplanned` is empty: eve
 `shardlab.collectives`, under names of its own, and that is what the audit counts as planned.
 examples/test_user_schedule.py checks both with the testing kit.
 """
+import jax
+
 from shardlab import collectives as C
 from shardlab.mesh import FSDP, TENSOR
+from shardlab.params import replica_axes
 from shardlab.schedules.explicit import ExplicitSchedule
 from shardlab.schedules.tp import SEQ_DIM, AllGatherTP
 
@@ -31,19 +34,21 @@ class NamedAllGatherTP(AllGatherTP):
 class ExplicitReduce(ExplicitSchedule):
   """baseline, with the gradient reduction written out instead of taken from AD's transpose of the gather.
 
-  gather (ExplicitSchedule.gather): [pvary over tensor if K/V are replicated there] -> all_gather over fsdp
-  -> pvary over the residual axes it does not vary on. The same sum, transposed in reverse order: psum over
-  the residual axes the weight was marked varying on, psum_scatter over fsdp, psum over tensor."""
+  gather (ExplicitSchedule.gather): [pvary over tensor if K/V are replicated there, and over HSDP's data axis]
+  -> all_gather over fsdp -> pvary over the other residual axes it does not vary on. The same sum, transposed in
+  reverse order: psum over those residual axes, psum_scatter over fsdp, psum over tensor / data on the shard."""
 
   def reduce_grad(self, grad, shard, decl, stacked=False):
     g = grad.astype(shard.dtype)
-    extra = tuple(a for a in self.residual_axes
-                  if a != FSDP and a not in decl.mesh_axes() and not decl.tensor_replicated)
-    if extra:                                   # e.g. norm scales under sequence parallelism
-      g = C.psum(g, extra, name="user_grad_psum")
     dim = decl.dim_of(FSDP)
+    early = (TENSOR,) if decl.tensor_replicated else ()   # K/V heads replicated over tensor, read by TP compute
+    if dim is not None:                                    # HSDP: the data replicas' sum, on the fsdp shard
+      early += replica_axes(jax.sharding.get_abstract_mesh().axis_names)
+    late = tuple(a for a in self.residual_axes if a not in decl.mesh_axes() and a not in early)
+    if late:                                    # e.g. norm scales under sequence parallelism
+      g = C.psum(g, late, name="user_grad_psum")
     if dim is not None:
       g = C.psum_scatter(g, FSDP, dim + stacked, name="user_grad_reduce_scatter")
-    if decl.tensor_replicated:                  # K/V heads replicated over tensor, read by TP compute
-      g = C.psum(g, TENSOR, name="user_grad_psum")
+    if early:
+      g = C.psum(g, early, name="user_grad_psum")
     return g

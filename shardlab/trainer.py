@@ -104,18 +104,18 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
 
   import jax
   from shardlab import params as PM
-  b, compiled, a, analysis = compile_and_analyze(cfg, out_dir)
   out = Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  devs = jax.devices()
-  summary = {
-      "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
-      "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.name,
-      "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
-      "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
-      **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
-  main = jax.process_index() == 0                 # only process 0 writes the run's files
-  try:
+  try:                                            # the run dir's lock is released however this ends
+    b, compiled, a, analysis = compile_and_analyze(cfg, out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    devs = jax.devices()
+    summary = {
+        "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
+        "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.name,
+        "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
+        "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
+        **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
+    main = jax.process_index() == 0               # only process 0 writes the run's files
     if not cfg.dry_run:
       fit(cfg, b, compiled, summary, out, main)
     if main:

@@ -320,32 +320,40 @@ def test_tpu_loop_trip_counts_are_read_off_their_conditions(schedule):
   assert trips(tpu) == trips(local) == ([4, 4] if schedule == "baseline" else [3, 3])
 
 
-def test_trip_count_of_an_unannotated_loop_through_a_copied_counter():
-  """The form libtpu emits: the counter starts as a copy of a constant; the condition is `i < N`."""
+@pytest.mark.parametrize("step,trips", [(1, 5), (2, 3)])
+def test_trip_count_of_an_unannotated_loop_through_a_copied_counter(step, trips):
+  """The form libtpu emits: the counter starts as a copy of a constant (2), the condition's root is `i < 7`,
+  the body adds `step` (2: a body unrolled twice)."""
   from shardlab.analysis import hlo
-  text = """HloModule m
+  text = f"""HloModule m
 
-%cond (p: (s32[], f32[])) -> pred[] {
+%cond (p: (s32[], f32[])) -> pred[] {{
   %n = s32[] constant(7)
   %p = (s32[], f32[]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
+}}
 
-%body (q: (s32[], f32[])) -> (s32[], f32[]) {
+%body (q: (s32[], f32[])) -> (s32[], f32[]) {{
   %q = (s32[], f32[]) parameter(0)
-  ROOT %r = (s32[], f32[]) copy(%q)
-}
+  %i = s32[] get-tuple-element(%q), index=0
+  %c = s32[] constant({step})
+  %next = s32[] add(%i, %c)
+  %x = f32[] get-tuple-element(%q), index=1
+  ROOT %r = (s32[], f32[]) tuple(%next, %x)
+}}
 
-ENTRY %main (x: f32[]) -> (s32[], f32[]) {
+ENTRY %main (x: f32[]) -> (s32[], f32[]) {{
   %x = f32[] parameter(0)
   %two = s32[] constant(2)
   %start = s32[] copy(%two)
   %t = (s32[], f32[]) tuple(%start, %x)
   ROOT %w = (s32[], f32[]) while(%t), condition=%cond, body=%body
-}
+}}
 """
   comps, entry = hlo.parse(text)
   loop = next(i for i in comps[entry] if i.opcode == "while")
-  assert hlo.trip_count(loop, entry, comps) == 5
-  assert hlo.multiplicities(comps, entry)["body"] == 5
+  assert hlo.trip_count(loop, entry, comps) == trips
+  assert hlo.multiplicities(comps, entry)["body"] == trips
+  with pytest.raises(ValueError, match="no known trip count"):       # a body that does not count up: refused
+    hlo.trip_count(loop, entry, hlo.parse(text.replace("add(%i, %c)", "multiply(%i, %c)"))[0])

@@ -33,8 +33,8 @@ def compare(overrides: list[str]) -> dict:
   register_configs()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     cfg = to_config(compose("config", overrides=overrides))
-  devs = TG.devices(cfg.hardware, cfg.mesh.fsdp * cfg.mesh.tensor)
-  b = build(cfg, TG.mesh_devices(devs, (cfg.mesh.fsdp, cfg.mesh.tensor)))
+  devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
+  b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   c = TG.compile_(lower(b), cfg.xla.flags)
   return MM.compare(cfg, memory(c), b["layer_residuals"])["components"]
 

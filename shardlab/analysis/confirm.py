@@ -112,7 +112,7 @@ def confirm_batch_window(cfg, samples: tuple[int, int] = (1, 4)) -> dict[str, An
   `peaks`, by sequences per shard). Beside it the analytic window (planner.batch_window) and the target's peak
   at the analytic maximum: how far the closed-form memory is from the compiler's."""
   from shardlab.analysis import planner
-  x, mb, hbm = cfg.mesh.fsdp, max(1, cfg.schedule.microbatches), cfg.hardware.hbm_bytes
+  x, mb, hbm = cfg.mesh.data * cfg.mesh.fsdp, max(1, cfg.schedule.microbatches), cfg.hardware.hbm_bytes   # batch shards
   cache: dict[int, dict] = {}
 
   def peak(seqs: int) -> float:            # seqs per fsdp shard -> the target's compiled peak bytes per device

@@ -138,25 +138,43 @@ def trip_count(ins: Instr, comp: str, comps: dict) -> int:
 
 
 def _trip_count_from_condition(ins: Instr, comp: str, comps: dict) -> int:
-  """A while loop's trip count when the compiler did not annotate it (TPU programs carry no known_trip_count):
-  its condition `i < N` (compare of tuple element k of the loop state with a constant, direction=LT) and the
-  constant that element starts from in the loop's initial tuple, the form every jax.lax.scan lowers to."""
-  cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs).group(1)
-  body = comps.get(cond, [])
-  root = next((i for i in body if i.opcode == "compare"), None)
+  """A while loop's trip count when the compiler did not annotate it (TPU programs carry no known_trip_count),
+  from the form every jax.lax.scan lowers to: the condition's root is `i < N` (a compare, direction=LT, of tuple
+  element k of the loop state with a constant), element k starts from a constant in the loop's initial tuple, and
+  the body's root tuple sets it to `i + c` for a constant c (c > 1 when the compiler unrolled the body). Anything
+  else raises: a guessed count would make every byte and FLOP of the loop wrong."""
   fail = ValueError(f"while loop {ins.name} has no known trip count, and its condition is not `i < N`")
-  if root is None or "direction=LT" not in root.attrs or len(root.operands) != 2:
+  cond = comps.get(re.search(r"condition=%?([\w.\-]+)", ins.attrs).group(1), [])
+  body = comps.get(re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1), [])
+  root = cond[-1] if cond else None                 # HLO text lists a computation's ROOT last
+  if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
     raise fail
-  gte = next((i for i in body if i.name == root.operands[0] and i.opcode == "get-tuple-element"), None)
-  limit = _constant(root.operands[1], body)
-  if gte is None or limit is None:
+  gte = next((i for i in cond if i.name == root.operands[0] and i.opcode == "get-tuple-element"), None)
+  limit = _constant(root.operands[1], cond)
+  init = next((i for i in comps[comp] if i.name == ins.operands[0]), None) if ins.operands else None
+  if gte is None or limit is None or init is None or init.opcode != "tuple" or not body or body[-1].opcode != "tuple":
     raise fail
   k = int(re.search(r"index=(\d+)", gte.attrs).group(1))
-  init_tuple = next((i for i in comps[comp] if i.name == ins.operands[0]), None)
-  start = 0 if init_tuple is None or init_tuple.opcode != "tuple" else _constant(init_tuple.operands[k], comps[comp])
-  if start is None:
+  start = _constant(init.operands[k], comps[comp])
+  step = _increment(body[-1].operands[k], k, body)
+  if start is None or not step:
     raise fail
-  return max(0, limit - start)
+  return max(0, -(-(limit - start) // step))
+
+
+def _increment(name: str, k: int, body: list) -> int | None:
+  """c when the loop body's new element k is `element k + c` (an add of its get-tuple-element and a constant)."""
+  by_name = {i.name: i for i in body}
+  ins = by_name.get(name)
+  while ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
+    ins = by_name.get(ins.operands[0])
+  if ins is None or ins.opcode != "add" or len(ins.operands) != 2:
+    return None
+  for a, b in (ins.operands, ins.operands[::-1]):
+    g = by_name.get(a)
+    if g is not None and g.opcode == "get-tuple-element" and re.search(rf"index={k}\b", g.attrs):
+      return _constant(b, body)
+  return None
 
 
 def _groups(ins: Instr) -> list[list[int]] | None:

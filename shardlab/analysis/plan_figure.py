@@ -9,11 +9,8 @@ from shardlab.analysis import planner
 
 
 def configured_layout(cfg) -> dict:
-  """The configured mesh as a layout (one data replica, the configured physical axes)."""
-  hw, mesh = cfg.hardware, cfg.mesh
-  ici = {"data": 1, "fsdp": mesh.fsdp_ici_axes, "tensor": mesh.tensor_ici_axes}
-  return planner.evaluate_layout(cfg, 1, mesh.fsdp, mesh.tensor, {k: hw.axis_bandwidth(v) for k, v in ici.items()},
-                                 ici)
+  """The configured mesh as a layout (data x fsdp x tensor, the configured physical axes): planner.this_layout."""
+  return planner.this_layout(cfg)
 
 
 def curve(cfg, layout: dict, batches) -> tuple[list[float], list[float]]:

@@ -110,11 +110,12 @@ def _direction(pairs, device_ids: np.ndarray, axis_names: tuple, axis: str) -> s
   return "-" if n > 2 and (pos[t] - pos[s]) % n == n - 1 else "+"
 
 
-def build(prog, device_ids=None, axis_names=("data", "fsdp", "tensor")) -> list[Task]:
+def build(prog, device_ids=None, axis_names=None) -> list[Task]:
   """The step's dependency graph, while loops unrolled; tasks are in a topological order (deps first).
   `prog`: an analysis.program.Program (or HLO text, parsed here, with the mesh's device_ids and axis names)."""
   if isinstance(prog, str):
     from shardlab.analysis.program import Program
+    axis_names = axis_names or ("data", "fsdp", "tensor")[3 - np.ndim(device_ids):]
     prog = Program(prog, device_ids, axis_names)
   comps, entry, device_ids, axis_names = prog.comps, prog.entry, prog.device_ids, prog.axis_names
   colls = {(c.computation, c.name): c for c in prog.collectives}
