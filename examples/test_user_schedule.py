@@ -10,7 +10,7 @@ from user_schedule import ExplicitReduce
 
 
 def test_user_schedule_matches_baseline_and_is_all_planned():
-  out = testing.assert_schedule_matches_baseline(ExplicitReduce, mesh_shapes=["2x4", "4x2"], comm="baseline",
+  out = testing.assert_schedule_matches_baseline(ExplicitReduce, mesh_shapes=["2x4", "4x2", "2x2x2"], comm="baseline",
                                                  tp="user_schedule:NamedAllGatherTP")
   for ledgers in out.values():   # the same collectives, byte for byte, under the user's scope names
     assert ledgers["ledger"] == ledgers["baseline"]
