@@ -169,8 +169,8 @@ def _read_residual_bytes(fn, gather, x, stacked) -> int:
     return y, leaves
   y, leaves = jax.eval_shape(forward, x, stacked)
   backward = jax.make_jaxpr(lambda leaves, ct: jax.tree.unflatten(meta["treedef"], leaves)(ct))(leaves, y).jaxpr
-  used = pe.dce_jaxpr(backward, [True] * len(backward.outvars))[1]
-  return _nbytes([a for a, u, w in zip(leaves, used, meta["weight"] + [False] * len(used)) if u and not w])
+  used = pe.dce_jaxpr(backward, [True] * len(backward.outvars))[1]      # per input: the leaves, then ct
+  return _nbytes([a for a, u, w in zip(leaves, used, meta["weight"]) if u and not w])
 
 
 def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, reduce=None, late: bool = False):
