@@ -190,13 +190,11 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   import jax
   from shardlab import params as PM
   from shardlab.analysis import memory_model
-  from shardlab.schedules.explicit import record_residuals
   program, residuals = None, None
   if built is not None:
-    with record_residuals() as rec:           # one layer's residual bytes, read off the same trace
-      traced = built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
+    traced = built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
     program = ledger.from_program(traced.jaxpr)   # traced as .lower() traces it
-    residuals = max(rec, key=lambda r: r["saved"]) if rec else built.get("layer_residuals")   # (a cached trace)
+    residuals = built.get("layer_residuals")      # one layer's residual bytes, read off that trace by trainer.lower
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
   ici = link_axes(cfg)
