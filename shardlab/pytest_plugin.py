@@ -5,7 +5,9 @@
                   leaves JAX alone) through shardlab.mesh.set_cpu_devices. Neither given: the count a
                   conftest already set (shardlab's own sets 8), else 8.
   `mesh`          a fixture: a test that takes `mesh` runs once per fsdp x tensor factorization of the device
-                  count (ids '1x8', '2x4', ...), or over the shapes a `meshes` marker names:
+                  count (ids '1x8', '2x4', ...; with the ini value `shardlab_mesh_axes = 3`, once per
+                  data x fsdp x tensor factorization: '1x1x8', ..., '2x2x2', ...), or over the shapes a
+                  `meshes` marker names:
                       @pytest.mark.meshes((2, 4), "4x2")   # these shapes
                       @pytest.mark.meshes(n=4)             # every factorization of 4 (on the first 4 devices)
                       @pytest.mark.meshes(rank=3)          # every data x fsdp x tensor factorization (HSDP)
@@ -24,6 +26,8 @@ def pytest_addoption(parser):
                   help="fake CPU devices to set up before JAX starts (default: ini shardlab_devices, the "
                        "count a conftest set, or 8; 0: leave JAX alone)")
   parser.addini("shardlab_devices", f"fake CPU devices for tests (default {testing.DEFAULT_DEVICES})", default="")
+  parser.addini("shardlab_mesh_axes", "mesh axes the `mesh` fixture factorizes the devices into by default: 2 "
+                "(fsdp x tensor) or 3 (data x fsdp x tensor)", default="2")
   parser.addini("shardlab_fast_compile", "compile tests with LLVM optimizations off unless XLA_FLAGS is set",
                 type="bool", default=True)
 
@@ -53,16 +57,16 @@ def _user_parametrized(metafunc) -> bool:
   return False
 
 
-def mesh_shapes_for(marker, n_devices: int) -> list[tuple[int, ...]]:
+def mesh_shapes_for(marker, n_devices: int, rank: int = 2) -> list[tuple[int, ...]]:
   """The shapes a `meshes` marker (or none) asks for, checked against the device count. `meshes(rank=3)`: every
   data x fsdp x tensor factorization (of `n`, default the device count)."""
   import math
   if marker is None or not (marker.args or marker.kwargs):
-    return testing.mesh_shapes(n_devices)
+    return testing.mesh_shapes(n_devices, rank)
   if marker.args:
     shapes = [testing.parse_mesh_shape(s) for s in marker.args]
   else:
-    shapes = testing.mesh_shapes(marker.kwargs.get("n") or n_devices, marker.kwargs.get("rank", 2))
+    shapes = testing.mesh_shapes(marker.kwargs.get("n") or n_devices, marker.kwargs.get("rank", rank))
   for s in shapes:
     if math.prod(s) > n_devices:
       pytest.fail(f"meshes({testing.mesh_id(s)}) needs {math.prod(s)} devices; the tests have {n_devices} "
@@ -73,7 +77,10 @@ def mesh_shapes_for(marker, n_devices: int) -> list[tuple[int, ...]]:
 def pytest_generate_tests(metafunc):
   if "mesh" not in metafunc.fixturenames or _user_parametrized(metafunc):
     return
-  shapes = mesh_shapes_for(metafunc.definition.get_closest_marker("meshes"), testing.device_count())
+  rank = metafunc.config.getini("shardlab_mesh_axes")
+  if str(rank) not in ("2", "3"):
+    raise pytest.UsageError(f"shardlab_mesh_axes = {rank}: choose 2 (fsdp x tensor) or 3 (data x fsdp x tensor)")
+  shapes = mesh_shapes_for(metafunc.definition.get_closest_marker("meshes"), testing.device_count(), int(rank))
   metafunc.parametrize("mesh", shapes, indirect=True, ids=testing.mesh_id)
 
 

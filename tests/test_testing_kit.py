@@ -61,6 +61,10 @@ def test_plugin_parametrizes_every_factorization_without_boilerplate(pytester):
   result = pytester.runpytest_inprocess("-p", "no:xdist", "test_too_big.py")
   result.assert_outcomes(errors=1)
   assert "meshes(8x2) needs 16 devices; the tests have 8 (--shardlab-devices)" in result.stdout.str()
+  # shardlab_mesh_axes = 3: the default fixture runs over every data x fsdp x tensor factorization of 8 (10)
+  result = pytester.runpytest_inprocess("-p", "no:xdist", "-v", "-o", "shardlab_mesh_axes=3", "test_user.py::test_all")
+  result.assert_outcomes(passed=10)
+  assert "[2x2x2] PASSED" in result.stdout.str() and "[1x2x4] PASSED" in result.stdout.str()
 
 
 def test_rank_coded_values_name_their_device():
