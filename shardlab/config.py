@@ -186,8 +186,9 @@ def register_configs() -> None:
   from omegaconf import OmegaConf
   # ${mesh_label:${mesh.data},${mesh.fsdp},${mesh.tensor}} -> '4x2', or '2x2x2' with a data axis (run dir names)
   if not OmegaConf.has_resolver("mesh_label"):
-    OmegaConf.register_new_resolver("mesh_label", lambda d, f, t: "x".join(map(str, ((d,) if int(d) != 1 else ())
-                                                                                   + (f, t))))
+    from shardlab.mesh import shape_of
+    OmegaConf.register_new_resolver("mesh_label", lambda d, f, t: "x".join(
+        str(n) for n in shape_of(int(f), int(t), int(d)).values()))
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)
   for group, node in GROUPS.items():

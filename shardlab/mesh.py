@@ -50,11 +50,6 @@ def shape_of(fsdp: int, tensor: int, data: int = 1) -> dict[str, int]:
   return {**({DATA: data} if data != 1 else {}), FSDP: fsdp, TENSOR: tensor}
 
 
-def config_shape(m) -> dict[str, int]:
-  """shape_of for a MeshConfig."""
-  return shape_of(m.fsdp, m.tensor, m.data)
-
-
 def describe(shape: dict) -> str:
   """{data: 2, fsdp: 2, tensor: 2} -> 'mesh.data=2 x mesh.fsdp=2 x mesh.tensor=2' (messages)."""
   return " x ".join(f"mesh.{a}={n}" for a, n in shape.items())

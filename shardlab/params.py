@@ -63,10 +63,6 @@ def rule(logical: str, axis_names) -> tuple[str, ...]:
   return tuple(a for a in got if a in axis_names)
 
 
-def _entry(axes: tuple):
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def batch_axes(axis_names) -> tuple[str, ...]:
   """The mesh axes the batch is split over (LAYOUT['batch'] on this mesh): what the residual stream varies
   over, and what the loss and a replicated weight's gradient are summed over."""
@@ -75,7 +71,8 @@ def batch_axes(axis_names) -> tuple[str, ...]:
 
 def batch_spec(axis_names) -> P:
   """tokens[B, L] on this mesh: B split over the batch axes."""
-  return P(_entry(batch_axes(axis_names)))
+  axes = batch_axes(axis_names)
+  return P(None if not axes else axes[0] if len(axes) == 1 else axes)
 
 
 def replica_axes(axis_names) -> tuple[str, ...]:

@@ -111,7 +111,7 @@ def run(argv: list[str]) -> dict:
     result["batch_window"]["target"] = confirm_batch_window(cfg)
   if opts["search"]:
     layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
-    result["search"] = {"devices": opts["devices"] or cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor, "considered": len(layouts),
+    result["search"] = {"devices": opts["devices"] or cfg.mesh.n_devices, "considered": len(layouts),
                         "qualifying": sum(not l["rejected_because"] for l in layouts)}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
     if opts["confirm"]:

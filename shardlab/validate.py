@@ -165,15 +165,11 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
   _divides("model.d_ff", m.d_ff, "mesh.tensor", mesh.tensor, "d_ff is sharded over tensor")
   _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
-  if mesh.data > 1:
-    _divides("train.batch_size", t.batch_size, "mesh.data * mesh.fsdp", mesh.data * mesh.fsdp,
-             "the batch is sharded over data x fsdp")
-    _divides("train.batch_size", t.batch_size, "mesh.data * mesh.fsdp * schedule.microbatches",
-             mesh.data * mesh.fsdp * s.microbatches, "each device splits its batch into microbatches")
-  else:
-    _divides("train.batch_size", t.batch_size, "mesh.fsdp", mesh.fsdp, "the batch is sharded over fsdp")
-    _divides("train.batch_size", t.batch_size, "mesh.fsdp * schedule.microbatches", mesh.fsdp * s.microbatches,
-             "each device splits its batch into microbatches")
+  shards, over = (mesh.data * mesh.fsdp, "mesh.data * mesh.fsdp") if mesh.data > 1 else (mesh.fsdp, "mesh.fsdp")
+  _divides("train.batch_size", t.batch_size, over, shards,
+           "the batch is sharded over data x fsdp" if mesh.data > 1 else "the batch is sharded over fsdp")
+  _divides("train.batch_size", t.batch_size, f"{over} * schedule.microbatches", shards * s.microbatches,
+           "each device splits its batch into microbatches")
   sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype])   # the schedule checks its own knobs
   ops = getattr(sched, "ops", None)
   if getattr(ops, "seq_sharded", False) and not getattr(ops, "bidirectional", False):

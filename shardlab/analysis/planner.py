@@ -536,7 +536,7 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
   fewest kinds of problem first (sharding, memory, communication), then by the microbatches they need to fit
   (those that no microbatching fits last), then by step time."""
   hw = cfg.hardware
-  n = devices or cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+  n = devices or cfg.mesh.n_devices
   if n < 1:
     raise ValueError(f"devices={n} must be >= 1")
   if torus is not None and not hw.torus:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
 from shardlab.mesh import TENSOR, ConfigError
-from shardlab.params import batch_axes, declare
+from shardlab.params import batch_spec, declare
 from shardlab.schedules.explicit import _remat_policy
 from shardlab.schedules.tp import IdentityOps
 
@@ -28,8 +28,7 @@ class ConstrainedOps(IdentityOps):
   @property
   def batch(self):
     """The batch dim's spec entry: the mesh axes params.LAYOUT['batch'] names that this mesh has."""
-    axes = batch_axes(self.mesh.axis_names)
-    return axes[0] if len(axes) == 1 else axes or None
+    return batch_spec(self.mesh.axis_names)[0]
 
   @property
   def residual(self):
