@@ -47,7 +47,7 @@ class MeshConfig:
 @dataclass
 class ModelConfig:
   name: str = "tiny"
-  kind: str = "transformer"  # transformer | ffn (the Scaling Book's L blocks of D->F->D; planner only)
+  kind: str = "transformer"  # transformer | ffn (the Scaling Book's L blocks of D->F->D on fixed token codes)
   d_model: int = 64
   d_ff: int = 128
   n_layers: int = 2

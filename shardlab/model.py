@@ -1,5 +1,6 @@
 """The model's math on one device's view: a decoder-only transformer (RMSNorm, causal grouped-query attention
-with RoPE (attention.py), SwiGLU MLP, vocabulary-parallel cross-entropy).
+with RoPE (attention.py), SwiGLU MLP, vocabulary-parallel cross-entropy), or (model.kind=ffn) the Scaling
+Book's FFN-only model: L blocks x + W_out relu(W_in x) on fixed token codes, regressing the next token's code.
 
 The math never names a collective or a mesh axis. Where a contraction runs over a sharded dimension it asks
 `ops` (the schedule's TP contractions):
@@ -9,6 +10,8 @@ The math never names a collective or a mesh axis. Where a contraction runs over 
   ops.reduce(y)         y[B, L, D]{U_tp} -> y[B, L_tp, D]
   ops.vocab_max/vocab_sum/vocab_start, ops.batch_sum: reductions over the vocab and batch shards;
   ops.head_start: the first query head this device holds.
+  ops.seq_shard(x), ops.token_sum(x): the FFN-only model's input into the residual stream's layout, and its
+  loss summed over every token.
 With `IdentityOps` every one of these is the plain operation: that is the unsharded model.
 Weights come from `w.get(name)` (gathered by the schedule) and the layer stack runs as `w.layers(x, layer)`.
 """
@@ -20,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardlab import attention as A
 from shardlab.config import ModelConfig
+from shardlab.data import token_code
 
 QKV_PROJ = "qkv_proj"   # checkpoint names the remat policies keep (schedules/explicit.py: REMAT)
 ATTN_OUT = A.ATTN_OUT   # the attention output (named by attention.attend)
@@ -100,9 +104,27 @@ def cross_entropy(ops, logits_BLV, targets_BL):
   return lse_BL - tgt_BL
 
 
+def ffn_layer(ops, m: ModelConfig, x_BLD, w):
+  """One block of the FFN-only model: x + W_out relu(W_in x). The residual stream stays float32 (it carries the
+  fixed input codes); the matmuls and their communication run in the weights' (compute) dtype."""
+  h_BLF = ops.column(x_BLD.astype(w["wi"].dtype), w["wi"], "bld,df->blf")
+  return x_BLD + ops.row(jax.nn.relu(h_BLF), w["wd"], "blf,fd->bld").astype(x_BLD.dtype)
+
+
+def ffn_loss(ops, m: ModelConfig, w, tokens_BL, targets_BL, n_tokens: int):
+  """The FFN-only model: the blocks map each token's code (data.token_code) towards the next token's; the loss
+  is the squared error per code dimension, this device's share of the mean over every token."""
+  x_BLD = ops.seq_shard(token_code(tokens_BL, m.d_model))
+  x_BLD = w.layers(x_BLD, lambda x, lw: ffn_layer(ops, m, x, lw))
+  err_BLD = x_BLD - ops.seq_shard(token_code(targets_BL, m.d_model))
+  return ops.token_sum(jnp.sum(err_BLD * err_BLD)) / (n_tokens * m.d_model)
+
+
 def loss(ops, m: ModelConfig, w, tokens_BL, targets_BL, n_tokens: int):
   """Sum of this device's token losses over the global token count: summed over devices (and over
   microbatches) it is the global mean."""
+  if m.kind == "ffn":
+    return ffn_loss(ops, m, w, tokens_BL, targets_BL, n_tokens)
   x_BLD = embed(ops, tokens_BL, w.get("embed"))
   x_BLD = w.layers(x_BLD, lambda x, lw: layer(ops, m, x, lw))
   x_BLD = rms_norm(x_BLD, w.get("final_norm"), m.norm_eps)

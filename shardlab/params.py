@@ -92,8 +92,14 @@ def declare(m: ModelConfig, tensor: int | None = None) -> dict:
 
   tensor: the size of the mesh's `tensor` axis. K/V heads (G = model.kv_heads) are sharded over it when it
   divides G, and replicated over it otherwise (e.g. G=1, multi-query attention, on any tensor size); None:
-  sharded. Query heads always are (validation requires tensor | H)."""
+  sharded. Query heads always are (validation requires tensor | H).
+
+  model.kind=ffn: the Scaling Book's blocks only, W_in[D, F] and W_out[F, D] per layer (no embeddings, norms or
+  attention: analysis/planner.py counts the same 2 D F per layer)."""
   D, F, H, K, V, NL = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers
+  if m.kind == "ffn":
+    return {"layers": {"wi": Param((NL, D, F), ("layers", "embed", "mlp")),
+                       "wd": Param((NL, F, D), ("layers", "mlp", "embed"))}}
   G = m.kv_heads
   kv = Param((NL, D, 2, G, K), ("layers", "embed", None, "kv_heads", "head_dim"))
   if not kv_sharded(m, tensor):

@@ -24,6 +24,12 @@ def _rope(x, theta):
 
 def loss(params, tokens, targets, cfg: Config):
   m = cfg.model
+  if m.kind == "ffn":
+    from shardlab.data import token_code   # the task's fixed input and target codes, not model math
+    x = token_code(tokens, m.d_model)
+    for i in range(m.n_layers):
+      x = x + jnp.maximum(x @ params["layers"]["wi"][i], 0.0) @ params["layers"]["wd"][i]
+    return jnp.mean(jnp.square(x - token_code(targets, m.d_model)))
   x = params["embed"][tokens]
   L = tokens.shape[1]
   mask = jnp.tril(jnp.ones((L, L), bool))
@@ -52,8 +58,7 @@ def loss(params, tokens, targets, cfg: Config):
 def optimizer(cfg: Config, params):
   from shardlab.train import lr_schedule
   t = cfg.train
-  mask = {"embed": True, "final_norm": False, "unembed": True,
-          "layers": {k: not k.endswith("norm") for k in params["layers"]}}
+  mask = jax.tree_util.tree_map_with_path(lambda path, _: not path[-1].key.endswith("norm"), params)
   return optax.chain(optax.clip_by_global_norm(t.grad_clip),
                      optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=mask))
 

@@ -120,7 +120,6 @@ def validate_plan(cfg: Config) -> None:
 def validate(cfg: Config, n_devices: int | None = None) -> None:
   """Raise ConfigError for the first setting that cannot work. `n_devices`: the devices present, if known."""
   from shardlab import schedules
-  from shardlab.attention import IMPLS, block_size
   from shardlab.train import DTYPES
   m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
   check_ranges(cfg)
@@ -141,30 +140,17 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
       raise ConfigError(f"precision.{name}={getattr(cfg.precision, name)}: choose one of {', '.join(DTYPES)}")
   if cfg.precision.param_dtype != "float32":
     raise ConfigError("precision.param_dtype must be float32 (master weights and optimizer state)")
-  if m.kind != "transformer":
-    raise ConfigError(f"model.kind={m.kind}: only 'transformer' trains (the 'ffn' model is for the planner)")
+  if m.kind not in ("transformer", "ffn"):
+    raise ConfigError(f"model.kind={m.kind}: choose transformer or ffn")
   for name in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len"):
     if getattr(m, name) < 1:
       raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 1")
-  _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
-  if m.n_kv_heads < 0:
-    raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must be >= 1 (or 0: as many as model.n_heads)")
-  if m.n_heads % m.kv_heads:
-    raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads} (each "
-                      f"key/value head serves the same number of query heads); choose n_kv_heads dividing n_heads")
-  if m.attention not in IMPLS:
-    raise ConfigError(f"model.attention={m.attention}: unknown; choose one of {', '.join(IMPLS)}")
-  if m.attention_block < 1:
-    raise ConfigError(f"model.attention_block={m.attention_block}: must be >= 1")
-  if m.attention == "blockwise" and m.seq_len % block_size(m.seq_len, m.attention_block):
-    raise ConfigError(f"model.seq_len={m.seq_len} is not a multiple of model.attention_block={m.attention_block} "
-                      f"(blockwise attention splits the sequence into blocks); choose a block dividing seq_len")
-  if m.head_dim % 2:
-    raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
+  if m.kind == "ffn":
+    _validate_ffn(cfg)
+  else:
+    _validate_attention(cfg)
   _divides("model.d_model", m.d_model, "mesh.fsdp", mesh.fsdp, "every weight's d_model dim is sharded over fsdp")
-  _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
   _divides("model.d_ff", m.d_ff, "mesh.tensor", mesh.tensor, "d_ff is sharded over tensor")
-  _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
   shards, over = (mesh.data * mesh.fsdp, "mesh.data * mesh.fsdp") if mesh.data > 1 else (mesh.fsdp, "mesh.fsdp")
   _divides("train.batch_size", t.batch_size, over, shards,
            "the batch is sharded over data x fsdp" if mesh.data > 1 else "the batch is sharded over fsdp")
@@ -182,6 +168,38 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   if not 1 <= cfg.data.branching <= m.vocab_size:
     raise ConfigError(f"data.branching={cfg.data.branching}: must be between 1 and model.vocab_size")
   validate_launch(cfg)
+
+
+FFN_REMAT = ("none", "full", "save_matmuls")   # the FFN-only model has no attention to save or recompute
+
+
+def _validate_ffn(cfg: Config) -> None:
+  if cfg.schedule.remat not in FFN_REMAT:
+    raise ConfigError(f"schedule.remat={cfg.schedule.remat}: the FFN-only model (model.kind=ffn) has no attention; "
+                      f"choose {' | '.join(FFN_REMAT)}")
+
+
+def _validate_attention(cfg: Config) -> None:
+  """The transformer's heads, attention and vocabulary."""
+  from shardlab.attention import IMPLS, block_size
+  m, mesh = cfg.model, cfg.mesh
+  _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
+  if m.n_kv_heads < 0:
+    raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must be >= 1 (or 0: as many as model.n_heads)")
+  if m.n_heads % m.kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads} (each "
+                      f"key/value head serves the same number of query heads); choose n_kv_heads dividing n_heads")
+  if m.attention not in IMPLS:
+    raise ConfigError(f"model.attention={m.attention}: unknown; choose one of {', '.join(IMPLS)}")
+  if m.attention_block < 1:
+    raise ConfigError(f"model.attention_block={m.attention_block}: must be >= 1")
+  if m.attention == "blockwise" and m.seq_len % block_size(m.seq_len, m.attention_block):
+    raise ConfigError(f"model.seq_len={m.seq_len} is not a multiple of model.attention_block={m.attention_block} "
+                      f"(blockwise attention splits the sequence into blocks); choose a block dividing seq_len")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
+  _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
+  _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
 
 
 def validate_launch(cfg: Config) -> None:

@@ -61,6 +61,26 @@ def test_preset_matches_reference_with_a_data_axis(preset, mesh_shape):
   _check(mesh_shape, knobs, f"{preset} on {mesh_shape}: ")
 
 
+# The FFN-only model (model.kind=ffn: the Scaling Book's blocks on fixed token codes) is the same training as its
+# reference too: every preset on one mesh each (cycling through every 2D shape and 2x2x2), baseline on the rest.
+FFN = {"kind": "ffn"}
+FFN_MESHES = [*MESHES, (2, 2, 2), (1, 1)]
+FFN_CASES = [(p, FFN_MESHES[i % (len(FFN_MESHES) - 1)]) for i, p in enumerate(preset_names())]
+FFN_CASES += [("baseline", m) for m in FFN_MESHES if ("baseline", m) not in FFN_CASES]
+
+
+@pytest.mark.parametrize("preset,mesh_shape", FFN_CASES, ids=[f"{p}-{'x'.join(map(str, m))}" for p, m in FFN_CASES])
+def test_ffn_model_matches_reference(preset, mesh_shape):
+  from shardlab.testing import compile_schedule
+  knobs = {k: v for k, v in load_preset(preset).items() if k != "name"}
+  loss, grads = compile_schedule(knobs, mesh_shape, FFN)[1]
+  ref_loss, ref_grads = reference_loss_and_grads(FFN)
+  label = f"ffn, {preset} on {mesh_shape}: "
+  assert set(grads["layers"]) == {"wi", "wd"}, label
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6, err_msg=label)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=label)
+
+
 def test_one_device_mesh_matches_reference():
   _check((1, 1), {}, "1x1: ")
 

@@ -22,13 +22,13 @@ def knobs_of(preset: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def grad_fn_and_args(mesh_shape: tuple, knobs: tuple):
+def grad_fn_and_args(mesh_shape: tuple, knobs: tuple, model: tuple = ()):
   """The grad function conftest.compiled_grads compiles, and abstract arguments to trace it with."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   from shardlab import params as PM, schedules, train as T
-  cfg = tiny_config(**dict(knobs))
+  cfg = tiny_config(dict(model), **dict(knobs))
   mesh, decls = mesh_of(*mesh_shape), PM.declare(cfg.model)
   fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
@@ -39,18 +39,20 @@ def grad_fn_and_args(mesh_shape: tuple, knobs: tuple):
 
 
 @functools.lru_cache(maxsize=None)
-def program_rows(mesh_shape, knobs):
+def program_rows(mesh_shape, knobs, model: tuple = ()):
   import jax
   from shardlab.analysis import ledger
-  fn, args = grad_fn_and_args(mesh_shape, knobs)
+  fn, args = grad_fn_and_args(mesh_shape, knobs, model)
   with jax.numpy_dtype_promotion("strict"):
     return ledger.from_program(jax.make_jaxpr(fn)(*args))
 
 
-def compiled_rows(mesh_shape, knobs):
+def compiled_rows(mesh_shape, knobs, model: tuple = ()):
   from shardlab.analysis import hlo, ledger
+  from shardlab.testing import compile_schedule
   mesh = mesh_of(*mesh_shape)
-  colls = hlo.collectives(compiled_grads(mesh_shape, knobs)[0].as_text(), mesh.device_ids, tuple(mesh.axis_names))
+  compiled = compile_schedule(dict(knobs), mesh_shape, dict(model))[0] if model else compiled_grads(mesh_shape, knobs)[0]
+  colls = hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names))
   return colls, ledger.from_hlo(colls)
 
 
@@ -211,3 +213,75 @@ def test_hsdp_compiled_ledger_equals_program_and_nothing_unplanned(preset):
   assert t[("all-reduce", "data")]["bytes"] == t[("reduce-scatter", "fsdp")]["bytes"] > 0
   assert {key: v["bytes"] for key, v in t.items()} == {
       key: v["bytes"] for key, v in hand_ledger((2, 2, 2), dict(knobs)).items()}
+
+
+FFN = (("kind", "ffn"),)
+
+
+def ffn_hand_ledger(mesh_shape, knobs: dict) -> dict:
+  """hand_ledger for the FFN-only model (model.kind=ffn): per layer W_in[D, F_tp] and W_out[F_tp, D] only, two
+  TP contractions per layer (column, row), no embeddings, norms or vocabulary; the loss is one sum over the
+  batch axes and, sequence-parallel, over tensor (its shards of the sequence)."""
+  cfg = tiny_config(dict(FFN), **knobs)
+  m, s = cfg.model, cfg.schedule
+  D, F, NL, L = m.d_model, m.d_ff, m.n_layers, m.seq_len
+  Z, X, Y = mesh_shape if len(mesh_shape) == 3 else (1, *mesh_shape)
+  sizes = {"data": Z, "fsdp": X, "tensor": Y}
+  k = s.microbatches
+  b = cfg.train.batch_size // (Z * X) // k
+  out = {}
+
+  def add(kind, axis, elements, count=1):
+    axis = "+".join(a for a in axis.split("+") if sizes[a] > 1)
+    n = 1 if not axis else math.prod(sizes[a] for a in axis.split("+"))
+    if n == 1 or count == 0:
+      return
+    full = 4 * elements
+    moved = {"all-reduce": 2 * full * (n - 1) // n, "collective-permute": full}.get(kind, full * (n - 1) // n)
+    row = out.setdefault((kind, axis), {"count": 0, "bytes": 0})
+    row["count"] += count
+    row["bytes"] += count * moved
+
+  for e in (D * F // Y, F * D // Y):
+    if s.grad_reduce == "deferred":
+      add("all-gather", "fsdp", NL * e)
+      add("reduce-scatter", "fsdp", NL * e)
+      add("all-reduce", "data", NL * e // X)
+    else:
+      add("all-gather", "fsdp", e, NL * (1 + s.reshard_after_forward))
+      add("reduce-scatter", "fsdp", e, NL)
+      add("all-reduce", "data", e // X, NL)
+  act = b * L * D                                     # x[b, L, D] gathered over tensor
+  if s.tp == "allreduce":                             # psum per row (forward), per column's input (backward)
+    add("all-reduce", "tensor", act, k * 2 * NL)
+    add("all-reduce", "data+fsdp", 1, k)
+  else:
+    if s.tp == "allgather":
+      add("all-gather", "tensor", act, k * 2 * NL)
+      add("reduce-scatter", "tensor", act, k * 2 * NL)
+    else:
+      halves = 2 if s.tp == "ring_bidi" else 1
+      add("collective-permute", "tensor", act // Y // halves, k * 2 * 2 * NL * (Y - 1) * halves)
+    add("all-reduce", "data+fsdp+tensor", 1, k)
+  return out
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES + [(2, 2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_ffn_program_ledger_equals_hand_count(mesh_shape):
+  """The FFN-only model, every schedule family, from the traced program: executions and bytes per (kind, axis)."""
+  from shardlab.analysis import ledger
+  for preset in FAMILIES:
+    got = without_arrays(ledger.totals(program_rows(mesh_shape, knobs_of(preset), FFN)))
+    assert got == ffn_hand_ledger(mesh_shape, dict(knobs_of(preset))), f"ffn, {preset} on {mesh_shape}"
+
+
+@pytest.mark.parametrize("preset", ["baseline", "collective_matmul_bidi", "megatron_allreduce"])
+def test_ffn_compiled_ledger_equals_program_and_nothing_unplanned(preset):
+  """The FFN-only model's compiled program on 2x4 holds the collectives the code placed and nothing else."""
+  from shardlab.analysis import ledger, program
+  knobs = knobs_of(preset)
+  colls, compiled = compiled_rows((2, 4), knobs, FFN)
+  assert program.audit(colls)["unplanned"] == []
+  assert ledger.compare(program_rows((2, 4), knobs, FFN), compiled) == []
+  assert {key: t["bytes"] for key, t in ledger.totals(compiled).items()} == {
+      key: t["bytes"] for key, t in ffn_hand_ledger((2, 4), dict(knobs)).items()}

@@ -1,5 +1,6 @@
 """Analytic memory per device (shardlab/analysis/memory_model.py) against the H100 compiler's own
-`memory_analysis()` of the same train step, for every explicit schedule preset (a small transformer, bf16, 4x2).
+`memory_analysis()` of the same train step, for every explicit schedule preset, on two models: a small
+transformer and the FFN-only model (model.kind=ffn, the Scaling Book's blocks), bf16, 4x2.
 
   python experiments/validate/memory.py       # one target compile per preset; writes memory.json, prints a table
 
@@ -18,6 +19,9 @@ HERE = Path(__file__).parent
 SMALL = ["model.d_model=256", "model.d_ff=1024", "model.n_layers=4", "model.n_heads=4", "model.vocab_size=1024",
          "model.seq_len=256", "train.batch_size=16", "precision=bf16", "model.attention=blockwise",
          "model.attention_block=128", "mesh=4x2", "hardware=h100"]
+FFN = ["model.kind=ffn", "model.d_model=1024", "model.d_ff=4096", "model.n_layers=4", "model.seq_len=256",
+       "train.batch_size=16", "precision=bf16", "mesh=4x2", "hardware=h100"]
+MODELS = {"transformer": SMALL, "ffn": FFN}
 PRESETS = ["baseline", "fsdp_prefetch", "keep_gathered", "deferred_reduce", "collective_matmul",
            "collective_matmul_bidi", "megatron_allreduce", "prefetch_ring"]
 
@@ -43,13 +47,16 @@ def main() -> None:
   from shardlab.mesh import set_cpu_devices
   set_cpu_devices(8)
   out = {}
-  for p in PRESETS:
-    t0 = time.perf_counter()
-    out[p] = compare(SMALL + [f"schedule={p}"])
-    print(f"{p:24s} " + "  ".join(f"{k} {v['analytic'] / 1e6:6.1f} / {v['compiled'] / 1e6:6.1f} MB ({v['error']:+.1%})"
-                                   for k, v in out[p].items()) + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
-  (HERE / "memory.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "overrides": SMALL,
-                                                 "command": " ".join(["python"] + sys.argv), "presets": out}, indent=1))
+  for model, overrides in MODELS.items():
+    out[model] = {}
+    for p in PRESETS:
+      t0 = time.perf_counter()
+      got = out[model][p] = compare(overrides + [f"schedule={p}"])
+      print(f"{model:11s} {p:24s} " + "  ".join(f"{k} {v['analytic'] / 1e6:6.1f} / {v['compiled'] / 1e6:6.1f} MB "
+                                                 f"({v['error']:+.1%})" for k, v in got.items())
+            + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
+  (HERE / "memory.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "overrides": MODELS,
+                                                 "command": " ".join(["python"] + sys.argv), "models": out}, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ contraction, the residual stream it keeps whole (`_replicated_per_token`). The l
 their float32 cotangent at once where the backward starts: 8 bytes per local logit.
 
 What it leaves out (experiments/validate/README.md measures it against the compilers' `memory_analysis()`: within
-10% on every explicit preset with the trace, 20-38% short without it on a 4x2 mesh): XLA's buffer reuse and
-fusion (it may keep less than AD saves, or a bfloat16 copy of the logits), the rings' chunk buffers, and the
-other transients of one layer's backward beyond its weight gradient (`layer_gradient`).
+10% on every explicit preset, for the transformer and the FFN-only model, with the trace; 20-38% short without it
+on a 4x2 mesh): XLA's buffer reuse and fusion (it may keep less than AD saves, or a bfloat16 copy of the logits),
+the rings' chunk buffers, the other transients of one layer's backward beyond its weight gradient and the rings'
+partial ones (`layer_gradient`), and the GPU compiler's split-K partials: a weight-gradient GEMM with a small
+output (below about a million elements, e.g. [512, 1024] per device) is split along its token dimension into
+float32 partial products (4 x the output at [512, 1024]), which no model at real scale has.
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     acts = m.n_layers * residuals["saved"] + residuals["unremat"]
   else:
     acts = tokens * m.n_layers * ((per_token - rep) // t + rep) * cb
-  acts += tokens * m.vocab_size // t * 8           # fp32 logits and their fp32 cotangent, live at once
+  if m.kind != "ffn":                              # (the FFN-only model has no logits: its loss is on [B, L, D])
+    acts += tokens * m.vocab_size // t * 8         # fp32 logits and their fp32 cotangent, live at once
   accum = 0 if s.microbatches == 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
   out = {
       "master_params": shard * pb,
@@ -68,11 +72,22 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
       "gathered_weights": (live * per_layer + top) * cb,          # embed/unembed stay gathered for backward
       # One layer's whole weight gradient W[D, N_tp], produced by its backward before the reduce-scatter over
       # fsdp takes its shard (in the gather's dtype); deferred reduction holds the stack instead (in grads).
-      "layer_gradient": 0 if deferred else per_layer * (cb if s.gather_dtype == "compute" else pb),
+      # A collective-matmul ring's backward makes one partial weight gradient per ring step (in the compute
+      # dtype) and XLA fuses their sum, so every partial is live at once: ring_steps - 1 more copies.
+      "layer_gradient": ((0 if deferred else per_layer * (cb if s.gather_dtype == "compute" else pb))
+                         + (ring_steps(s.tp, t) - 1) * per_layer * cb),
       "activations": acts,
   }
   out["total"] = sum(out.values())
   return out
+
+
+def ring_steps(tp: str, tensor: int) -> int:
+  """Partial products per weight in a collective-matmul ring (collectives.all_gather_matmul): one per ring step,
+  tensor of them (ring), or two per step in half-blocks (ring_bidi); 1 for the other contractions."""
+  if tensor == 1:
+    return 1
+  return {"ring": tensor, "ring_bidi": 2 * tensor}.get(tp, 1)
 
 
 def _replicated_per_token(model, remat: str) -> int:

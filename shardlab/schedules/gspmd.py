@@ -46,6 +46,9 @@ class ConstrainedOps(IdentityOps):
   def reduce(self, y):
     return self.c(y, self.residual)
 
+  def seq_shard(self, x):
+    return self.c(x, self.residual)
+
 
 class _Weights:
   def __init__(self, params, policy):

@@ -70,6 +70,16 @@ class IdentityOps:
   def batch_sum(self, x):
     return x
 
+  def seq_shard(self, x):
+    """x[B, L, ..], the same on every tensor rank -> the residual stream's layout (x[B, L_tp, ..], this rank's
+    block, when sequence-parallel). No communication: the FFN-only model's input codes."""
+    return x
+
+  def token_sum(self, x):
+    """A sum over this device's tokens of the residual stream -> the sum over every token: over the batch
+    axes and, when the sequence is sharded, over tensor (the FFN-only model's loss)."""
+    return self.batch_sum(x)
+
 
 class _TensorParallel(IdentityOps):
   """Reductions over the vocab and batch shards, shared by every TP mode."""
@@ -90,6 +100,16 @@ class _TensorParallel(IdentityOps):
   def batch_sum(self, x):
     """Over the mesh axes the batch is split on (params.LAYOUT['batch'] on the mesh being traced)."""
     return C.psum(x, batch_axes(jax.sharding.get_abstract_mesh().axis_names), name="loss_sum")
+
+  def seq_shard(self, x):
+    if not self.seq_sharded:
+      return x
+    n = x.shape[SEQ_DIM] // C.axis_size(TENSOR)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(TENSOR) * n, n, SEQ_DIM)
+
+  def token_sum(self, x):
+    axes = batch_axes(jax.sharding.get_abstract_mesh().axis_names) + ((TENSOR,) if self.seq_sharded else ())
+    return C.psum(x, axes, name="loss_sum")
 
 
 class AllGatherTP(_TensorParallel):
