@@ -104,7 +104,7 @@ def cross_entropy(ops, logits_BLV, targets_BL):
   return lse_BL - tgt_BL
 
 
-def ffn_layer(ops, m: ModelConfig, x_BLD, w):
+def ffn_layer(ops, x_BLD, w):
   """One block of the FFN-only model: x + W_out relu(W_in x). The residual stream stays float32 (it carries the
   fixed input codes); the matmuls and their communication run in the weights' (compute) dtype."""
   h_BLF = ops.column(x_BLD.astype(w["wi"].dtype), w["wi"], "bld,df->blf")
@@ -115,7 +115,7 @@ def ffn_loss(ops, m: ModelConfig, w, tokens_BL, targets_BL, n_tokens: int):
   """The FFN-only model: the blocks map each token's code (data.token_code) towards the next token's; the loss
   is the squared error per code dimension, this device's share of the mean over every token."""
   x_BLD = ops.seq_shard(token_code(tokens_BL, m.d_model))
-  x_BLD = w.layers(x_BLD, lambda x, lw: ffn_layer(ops, m, x, lw))
+  x_BLD = w.layers(x_BLD, lambda x, lw: ffn_layer(ops, x, lw))
   err_BLD = x_BLD - ops.seq_shard(token_code(targets_BL, m.d_model))
   return ops.token_sum(jnp.sum(err_BLD * err_BLD)) / (n_tokens * m.d_model)
 

@@ -19,7 +19,7 @@ on a 4x2 mesh): XLA's buffer reuse and fusion (it may keep less than AD saves, o
 the rings' chunk buffers, the other transients of one layer's backward beyond its weight gradient and the rings'
 partial ones (`layer_gradient`), and the GPU compiler's split-K partials: a weight-gradient GEMM with a small
 output (below about a million elements, e.g. [512, 1024] per device) is split along its token dimension into
-float32 partial products (4 x the output at [512, 1024]), which no model at real scale has.
+float32 partial products (4 x the output at [512, 1024]); the model presets' weights are far larger.
 """
 from __future__ import annotations
 
