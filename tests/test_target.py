@@ -102,6 +102,24 @@ def test_overlap_baseline_vs_prefetch():
   assert op["not_realized"].get("all-gather fsdp (fsdp_all_gather)", 0) > 0
 
 
+def test_the_gpu_schedule_keeps_one_collective_in_flight():
+  """costmodel's one link stream on a switch is XLA's GPU schedule: no two async collectives are in flight at once
+  (xla_gpu_experimental_parallel_collective_overlap_limit, default 1), FSDP gathers, rings and reductions alike."""
+  from collections import defaultdict
+  for preset in ("baseline", "fsdp_prefetch", "collective_matmul_bidi"):
+    prog = target_grads((2, 4), knobs_of(preset))[0]
+    spans = defaultdict(list)
+    for p in prog.async_pairs():
+      spans[p.computation] += [(p.start, 1), (p.done, -1)] if not p.wraps else [(0, 1), (p.done, -1), (p.start, 1)]
+    assert spans, preset
+    for comp, events in spans.items():
+      level, peak = 0, 0
+      for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        level += step
+        peak = max(peak, level)
+      assert peak == 1, f"{preset}: {peak} collectives in flight at once in {comp}"
+
+
 def test_next_layer_reduce_realizes_the_gradient_reduce_scatter_overlap():
   """fsdp_prefetch's gradient reduce-scatters are exposed: each is written into the gradient stack in its own
   backward iteration, so XLA's scheduler has nothing to put between its start and done. grad_reduce=next_layer

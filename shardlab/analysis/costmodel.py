@@ -9,7 +9,10 @@ T_hop the preset's hop latency, bytes = what one device sends, ledger.py):
                                                                bidirectional links), W on a switch (GPU egress)
   matmul                     FLOPs / C                         C = the preset's peak (bf16 dense)
 
-Links. On a switch (GPU, `torus: false`) every collective shares the device's egress: one link stream. On a torus
+Links. On a switch (GPU, `torus: false`) every collective shares the device's egress: one link stream. That is
+also what XLA's GPU scheduler does: it keeps at most one async collective in flight
+(`xla_gpu_experimental_parallel_collective_overlap_limit`, default 1; no H100 program compiled here has two), so
+a data axis's NIC traffic queues behind NVLink collectives on the GPU too. On a torus
 each mesh axis has its own links, in each direction: an all-gather, reduce-scatter or all-reduce holds both
 directions of its axis, a ring ppermute one, so a bidirectional ring's two halves travel at once.
 
