@@ -56,6 +56,22 @@ def compiled_rows(mesh_shape, knobs, model: tuple = ()):
   return colls, ledger.from_hlo(colls)
 
 
+def _adder(out: dict, sizes: dict):
+  """add(kind, axis, elements, count): `count` float32 collectives of `elements` over `axis` into out[(kind, axis)]
+  ({"count", "bytes"}, bytes per device, bandwidth-optimal; `sizes`: each mesh axis's devices)."""
+  def add(kind, axis, elements, count=1):
+    axis = "+".join(a for a in axis.split("+") if sizes[a] > 1)   # axes of size 1 are no axes
+    n = 1 if not axis else math.prod(sizes[a] for a in axis.split("+"))
+    if n == 1 or count == 0:
+      return                                          # nothing to move (XLA drops these too)
+    full = 4 * elements
+    moved = {"all-reduce": 2 * full * (n - 1) // n, "collective-permute": full}.get(kind, full * (n - 1) // n)
+    row = out.setdefault((kind, axis), {"count": 0, "bytes": 0})
+    row["count"] += count
+    row["bytes"] += count * moved
+  return add
+
+
 def hand_ledger(mesh_shape, knobs: dict) -> dict:
   """{(kind, axis): {"count", "bytes"}} of one step of make_grad_fn, from the model dims alone (float32).
   mesh_shape: (fsdp X, tensor Y) or (data Z, fsdp X, tensor Y)."""
@@ -68,17 +84,7 @@ def hand_ledger(mesh_shape, knobs: dict) -> dict:
   k = s.microbatches
   b = cfg.train.batch_size // (Z * X) // k           # sequences per device per microbatch
   out = {}
-
-  def add(kind, axis, elements, count=1):
-    axis = "+".join(a for a in axis.split("+") if sizes[a] > 1)   # axes of size 1 are no axes
-    n = 1 if not axis else math.prod(sizes[a] for a in axis.split("+"))
-    if n == 1 or count == 0:
-      return                                          # nothing to move (XLA drops these too)
-    full = 4 * elements
-    moved = {"all-reduce": 2 * full * (n - 1) // n, "collective-permute": full}.get(kind, full * (n - 1) // n)
-    row = out.setdefault((kind, axis), {"count": 0, "bytes": 0})
-    row["count"] += count
-    row["bytes"] += count * moved
+  add = _adder(out, sizes)
 
   # FSDP: the gathered weight W[D, N_tp] of each parameter (dims sharded over tensor stay divided by Y).
   norms, mats = [D, D], [D * H * K // Y, D * 2 * G * K // Y, H * K * D // Y, D * 2 * F // Y, F * D // Y]
@@ -230,17 +236,7 @@ def ffn_hand_ledger(mesh_shape, knobs: dict) -> dict:
   k = s.microbatches
   b = cfg.train.batch_size // (Z * X) // k
   out = {}
-
-  def add(kind, axis, elements, count=1):
-    axis = "+".join(a for a in axis.split("+") if sizes[a] > 1)
-    n = 1 if not axis else math.prod(sizes[a] for a in axis.split("+"))
-    if n == 1 or count == 0:
-      return
-    full = 4 * elements
-    moved = {"all-reduce": 2 * full * (n - 1) // n, "collective-permute": full}.get(kind, full * (n - 1) // n)
-    row = out.setdefault((kind, axis), {"count": 0, "bytes": 0})
-    row["count"] += count
-    row["bytes"] += count * moved
+  add = _adder(out, sizes)
 
   for e in (D * F // Y, F * D // Y):
     if s.grad_reduce == "deferred":
