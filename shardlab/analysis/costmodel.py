@@ -48,13 +48,11 @@ def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
 def link_axes(cfg) -> dict:
   """What the cost model knows of each mesh axis of cfg.mesh: the physical interconnect axes it spans (a torus's
   M_X, M_Y; mesh.*_ici_axes) and, on a switch (GPU nodes), its bytes/s: NVLink inside a node, the nodes' NICs
-  for an axis that spans nodes (planner.switch_bandwidths; axes laid out tensor innermost, then fsdp, data)."""
-  from shardlab.analysis.planner import switch_bandwidths
-  m, hw = cfg.mesh, cfg.hardware
-  out = {"fsdp": m.fsdp_ici_axes, "tensor": m.tensor_ici_axes, "data": m.data_ici_axes}
-  if not hw.torus:
-    out["bytes_per_s"] = dict(zip(("tensor", "fsdp", "data"), switch_bandwidths(hw, [m.tensor, m.fsdp, m.data])))
-  return out
+  for an axis that spans nodes (planner.mesh_links; axes laid out tensor innermost, then fsdp, data). On a torus
+  the bandwidth follows from the axes spanned (axis_bandwidth: they add up for a combined axis)."""
+  from shardlab.analysis.planner import mesh_links
+  ici, bws = mesh_links(cfg)
+  return ici if cfg.hardware.torus else {**ici, "bytes_per_s": bws}
 
 
 def collective_seconds(kind: str, bytes_moved: float, n: int, axis: str, hw, ici_axes: dict) -> float:

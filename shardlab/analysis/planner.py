@@ -598,15 +598,21 @@ def check(cfg) -> None:
     raise ValueError(f"schedule.gather_dtype={cfg.schedule.gather_dtype!r} must be param or compute")
 
 
-def this_layout(cfg) -> dict[str, Any]:
-  """evaluate_layout for cfg.mesh as configured (data x fsdp x tensor, its *_ici_axes): on a switch each axis
-  gets switch_bandwidths' share (the data axis the nodes' NICs once it spans nodes), on a torus its links."""
+def mesh_links(cfg) -> tuple[dict[str, int], dict[str, float]]:
+  """({axis: physical interconnect axes it spans (mesh.*_ici_axes)}, {axis: bytes/s}) for cfg.mesh: on a switch
+  each axis gets switch_bandwidths' share (the data axis the nodes' NICs once it spans nodes), on a torus its
+  links (hardware.axis_bandwidth)."""
   mesh, hw = cfg.mesh, cfg.hardware
-  names, sizes = ("tensor", "fsdp", "data"), [mesh.tensor, mesh.fsdp, mesh.data]
   ici = {"tensor": mesh.tensor_ici_axes, "fsdp": mesh.fsdp_ici_axes, "data": mesh.data_ici_axes}
-  bws = ({a: hw.axis_bandwidth(ici[a]) for a in names} if hw.torus else
-         dict(zip(names, switch_bandwidths(hw, sizes))))
-  return evaluate_layout(cfg, mesh.data, mesh.fsdp, mesh.tensor, bws, ici)
+  if hw.torus:
+    return ici, {a: hw.axis_bandwidth(n) for a, n in ici.items()}
+  return ici, dict(zip(("tensor", "fsdp", "data"), switch_bandwidths(hw, [mesh.tensor, mesh.fsdp, mesh.data])))
+
+
+def this_layout(cfg) -> dict[str, Any]:
+  """evaluate_layout for cfg.mesh as configured (data x fsdp x tensor, its *_ici_axes and links: mesh_links)."""
+  ici, bws = mesh_links(cfg)
+  return evaluate_layout(cfg, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, bws, ici)
 
 
 def plan(cfg) -> dict[str, Any]:
