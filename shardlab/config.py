@@ -8,11 +8,13 @@ The core never imports Hydra except here, in `register_configs`, which only the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from shardlab.hardware import HardwareConfig
+from shardlab.layout import LayoutConfig
 
 # The Hydra config groups, shipped inside the package (an installed shardlab runs without the source tree).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -20,28 +22,45 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 @dataclass
 class MeshConfig:
+  """The size of each declared mesh axis (shardlab/axes.py), outer to inner; 1: no such axis (fsdp and tensor
+  are always in the mesh). `mesh.<axis>_ici_axes`: the physical interconnect axes each spans (the Scaling Book's
+  M_X, M_Y), used only by prediction."""
+  pipeline: int = 1        # pipeline stages: the layers split over `pipeline`
   data: int = 1            # size of the `data` mesh axis (HSDP replicas: batch only, weights replicated); 1: none
   fsdp: int = 4            # size of the `fsdp` mesh axis: batch and every large weight's `embed` dim
+  context: int = 1         # size of the `context` mesh axis: the sequence of every activation
   tensor: int = 2          # size of the `tensor` mesh axis: heads, d_ff, vocab (and sequence, when sequence-parallel)
-  # Physical interconnect axes each mesh axis spans (the Scaling Book's M_X, M_Y); used only by prediction.
   fsdp_ici_axes: int = 1
   tensor_ici_axes: int = 1
   data_ici_axes: int = 1
+  pipeline_ici_axes: int = 1
+  context_ici_axes: int = 1
+
+  @property
+  def sizes(self) -> dict:
+    """{axis: size} for every declared axis this config sizes (1 for none)."""
+    from shardlab.axes import names
+    return {a: getattr(self, a) for a in names() if hasattr(self, a)}
 
   @property
   def shape(self) -> dict:
-    """{axis: size} of the mesh, outer to inner (`data` only when > 1): mesh.shape_of."""
-    from shardlab.mesh import shape_of
-    return shape_of(self.fsdp, self.tensor, self.data)
+    """{axis: size} of the mesh, outer to inner (fsdp and tensor always, other axes when > 1): axes.shape_of."""
+    from shardlab.axes import shape_of
+    return shape_of(self.sizes)
 
   @property
   def n_devices(self) -> int:
-    return self.data * self.fsdp * self.tensor
+    return math.prod(self.sizes.values())
 
   @property
   def label(self) -> str:
-    """'4x2' (fsdp x tensor), or '2x2x2' (data x fsdp x tensor) with a data axis."""
-    return "x".join(str(n) for n in self.shape.values())
+    """'4x2' (fsdp x tensor), '2x2x2' (data x fsdp x tensor), or with other axes named ('p2xf2xt2'): axes.label."""
+    from shardlab.axes import label
+    return label(self.shape)
+
+  def ici_axes(self, axis: str) -> int:
+    """Physical interconnect axes `axis` spans (mesh.<axis>_ici_axes; 1 for an axis with no such setting)."""
+    return getattr(self, f"{axis}_ici_axes", 1)
 
 
 @dataclass
@@ -157,6 +176,7 @@ class XlaConfig:
 class Config:
   cpu_devices: int = 8            # fake CPU devices, set before JAX starts; ignored on GPU/TPU
   mesh: MeshConfig = field(default_factory=MeshConfig)
+  layout: LayoutConfig = field(default_factory=LayoutConfig)
   model: ModelConfig = field(default_factory=ModelConfig)
   schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
@@ -175,20 +195,28 @@ class Config:
   compile_for: str = "local"
 
 
-GROUPS = {"mesh": MeshConfig, "model": ModelConfig, "schedule": ScheduleConfig, "train": TrainConfig,
-          "data": DataConfig, "precision": PrecisionConfig, "hardware": HardwareConfig, "xla": XlaConfig,
-          "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
+# Every group of Config that has a schema: {name: dataclass}
+GROUPS = {f.name: f.default_factory for f in dataclasses.fields(Config)
+          if f.default_factory is not dataclasses.MISSING and f.name not in ("profile",)}
+
+
+def _mesh_label(*args) -> str:
+  from shardlab.axes import CLASSIC, label, shape_of
+  if len(args) == 1 and hasattr(args[0], "items"):
+    sizes = {k: int(v) for k, v in args[0].items() if not str(k).endswith("_ici_axes") and k != "_target_"}
+  else:
+    sizes = dict(zip(CLASSIC, map(int, args)))
+  return label(shape_of(sizes))
 
 
 def register_configs() -> None:
   """Register the schemas so that every YAML in shardlab/conf/<group>/ is checked against its dataclass."""
   from hydra.core.config_store import ConfigStore
   from omegaconf import OmegaConf
-  # ${mesh_label:${mesh.data},${mesh.fsdp},${mesh.tensor}} -> '4x2', or '2x2x2' with a data axis (run dir names)
+  # ${mesh_label:${mesh}} -> '4x2', '2x2x2' with a data axis, 'p2xf2xt2' with others (run dir names: axes.label).
+  # The old form ${mesh_label:DATA,FSDP,TENSOR} still works.
   if not OmegaConf.has_resolver("mesh_label"):
-    from shardlab.mesh import shape_of
-    OmegaConf.register_new_resolver("mesh_label", lambda d, f, t: "x".join(
-        str(n) for n in shape_of(int(f), int(t), int(d)).values()))
+    OmegaConf.register_new_resolver("mesh_label", _mesh_label)
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)
   for group, node in GROUPS.items():

@@ -1,9 +1,9 @@
-"""The mesh: its named axes defined once (`data`, `fsdp`, `tensor`, outer to inner), devices checked, fake CPU
-devices set in one place.
+"""The mesh: built from the axis declarations (shardlab/axes.py), devices checked, fake CPU devices set in one
+place.
 
-A mesh holds the axes its configuration sizes: always `fsdp` and `tensor` (the 2D `fsdp x tensor` mesh), and
-`data` in front of them when `mesh.data > 1` (HSDP: weights replicated over `data`, sharded over `fsdp`). What
-each axis shards is not decided here but by the logical-to-mesh rules, `params.LAYOUT`.
+A mesh holds the axes its configuration sizes, outer to inner in the registry's order: always `fsdp` and
+`tensor` (the 2D `fsdp x tensor` mesh), and any other declared axis whose size is > 1 (`data` for HSDP,
+`pipeline`, `context`). What each axis shards is not decided here but by the layout rules (shardlab/layout.py).
 """
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-DATA = "data"      # batch only: weights replicated (HSDP's replica groups, usually across nodes)
-FSDP = "fsdp"      # batch and the `embed` dimension of every weight (ZeRO-3)
-TENSOR = "tensor"  # heads, d_ff and vocab (Megatron TP); the sequence too when sequence-parallel
-AXES = (DATA, FSDP, TENSOR)   # every axis a mesh may have, outer (slowest links) to inner
+from shardlab import axes as X
+from shardlab.axes import DATA, FSDP, TENSOR, describe  # noqa: F401  (re-exported)
 
 
 class ConfigError(ValueError):
@@ -45,23 +43,26 @@ def accelerator_present() -> bool:
   return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def shape_of(fsdp: int, tensor: int, data: int = 1) -> dict[str, int]:
-  """{axis: size} of the mesh these sizes make, outer to inner: `data` only when it is > 1."""
-  return {**({DATA: data} if data != 1 else {}), FSDP: fsdp, TENSOR: tensor}
+def shape_of(fsdp: int | dict, tensor: int = 1, data: int = 1) -> dict[str, int]:
+  """{axis: size} of the mesh these sizes make, outer to inner (axes.shape_of): `shape_of({..})`, or the classic
+  `shape_of(fsdp, tensor, data)`."""
+  sizes = dict(fsdp) if isinstance(fsdp, dict) else {DATA: data, FSDP: fsdp, TENSOR: tensor}
+  return X.shape_of(sizes)
 
 
-def describe(shape: dict) -> str:
-  """{data: 2, fsdp: 2, tensor: 2} -> 'mesh.data=2 x mesh.fsdp=2 x mesh.tensor=2' (messages)."""
-  return " x ".join(f"mesh.{a}={n}" for a, n in shape.items())
-
-
-def make_mesh(fsdp: int, tensor: int, devices=None, data: int = 1) -> Mesh:
-  """A `[data x] fsdp x tensor` mesh over exactly data*fsdp*tensor devices (JAX would silently take a subset)."""
+def make_mesh(fsdp: int | dict, tensor: int = 1, devices=None, data: int = 1) -> Mesh:
+  """A mesh over exactly the product of its sizes' devices (JAX would silently take a subset): `make_mesh({axis:
+  size, ..}, devices=..)` for any declared axes, or the classic `make_mesh(fsdp, tensor, devices, data=..)`."""
   devices = jax.devices() if devices is None else devices
-  shape = shape_of(fsdp, tensor, data)
-  if min(shape.values()) < 1 or data < 1:
+  if isinstance(fsdp, dict) and min(fsdp.values(), default=1) < 1:
+    raise ConfigError(f"{describe(fsdp)}: axis sizes must be >= 1")
+  try:
+    shape = shape_of(fsdp, tensor, data)
+  except KeyError as e:
+    raise ConfigError(str(e.args[0])) from None
+  if min(shape.values()) < 1 or (not isinstance(fsdp, dict) and data < 1):
     raise ConfigError(f"{describe(shape)}: axis sizes must be >= 1")
-  n = int(np.prod(list(shape.values())))
+  n = X.n_devices(shape)
   if n != np.size(devices):
     raise ConfigError(f"{describe(shape)} = {n} devices, but {np.size(devices)} are present; choose a mesh whose "
                       f"product is {np.size(devices)}")

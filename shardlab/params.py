@@ -1,31 +1,25 @@
-"""Parameters, declared once (shape, logical axes, initializer), and the one table that maps logical axes to
-mesh axes. Change `LAYOUT` to try another sharding; no layer changes. A schedule checks the rules it can honour
-before compiling (schedules/explicit.py: HONOURS; e.g. `LAYOUT["embed"] = None` replicates every weight over
-`fsdp`, plain data parallelism, and still trains as the reference) and rejects the others with one line.
+"""Parameters, declared once (shape, logical axes, initializer), and resolved against the sharding rules
+(shardlab/layout.py: a `Layout` value, the config's `layout` group) on a mesh's axes. Change the layout to try
+another sharding; no layer changes. `requirements` derives every divisibility the mesh imposes, once.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from shardlab import axes as X
 from shardlab.config import ModelConfig
-from shardlab.mesh import DATA, FSDP, TENSOR
+from shardlab.layout import SETTING, Layout
+from shardlab.mesh import ConfigError
 
-# logical axis -> mesh axis (or a tuple of them, major to minor). `layers` (the scan dimension) and `head_dim` are
-# never sharded. An axis the mesh does not have (`data` on a 2D mesh) drops out of every spec made here.
-LAYOUT = {
-    "embed": FSDP,    # every weight's d_model dim: FSDP (ZeRO-3) shards all parameter state over `fsdp`
-    "heads": TENSOR,  # attention heads: column-parallel QKV, row-parallel output projection
-    "kv_heads": TENSOR,  # key/value heads when mesh.tensor divides them (else declared replicated: see declare)
-    "mlp": TENSOR,    # d_ff: column-parallel gate/up, row-parallel down
-    "vocab": TENSOR,  # vocabulary-parallel embedding, unembedding and cross-entropy
-    "batch": (DATA, FSDP),  # activations: the batch (over data x fsdp: HSDP replicas, each FSDP-sharded)
-    "seq": TENSOR,    # activations: the sequence, between layers, when the TP contraction is sequence-parallel
-}
+# The axes a declaration is resolved on when no mesh is named: the ones every mesh has (fsdp, tensor).
+ALWAYS = tuple(n for n, a in X.REGISTRY.items() if a.always)
 
 
 @dataclass(frozen=True)
@@ -37,49 +31,26 @@ class Param:
   # Replicated over `tensor` but read by tensor-parallel compute (K/V heads that tensor does not divide): each
   # tensor rank's gradient is partial, and the schedule sums it over `tensor` (the pvary in its gather).
   tensor_replicated: bool = False
+  mesh_spec: tuple = ()          # the mesh axes of each dim (None, an axis, or a tuple), set by `declare`
 
   def spec(self) -> P:
-    return P(*(LAYOUT.get(a) if a else None for a in self.axes))
+    return P(*self.mesh_spec) if self.mesh_spec else P(*([None] * len(self.shape)))
 
   def mesh_axes(self) -> tuple[str, ...]:
     """Mesh axes this parameter is sharded over."""
-    return tuple(m for m in self.spec() if m is not None)
+    return tuple(a for m in self.spec() if m is not None for a in ((m,) if isinstance(m, str) else m))
 
   def dim_of(self, mesh_axis: str) -> int | None:
     """Index of the dim sharded over `mesh_axis`, or None."""
-    s = tuple(self.spec())
-    return s.index(mesh_axis) if mesh_axis in s else None
+    for i, m in enumerate(self.spec()):
+      if m == mesh_axis or (isinstance(m, tuple) and mesh_axis in m):
+        return i
+    return None
 
   def per_layer(self) -> "Param":
     """The declaration of one layer's slice of a stacked (`layers`, ...) parameter."""
     assert self.axes[0] == "layers"
-    return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
-
-
-def rule(logical: str, axis_names) -> tuple[str, ...]:
-  """The mesh axes LAYOUT maps `logical` to, as a tuple, keeping only those in `axis_names` (the mesh's)."""
-  got = LAYOUT.get(logical)
-  got = () if got is None else (got,) if isinstance(got, str) else tuple(got)
-  return tuple(a for a in got if a in axis_names)
-
-
-def batch_axes(axis_names) -> tuple[str, ...]:
-  """The mesh axes the batch is split over (LAYOUT['batch'] on this mesh): what the residual stream varies
-  over, and what the loss and a replicated weight's gradient are summed over."""
-  return rule("batch", axis_names)
-
-
-def batch_spec(axis_names) -> P:
-  """tokens[B, L] on this mesh: B split over the batch axes."""
-  axes = batch_axes(axis_names)
-  return P(None if not axes else axes[0] if len(axes) == 1 else axes)
-
-
-def replica_axes(axis_names) -> tuple[str, ...]:
-  """Batch axes no weight is sharded over (HSDP's `data`): every weight is replicated there, and its gradient is
-  all-reduced over them (after the reduce-scatter over the axes it is sharded on)."""
-  weight_axes = {a for k, v in LAYOUT.items() if k not in ("batch", "seq") for a in rule(k, axis_names)}
-  return tuple(a for a in batch_axes(axis_names) if a not in weight_axes)
+    return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:], mesh_spec=self.mesh_spec[1:])
 
 
 def kv_sharded(m: ModelConfig, tensor: int | None) -> bool:
@@ -87,15 +58,8 @@ def kv_sharded(m: ModelConfig, tensor: int | None) -> bool:
   return tensor is None or m.kv_heads % tensor == 0
 
 
-def declare(m: ModelConfig, tensor: int | None = None) -> dict:
-  """Every parameter of the model: W[D, 2, G, K] reads 'd_model x (k,v) x kv heads x head_dim'.
-
-  tensor: the size of the mesh's `tensor` axis. K/V heads (G = model.kv_heads) are sharded over it when it
-  divides G, and replicated over it otherwise (e.g. G=1, multi-query attention, on any tensor size); None:
-  sharded. Query heads always are (validation requires tensor | H).
-
-  model.kind=ffn: the Scaling Book's blocks only, W_in[D, F] and W_out[F, D] per layer (no embeddings, norms or
-  attention: analysis/planner.py counts the same 2 D F per layer)."""
+def _logical(m: ModelConfig, tensor: int | None) -> dict:
+  """Every parameter's shape and logical axes (unresolved)."""
   D, F, H, K, V, NL = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers
   if m.kind == "ffn":
     return {"layers": {"wi": Param((NL, D, F), ("layers", "embed", "mlp")),
@@ -118,6 +82,33 @@ def declare(m: ModelConfig, tensor: int | None = None) -> dict:
       "final_norm": Param((D,), ("embed",), "ones", decay=False),
       "unembed": Param((D, V), ("embed", "vocab")),
   }
+
+
+def declare(m: ModelConfig, tensor: int | None = None, layout: Layout | None = None, axis_names=None) -> dict:
+  """Every parameter of the model, resolved by `layout` (default: today's table) on a mesh of `axis_names`
+  (default: fsdp and tensor, the axes every mesh has). W[D, 2, G, K] reads 'd_model x (k,v) x kv heads x
+  head_dim'. A layout that maps two dims of one array onto one mesh axis is one ConfigError line.
+
+  tensor: the size of the mesh's `tensor` axis. K/V heads (G = model.kv_heads) are sharded over it when it
+  divides G, and replicated over it otherwise (e.g. G=1, multi-query attention, on any tensor size); None:
+  sharded. Query heads always are (validation requires tensor | H).
+
+  model.kind=ffn: the Scaling Book's blocks only, W_in[D, F] and W_out[F, D] per layer (no embeddings, norms or
+  attention: analysis/planner.py counts the same 2 D F per layer)."""
+  layout = layout or Layout()
+  names = ALWAYS if axis_names is None else tuple(axis_names)
+
+  def resolve(path, d):
+    layout.check_array(path, d.axes, names)
+    return dataclasses.replace(d, mesh_spec=tuple(layout.spec(d.axes, names)))
+  return {k: resolve(k, v) if is_param(v) else {n: resolve(f"{k}/{n}", p) for n, p in v.items()}
+          for k, v in _logical(m, tensor).items()}
+
+
+def flat(decls) -> list[tuple[str, Param]]:
+  """[('layers/wq', Param), ...]: every declaration with its path."""
+  leaves = jax.tree_util.tree_flatten_with_path(decls, is_leaf=is_param)[0]
+  return [("/".join(str(getattr(k, "key", k)) for k in path), d) for path, d in leaves]
 
 
 def is_param(x) -> bool:
@@ -148,5 +139,71 @@ def init_sharded(seed: int, decls, m: ModelConfig, mesh, dtype=jnp.float32) -> d
 
 
 def count(decls) -> int:
-  import math
   return sum(math.prod(d.shape) for d in jax.tree.leaves(decls, is_leaf=is_param))
+
+
+class Need(NamedTuple):
+  """One divisibility a mesh imposes: `setting`=`value` must be a multiple of the product of `axes`' sizes."""
+  setting: str
+  value: int
+  axes: tuple[str, ...]
+  size: int
+  why: str
+
+  def by(self) -> str:
+    return " * ".join(f"mesh.{a}" if a in X.REGISTRY else a for a in self.axes)
+
+  def message(self) -> str:
+    return (f"{self.setting}={self.value} is not divisible by {self.by()}={self.size} ({self.why}); "
+            f"choose {self.setting.split('.')[-1]} a multiple of {self.size} or change {self.by()}")
+
+
+def requirements(model, layout: Layout, shape: dict, batch_size: int | None = None, microbatches: int = 1,
+                 seq_parallel: bool = False, seq_halves: bool = False) -> list[Need]:
+  """Every divisibility of the model's dims and the batch by the axes they are sharded over on a mesh of
+  `shape` ({axis: size}): weights from the declarations (params.declare x layout), the batch over its axes (and
+  its microbatches), the sequence over `length`'s axes and, when sequence-parallel, `seq`'s too (twice over
+  for a bidirectional ring, which splits each block in halves)."""
+  names = tuple(shape)
+  size = lambda axs: math.prod(shape[a] for a in axs)
+  out, seen = [], set()
+  decls = declare(model, shape.get(X.TENSOR), layout, names)
+  for path, d in flat(decls):
+    for dim, logical in enumerate(d.axes):
+      axs = layout.rule(logical, names) if logical else ()
+      if not axs or (logical, axs) in seen:
+        continue
+      seen.add((logical, axs))
+      out.append(Need(SETTING.get(logical, f"{path} dim {dim}"), d.shape[dim], axs, size(axs),
+                      f"layout rule {logical} -> {' x '.join(axs)}: {path} dim {dim}"))
+  if batch_size is not None:
+    axs = layout.batch_axes(names)
+    out.append(Need("train.batch_size", batch_size, axs, size(axs), f"layout rule batch -> {' x '.join(axs)}"))
+    if microbatches > 1:
+      out.append(Need("train.batch_size", batch_size, axs + ("schedule.microbatches",), size(axs) * microbatches,
+                      "each device splits its batch into microbatches"))
+  length = layout.rule("length", names)
+  if length:
+    out.append(Need("model.seq_len", model.seq_len, length, size(length),
+                    f"layout rule length -> {' x '.join(length)}: every activation's sequence"))
+  if seq_parallel:
+    axs = length + layout.rule("seq", names)
+    k = 2 if seq_halves else 1
+    out.append(Need("model.seq_len", model.seq_len, axs + (("2",) if seq_halves else ()), size(axs) * k,
+                    "the bidirectional ring splits each sequence block in halves" if seq_halves else
+                    "sequence parallelism shards it over " + " x ".join(axs)))
+  return out
+
+
+def problems(*args, **kw) -> list[Need]:
+  """The requirements (see `requirements`) a configuration does not meet."""
+  return [n for n in requirements(*args, **kw) if n.size > 0 and n.value % n.size]
+
+
+def check_divisible(*args, **kw) -> None:
+  """The first unmet requirement -> one-line ConfigError naming the rule, the dim and the fix."""
+  bad = problems(*args, **kw)
+  if bad:
+    raise ConfigError(bad[0].message())
+
+

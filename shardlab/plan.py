@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import sys
 
+from shardlab.axes import DATA, FSDP, TENSOR
 from shardlab.config import CONF_DIR
 
 
@@ -119,7 +120,7 @@ def run(argv: list[str]) -> dict:
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = layouts[:opts["top"] or 3]
     if opts["plot_layouts"]:
-      by_shape = {(l["data"], l["fsdp"], l["tensor"]): l for l in layouts}
+      by_shape = {(l[DATA], l[FSDP], l[TENSOR]): l for l in layouts}
       missing = [s for s in opts["plot_layouts"] if s not in by_shape]
       if missing:
         raise ValueError(f"plot_layouts: {'x'.join(map(str, missing[0]))} is not a data x fsdp x tensor layout of "

@@ -12,6 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from shardlab.axes import CLASSIC, names as axis_names
 from shardlab.sweep import _bytes_per_axis, _fmt
 
 
@@ -129,8 +130,10 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
   lines = [f"# Report: {d}", "", f"{sum(j['status'] == 'ok' for j in jobs)} of {len(jobs)} runs ok. Measured "
            "times are from the machine that ran them (on fake CPU devices they are a regression canary, not a "
            "claim about overlap); predicted times come from the cost model on the named hardware preset.", ""]
+  per_axis = [_bytes_per_axis(j["summary"].get("comm") or {}) for j in jobs]
+  axes = [a for a in axis_names() if a in CLASSIC or any(a in b for b in per_axis)]   # every axis present
   cols = ["run", "status", "final loss", "step ms (measured)", "pred. ms (overlap)", "pred. ms (serial)",
-          "MiB data", "MiB fsdp", "MiB tensor", "peak MiB", "error"]
+          *[f"MiB {a}" for a in axes], "peak MiB", "error"]
   lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for j in jobs:
     s, p = j["summary"], j["summary"].get("prediction") or {}
@@ -138,7 +141,7 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
     ms = lambda v: None if v is None else v * 1e3
     mib = lambda v: None if v is None else v / 2**20
     row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")), ms(p.get("t_overlapped_s")),
-           ms(p.get("t_serial_s")), mib(b.get("data")), mib(b.get("fsdp")), mib(b.get("tensor")), mib((s.get("memory") or {}).get("peak")),
+           ms(p.get("t_serial_s")), *[mib(b.get(a)) for a in axes], mib((s.get("memory") or {}).get("peak")),
            s.get("error")]
     lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
   lines.append("")

@@ -10,8 +10,20 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s", "bytes_data",
-           "bytes_fsdp", "bytes_tensor", "memory_peak_bytes", "predicted_step_s", "hardware", "error"]
+from shardlab.axes import CLASSIC, names as axis_names
+
+# bytes_<axis>: bytes per device per step over each mesh axis (data, fsdp and tensor always; any other declared
+# axis when a job of the sweep has it), in the registry's order.
+COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s",
+           *[f"bytes_{a}" for a in CLASSIC], "memory_peak_bytes", "predicted_step_s", "hardware", "error"]
+
+
+def columns(rows: list[dict]) -> list[str]:
+  """COLUMNS with a bytes_<axis> column for every declared axis some row has, in the registry's order."""
+  have = {k for r in rows for k in r}
+  axes = [f"bytes_{a}" for a in axis_names() if a in CLASSIC or f"bytes_{a}" in have]
+  i = COLUMNS.index(f"bytes_{CLASSIC[0]}")
+  return COLUMNS[:i] + axes + COLUMNS[i + len(CLASSIC):]
 
 
 def _bytes_per_axis(comm: dict) -> dict:
@@ -45,9 +57,9 @@ def job_row(job_dir: Path) -> dict:
   pred = s.get("prediction") or {}
   per_axis = _bytes_per_axis(s.get("comm", {}))
   row.update(status=s.get("status"), final_loss=s.get("final_loss"), step_time_s_median=s.get("step_time_s_median"),
-             tokens_per_s=s.get("tokens_per_s_median"), bytes_data=per_axis.get("data"),
-             bytes_fsdp=per_axis.get("fsdp"),
-             bytes_tensor=per_axis.get("tensor"), memory_peak_bytes=(s.get("memory") or {}).get("peak"),
+             tokens_per_s=s.get("tokens_per_s_median"),
+             **{f"bytes_{a}": per_axis.get(a) for a in dict.fromkeys([*CLASSIC, *per_axis])},
+             memory_peak_bytes=(s.get("memory") or {}).get("peak"),
              predicted_step_s=pred.get("t_overlapped_s"), hardware=pred.get("hardware"), error=s.get("error"))
   return row
 
@@ -71,13 +83,14 @@ def _fmt(v) -> str:
 def write(sweep_dir) -> list[dict]:
   rows = collect(sweep_dir)
   d = Path(sweep_dir)
+  cols = columns(rows)
   with open(d / "summary.csv", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=COLUMNS)
+    w = csv.DictWriter(f, fieldnames=cols)
     w.writeheader()
     for r in rows:
-      w.writerow({k: r.get(k) for k in COLUMNS})
-  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  lines += ["| " + " | ".join(_fmt(r.get(k)) for k in COLUMNS) + " |" for r in rows]
+      w.writerow({k: r.get(k) for k in cols})
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
   ok = sum(r["status"] == "ok" for r in rows)
   (d / "summary.md").write_text(f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
                                 f"machine; predicted_step_s is the cost model's, on `hardware`.\n\n"

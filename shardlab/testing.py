@@ -7,7 +7,8 @@ Devices and meshes
   set_devices(n)                  n fake CPU devices, before JAX starts (the plugin calls it)
   mesh_shapes(n, rank=2)          every fsdp x tensor factorization of n (rank=3: data x fsdp x tensor)
   mesh_of(fsdp, tensor)           a cached mesh over the first fsdp*tensor devices (Auto axes);
-  mesh_of(data, fsdp, tensor)     the same with an HSDP `data` axis in front (none when data is 1)
+  mesh_of(data, fsdp, tensor)     the same with an HSDP `data` axis in front (none when data is 1);
+  mesh_of({axis: size})           any declared axes (shardlab/axes.py), e.g. {"pipeline": 2, "fsdp": 4}
 Rank-coded inputs
   rank_coded(shape)               an array whose every value says where it came from (index i -> value i)
   where(x, shape)                 decode a rank-coded value back to its index in the original array
@@ -81,37 +82,77 @@ def device_count() -> int:
   return configured_devices() or len(jax.devices())
 
 
-def mesh_shapes(n: int = 8, rank: int = 2) -> list[tuple[int, ...]]:
-  """Every factorization of n into `rank` axes: (fsdp, tensor), or (data, fsdp, tensor) with rank=3."""
+def mesh_shapes(n: int = 8, rank: int = 2, axes=None) -> list:
+  """Every factorization of n into `rank` axes: (fsdp, tensor), or (data, fsdp, tensor) with rank=3. `axes`
+  (declared axis names, outer to inner): every {axis: size} over those axes instead."""
+  if axes is not None:
+    if len(axes) == 1:
+      return [{axes[0]: n}]
+    return [{axes[0]: d, **rest} for d in range(1, n + 1) if n % d == 0
+            for rest in mesh_shapes(n // d, axes=tuple(axes[1:]))]
   if rank not in (2, 3):
-    raise ValueError(f"rank={rank}: meshes have 2 (fsdp x tensor) or 3 (data x fsdp x tensor) axes")
-  two = [(f, n // f) for f in range(1, n + 1) if n % f == 0]
-  return two if rank == 2 else [(d, *s) for d in range(1, n + 1) if n % d == 0 for s in mesh_shapes(n // d)]
+    raise ValueError(f"rank={rank}: meshes have 2 (fsdp x tensor) or 3 (data x fsdp x tensor) axes; "
+                     f"name others with axes=(...)")
+  return [tuple(s.values()) for s in mesh_shapes(n, axes=_classic()[3 - rank:])]
+
+
+def _classic() -> tuple[str, ...]:
+  from shardlab.axes import CLASSIC
+  return CLASSIC
 
 
 def mesh_id(shape) -> str:
-  """(2, 4) or a mesh -> '2x4', (2, 2, 2) -> '2x2x2' (test ids and messages)."""
-  shape = tuple(shape.devices.shape) if hasattr(shape, "devices") else tuple(shape)
-  return "x".join(str(s) for s in shape)
+  """(2, 4) or a mesh -> '2x4', (2, 2, 2) -> '2x2x2' (test ids and messages); a mesh or {axis: size} with other
+  axes -> 'p2xf2xt2' (axes.label)."""
+  from shardlab.axes import label
+  if hasattr(shape, "axis_names"):
+    shape = dict(zip(shape.axis_names, shape.devices.shape))
+  if isinstance(shape, dict):
+    return label(shape)
+  return "x".join(str(s) for s in tuple(shape))
 
 
 def parse_mesh_shape(shape) -> tuple[int, ...]:
-  """'2x4', (2, 4) -> (2, 4); '2x2x2' -> (2, 2, 2) (data x fsdp x tensor)."""
+  """'2x4', (2, 4) -> (2, 4); '2x2x2' -> (2, 2, 2) (data x fsdp x tensor). A named shape ({axis: size}, or a
+  label such as 'p2xf2xt2') -> a tuple of (axis, size) pairs, outer to inner."""
+  from shardlab.axes import parse_label, shape_of
+  if isinstance(shape, dict):
+    return tuple(shape_of(shape).items())
+  if isinstance(shape, tuple) and shape and all(isinstance(s, tuple) for s in shape):
+    return tuple(shape_of(dict(shape)).items())
   if isinstance(shape, str):
+    if not all(p.isdigit() for p in shape.lower().split("x")):
+      return tuple(parse_label(shape).items())
     shape = shape.lower().split("x")
   out = tuple(int(s) for s in shape)
   if len(out) not in (2, 3) or min(out) < 1:
-    raise ValueError(f"mesh shape {shape!r}: expected 'FxT' (fsdp, tensor) or 'DxFxT' (data, fsdp, tensor)")
+    raise ValueError(f"mesh shape {shape!r}: expected 'FxT' (fsdp, tensor) or 'DxFxT' (data, fsdp, tensor), "
+                     f"or a label naming its axes ('p2xf2xt2')")
   return out
 
 
-@functools.lru_cache(maxsize=None)
-def mesh_of(*shape: int):
+def named_shape(shape) -> dict[str, int]:
+  """Any shape parse_mesh_shape takes -> {axis: size} of the mesh it makes, outer to inner."""
+  from shardlab.axes import CLASSIC, shape_of
+  got = parse_mesh_shape(shape)
+  if got and isinstance(got[0], tuple):
+    return dict(got)
+  return shape_of(dict(zip(CLASSIC[3 - len(got):], got)))
+
+
+def mesh_of(*shape):
   """The `fsdp x tensor` (or `data x fsdp x tensor`) mesh (shardlab.mesh.make_mesh: Auto axes, so check_grads
-  works; a data axis of 1 is no axis)."""
+  works; a data axis of 1 is no axis). Also mesh_of({axis: size}) or mesh_of('p2xf2xt2') for any axes. Cached."""
+  if len(shape) == 1 and not isinstance(shape[0], int):
+    shape = shape[0]
+  return _mesh_of(tuple(named_shape(shape).items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_of(items: tuple):
   from shardlab.mesh import make_mesh
-  data, fsdp, tensor = parse_mesh_shape(shape) if len(shape) == 3 else (1, *parse_mesh_shape(shape))
-  return make_mesh(fsdp, tensor, devices(data * fsdp * tensor), data=data)
+  named = dict(items)
+  return make_mesh(named, devices=devices(math.prod(named.values())))
 
 
 def _meshes(meshes) -> list:
@@ -121,7 +162,11 @@ def _meshes(meshes) -> list:
   elif hasattr(meshes, "axis_names") or isinstance(meshes, str) or (
       isinstance(meshes, tuple) and all(isinstance(s, int) for s in meshes)):
     meshes = [meshes]
-  return [m if hasattr(m, "axis_names") else mesh_of(*parse_mesh_shape(m)) for m in meshes]
+  return [m if hasattr(m, "axis_names") else mesh_of(_hashable(m)) for m in meshes]
+
+
+def _hashable(shape):
+  return tuple(named_shape(shape).items())
 
 
 # --------------------------------------------------------------------------------- rank-coded arrays, blocks
@@ -521,29 +566,37 @@ def _schedule_key(schedule, knobs) -> tuple:
   return cls, tuple(sorted((k, v) for k, v in cfg.items() if k != "name"))
 
 
-def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, **knobs):
+def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
+                     **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
-  **knobs), model, compute_dtype), like the registered ones); knobs override. model: ModelConfig fields
-  to change (tiny_config)."""
-  shape = parse_mesh_shape(mesh_shape)
-  shape = shape[1:] if len(shape) == 3 and shape[0] == 1 else shape     # data 1: the 2D mesh (one compile)
-  return _compile_schedule(shape, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())))
+  **knobs), model, compute_dtype, layout), like the registered ones); knobs override. model: ModelConfig fields
+  to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
+  the default layout)."""
+  items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
+  rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
+                                            for k, v in layout.items())
+  return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_schedule(mesh_shape, cls, items, model_items=()):
+def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None):
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
   from shardlab import params as PM, schedules, train as T
+  from shardlab.axes import TENSOR
+  from shardlab.layout import Layout
   cfg = tiny_config(dict(model_items), **dict(items))
-  mesh = mesh_of(*mesh_shape)
-  decls = PM.declare(cfg.model, mesh_shape[-1])
+  mesh = mesh_of(mesh_items)
+  layout = Layout() if rules is None else Layout.of(dict(rules))
+  layout.check(mesh.axis_names)
+  decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
-  b = jax.device_put(tiny_batch(), NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
-  sched = cls(cfg.schedule, cfg.model, jnp.float32) if cls else schedules.build(cfg.schedule, cfg.model, jnp.float32)
+  b = jax.device_put(tiny_batch(), NamedSharding(mesh, layout.batch_spec(mesh.axis_names)))
+  sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout) if cls
+           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout))
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
   return compiled, compiled(params, b)
@@ -600,8 +653,8 @@ def assert_schedule_matches_baseline(schedule=None, mesh_shapes=((2, 4),), comm=
   name, other = _schedule_name(cls, items), _schedule_name(other_cls, other_items)
   out = {}
   for shape in mesh_shapes:
-    shape = parse_mesh_shape(shape)
-    label = f"{name} on {mesh_id(shape)}"
+    shape = tuple(named_shape(shape).items())
+    label = f"{name} on {mesh_id(dict(shape))}"
     compiled, (loss, grads) = _compile_schedule(shape, cls, items)
     base_compiled, (base_loss, base_grads) = _compile_schedule(shape, other_cls, other_items)
     assert_trees_close(loss, base_loss, rtol=1e-6, atol=0, label=f"{label}, loss vs {other}")
@@ -609,13 +662,13 @@ def assert_schedule_matches_baseline(schedule=None, mesh_shapes=((2, 4),), comm=
     if reference:
       ref_loss, ref_grads = reference_loss_and_grads()
       assert_trees_close(grads, ref_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs reference ")
-    ledger = assert_collectives(compiled, mesh=mesh_of(*shape), label=f"{label}: ")
-    base = assert_collectives(base_compiled, mesh=mesh_of(*shape), label=f"{other} on {mesh_id(shape)}: ")
+    ledger = assert_collectives(compiled, mesh=mesh_of(shape), label=f"{label}: ")
+    base = assert_collectives(base_compiled, mesh=mesh_of(shape), label=f"{other} on {mesh_id(dict(shape))}: ")
     if comm is not None:
       _check_claims(ledger, base, comm, label)
     for claim in ([overlap] if isinstance(overlap, dict) else overlap or []):
       assert_overlap(compiled, label=f"{label}: ", **claim)
-    out[mesh_id(shape)] = {"ledger": ledger, "baseline": base}
+    out[mesh_id(dict(shape))] = {"ledger": ledger, "baseline": base}
   return out
 
 

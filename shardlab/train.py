@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import collectives as C
 from shardlab.config import Config
-from shardlab.params import batch_spec, is_param, specs
+from shardlab.params import is_param, specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -77,9 +77,8 @@ def make_grad_fn(cfg: Config, schedule, decls, mesh):
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   pspecs = specs(decls)
   fn = lambda p, b: schedule.loss_and_grads(p, b[:, :-1], b[:, 1:], n_tokens)
-  if hasattr(schedule, "bind"):
-    schedule.bind(mesh)
-  return _jit(fn, mesh, (pspecs, batch_spec(mesh.axis_names)), (P(), pspecs), getattr(schedule, "shard_mapped", True))
+  schedule.bind(mesh)
+  return _jit(fn, mesh, (pspecs, schedule.layout.batch_spec(mesh.axis_names)), (P(), pspecs), schedule.shard_mapped)
 
 
 def make_train_step(cfg: Config, schedule, decls, opt, mesh):
@@ -87,9 +86,8 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   sspecs = state_specs(opt, decls)
 
-  shard_mapped = getattr(schedule, "shard_mapped", True)
-  if hasattr(schedule, "bind"):
-    schedule.bind(mesh)
+  shard_mapped = schedule.shard_mapped
+  schedule.bind(mesh)
 
   def step(state, batch_BL1):
     params = state["params"]
@@ -100,4 +98,5 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
     params = optax.apply_updates(params, updates)
     return {"params": params, "opt": opt_state, "step": state["step"] + 1}, {"loss": loss, "grad_norm": norm}
 
-  return _jit(step, mesh, (sspecs, batch_spec(mesh.axis_names)), (sspecs, P()), shard_mapped, donate_argnums=0)
+  return _jit(step, mesh, (sspecs, schedule.layout.batch_spec(mesh.axis_names)), (sspecs, P()), shard_mapped,
+              donate_argnums=0)

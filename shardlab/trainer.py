@@ -32,13 +32,15 @@ def build(cfg: Config, devices=None):
   from jax.sharding import NamedSharding
 
   from shardlab import params as PM, schedules, train as T
+  from shardlab.layout import from_config
   from shardlab.mesh import make_mesh
   # The audit reads each collective's op_name: a program from a persistent compilation cache must carry its own
   # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
   jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
-  mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.tensor, devices, data=cfg.mesh.data)
-  decls = PM.declare(cfg.model, cfg.mesh.tensor)
-  sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype])
+  mesh = make_mesh(cfg.mesh.shape, devices=devices)
+  layout = from_config(cfg)
+  decls = PM.declare(cfg.model, cfg.mesh.tensor, layout, mesh.axis_names)
+  sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype], layout)
   opt = T.make_optimizer(cfg, decls)
   step_fn = T.make_train_step(cfg, sched, decls, opt, mesh)
   specs = T.state_specs(opt, decls)
@@ -46,7 +48,7 @@ def build(cfg: Config, devices=None):
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                                 shapes, specs)
   abstract_batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                        sharding=NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
+                                        sharding=NamedSharding(mesh, layout.batch_spec(mesh.axis_names)))
   return dict(mesh=mesh, decls=decls, schedule=sched, opt=opt, step_fn=step_fn, abstract_state=abstract_state,
               abstract_batch=abstract_batch)
 
@@ -147,7 +149,7 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) ->
       state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
     summary["checkpoint"] = {"dir": str(ckpt.dir), "resumed_from": ckpt.latest, "saved": ckpt.saved}
     data = MarkovData(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
-                      cfg.data.branching, NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
+                      cfg.data.branching, NamedSharding(mesh, b["schedule"].layout.batch_spec(mesh.axis_names)))
     tokens = cfg.train.batch_size * cfg.model.seq_len
     times = []
     try:

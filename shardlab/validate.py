@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
-from shardlab.config import Config
-from shardlab.mesh import ConfigError
+from shardlab import axes as X
+from shardlab.config import Config, MeshConfig
+from shardlab.layout import from_config, honoured
+from shardlab.mesh import ConfigError, describe
+from shardlab.params import check_divisible
 
 
 class RunError(RuntimeError):
@@ -19,17 +22,28 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
                       f"choose {what.split('.')[-1]} a multiple of {size} or change {by}")
 
 
+def check_layout(cfg: Config, sched=None) -> None:
+  """The layout's rules (declared axes, each allowed to shard its dim, no collisions), every dim divisible by the
+  axes it is sharded over (params.requirements: declarations x rules x mesh sizes), and, given the schedule,
+  every rule one it can honour on this mesh."""
+  layout, shape = from_config(cfg), cfg.mesh.shape
+  layout.check(tuple(shape))
+  ops = getattr(sched, "ops", None)
+  check_divisible(cfg.model, layout, shape, cfg.train.batch_size, cfg.schedule.microbatches if sched else 1,
+                  seq_parallel=bool(getattr(ops, "seq_sharded", False)),
+                  seq_halves=bool(getattr(ops, "bidirectional", False)))
+  if sched is not None:
+    honoured(layout, sched.honours(tuple(shape)), tuple(shape), f"schedule {cfg.schedule.name}")
+
+
 # The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),
 # a plain number closed; None: no bound. Floats must also be finite. The default of the setting is the example
 # fix the message gives.
 RANGES = [
     ("cpu_devices", 1, None, "fake CPU devices of this process"),
-    ("mesh.data", 1, None, "size of the data mesh axis (HSDP replicas; 1: none)"),
-    ("mesh.fsdp", 1, None, "size of the fsdp mesh axis"),
-    ("mesh.tensor", 1, None, "size of the tensor mesh axis"),
-    ("mesh.fsdp_ici_axes", 1, None, "physical interconnect axes the fsdp axis spans"),
-    ("mesh.tensor_ici_axes", 1, None, "physical interconnect axes the tensor axis spans"),
-    ("mesh.data_ici_axes", 1, None, "physical interconnect axes the data axis spans"),
+    *[(f"mesh.{a}", 1, None, f"size of the {a} mesh axis: {X.get(a).doc}") for a in MeshConfig().sizes],
+    *[(f"mesh.{a}_ici_axes", 1, None, f"physical interconnect axes the {a} axis spans")
+      for a in MeshConfig().sizes],
     ("model.d_model", 1, None, "model width"),
     ("model.d_ff", 1, None, "feed-forward width"),
     ("model.n_layers", 1, None, "transformer layers"),
@@ -109,12 +123,11 @@ def validate_plan(cfg: Config) -> None:
   m, mesh = cfg.model, cfg.mesh
   if m.kind not in ("transformer", "ffn"):
     raise ConfigError(f"model.kind={m.kind}: choose transformer or ffn")
-  _divides("model.d_model", m.d_model, "mesh.fsdp", mesh.fsdp, "every weight's d_model dim is sharded over fsdp")
-  _divides("model.d_ff", m.d_ff, "mesh.tensor", mesh.tensor, "d_ff is sharded over tensor")
   if m.kind == "transformer":
     _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
-    _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
-    _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
+  layout = from_config(cfg)
+  layout.check(tuple(mesh.shape))
+  check_divisible(m, layout, mesh.shape)
 
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
@@ -123,8 +136,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   from shardlab.train import DTYPES
   m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
   check_ranges(cfg)
-  from shardlab.mesh import describe
-  if min(mesh.data, mesh.fsdp, mesh.tensor) < 1:
+  if min(mesh.sizes.values()) < 1:
     raise ConfigError(f"{describe(mesh.shape)}: axis sizes must be >= 1")
   if n_devices is not None and mesh.n_devices != n_devices:
     raise ConfigError(f"{describe(mesh.shape)} = {mesh.n_devices} devices, "
@@ -149,20 +161,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _validate_ffn(cfg)
   else:
     _validate_attention(cfg)
-  _divides("model.d_model", m.d_model, "mesh.fsdp", mesh.fsdp, "every weight's d_model dim is sharded over fsdp")
-  _divides("model.d_ff", m.d_ff, "mesh.tensor", mesh.tensor, "d_ff is sharded over tensor")
-  shards, over = (mesh.data * mesh.fsdp, "mesh.data * mesh.fsdp") if mesh.data > 1 else (mesh.fsdp, "mesh.fsdp")
-  _divides("train.batch_size", t.batch_size, over, shards,
-           "the batch is sharded over data x fsdp" if mesh.data > 1 else "the batch is sharded over fsdp")
-  _divides("train.batch_size", t.batch_size, f"{over} * schedule.microbatches", shards * s.microbatches,
-           "each device splits its batch into microbatches")
-  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype])   # the schedule checks its own knobs
-  ops = getattr(sched, "ops", None)
-  if getattr(ops, "seq_sharded", False) and not getattr(ops, "bidirectional", False):
-    _divides("model.seq_len", m.seq_len, "mesh.tensor", mesh.tensor, "sequence parallelism shards it over tensor")
-  if getattr(ops, "bidirectional", False):
-    _divides("model.seq_len", m.seq_len, "2 * mesh.tensor", 2 * mesh.tensor,
-             "the bidirectional ring splits each sequence block in halves")
+  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg))   # checks its own knobs
+  check_layout(cfg, sched)
   if t.steps < 1:
     raise ConfigError(f"train.steps={t.steps}: must be >= 1")
   if not 1 <= cfg.data.branching <= m.vocab_size:
@@ -182,7 +182,7 @@ def _validate_ffn(cfg: Config) -> None:
 def _validate_attention(cfg: Config) -> None:
   """The transformer's heads, attention and vocabulary."""
   from shardlab.attention import IMPLS, block_size
-  m, mesh = cfg.model, cfg.mesh
+  m = cfg.model
   _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
   if m.n_kv_heads < 0:
     raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must be >= 1 (or 0: as many as model.n_heads)")
@@ -198,8 +198,6 @@ def _validate_attention(cfg: Config) -> None:
                       f"(blockwise attention splits the sequence into blocks); choose a block dividing seq_len")
   if m.head_dim % 2:
     raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
-  _divides("model.n_heads", m.n_heads, "mesh.tensor", mesh.tensor, "heads are sharded over tensor")
-  _divides("model.vocab_size", m.vocab_size, "mesh.tensor", mesh.tensor, "the vocabulary is sharded over tensor")
 
 
 def validate_launch(cfg: Config) -> None:

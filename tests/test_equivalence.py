@@ -144,30 +144,36 @@ def test_bfloat16_compute_trains_the_same_model_and_gathers_half_the_bytes():
   assert set(gathers) == {"bf16"}, gathers
 
 
-def test_layout_rule_change_changes_the_sharding_and_still_matches_reference(monkeypatch):
-  """params.LAYOUT["embed"] = None: weights replicated over fsdp (plain data parallelism) instead of sharded
-  (ZeRO-3). The compiled program changes (no FSDP gathers; gradients all-reduced over fsdp) and the training
-  is still the reference's. A rule the schedule cannot honour fails with one line before compiling."""
+def test_layout_rule_change_changes_the_sharding_and_still_matches_reference():
+  """The layout rule embed -> none: weights replicated over fsdp (plain data parallelism) instead of sharded
+  (ZeRO-3), a value passed to the declarations and the schedule (no global). The compiled program changes (no
+  FSDP gathers; gradients all-reduced over fsdp) and the training is still the reference's. A rule the schedule
+  cannot honour, or that collides in one array, fails with one line before compiling."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   from conftest import batch, mesh_of
   from shardlab import params as PM, schedules, train as T
   from shardlab.analysis import hlo
+  from shardlab.layout import DEFAULT_RULES, Layout
   from shardlab.mesh import ConfigError
   cfg, mesh = tiny_config(), mesh_of(2, 4)
-  monkeypatch.setitem(PM.LAYOUT, "embed", None)
-  decls = PM.declare(cfg.model)
+  layout = Layout.of({**DEFAULT_RULES, "embed": None})
+  decls = PM.declare(cfg.model, layout=layout, axis_names=mesh.axis_names)
   assert decls["layers"]["wi"].spec() == P(None, None, None, "tensor")
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32, layout), decls, mesh)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
   compiled = fn.lower(params, jax.device_put(batch(), NamedSharding(mesh, P("fsdp")))).compile()
   loss, grads = compiled(params, jax.device_put(batch(), NamedSharding(mesh, P("fsdp"))))
   ref_loss, ref_grads = reference_loss_and_grads()
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="LAYOUT[embed]=None: ")
-  ledger = hlo.ledger(hlo.collectives(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names)))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="layout embed -> none: ")
+  ledger = hlo.ledger(hlo.collectives(compiled.as_text(), mesh))
   assert "fsdp" not in ledger.get("all-gather", {}) and "fsdp" not in ledger.get("reduce-scatter", {}), ledger
   assert ledger["all-reduce"]["fsdp"]["bytes"] > 1000, ledger   # gradients all-reduced, not reduce-scattered
-  monkeypatch.setitem(PM.LAYOUT, "mlp", None)
-  with pytest.raises(ConfigError, match=r"^params.LAYOUT\['mlp'\]=None: the explicit schedule cannot honour it; "
-                                        r"it takes 'tensor'$"):
-    schedules.build(cfg.schedule, cfg.model, jnp.float32)
+  bad = Layout.of({**DEFAULT_RULES, "mlp": None})
+  with pytest.raises(ConfigError, match=r"^layout rule mlp -> none \(replicated\): the ExplicitSchedule schedule "
+                                        r"cannot honour it on this mesh; it takes tensor$"):
+    T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32, bad), decls, mesh)
+  with pytest.raises(ConfigError, match=r"^layout rules embed -> tensor and mlp -> tensor collide in layers/wi"):
+    PM.declare(cfg.model, layout=Layout.of({**DEFAULT_RULES, "embed": "tensor"}), axis_names=mesh.axis_names)
+  with pytest.raises(ConfigError, match=r"^layout rule embed -> tensor: the tensor axis does not shard embed"):
+    Layout.of({**DEFAULT_RULES, "embed": "tensor"}).check()

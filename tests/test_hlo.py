@@ -63,5 +63,5 @@ def test_gspmd_collectives_are_all_unplanned():
   from shardlab.analysis.program import audit
   knobs = {k: v for k, v in load_preset("gspmd").items() if k != "name"}
   compiled, _ = compiled_grads((2, 4), tuple(sorted(knobs.items())))
-  colls = hlo.collectives(compiled.as_text(), mesh_of(2, 4).device_ids)
+  colls = hlo.collectives(compiled.as_text(), mesh_of(2, 4))
   assert colls and len(audit(colls)["unplanned"]) == len(colls)

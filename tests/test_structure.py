@@ -23,3 +23,13 @@ def test_core_does_not_import_hydra_or_experiments():
          if p.relative_to(ROOT).as_posix() not in allowed
          and re.search(r"^\s*(import|from)\s+(hydra|omegaconf|experiments)\b", p.read_text(), re.M)]
   assert not bad, bad
+
+
+def test_no_axis_name_literal_outside_the_declarations():
+  """`python -m shardlab.axes` lists every string constant equal to a mesh axis name outside shardlab/axes.py,
+  collectives.py and schedules/: everything else reads axis names from the declarations, the mesh or the program."""
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-m", "shardlab.axes"], capture_output=True, text=True, cwd=ROOT)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert out.stdout.strip().endswith("0 axis-name literals outside axes.py, collectives.py, schedules/")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from shardlab.axes import DATA, FSDP, TENSOR
+
 
 def start_jax(cfg) -> None:
   """Keep JAX on the CPU (fake devices) in a process that has not started it yet, so that an installed target
@@ -59,14 +61,14 @@ def layout_config(cfg, layout: dict) -> tuple[Any, str | None]:
   if sharding:
     return None, sharding[0]
   seqs = planner.global_tokens(cfg) / m.seq_len
-  shards = layout["data"] * layout["fsdp"]
+  shards = layout[DATA] * layout[FSDP]
   if seqs != int(seqs) or int(seqs) % shards:
     return None, (f"the global batch is {seqs:.3g} sequences of {m.seq_len} tokens: not a whole number per batch "
                   f"shard of data x fsdp = {shards} (shardlab shards whole sequences)")
-  sub = planner.override(cfg, mesh={"data": layout["data"], "fsdp": layout["fsdp"], "tensor": layout["tensor"],
-                                    "fsdp_ici_axes": layout["ici_axes"]["fsdp"],
-                                    "tensor_ici_axes": layout["ici_axes"]["tensor"],
-                                    "data_ici_axes": layout["ici_axes"]["data"]},
+  sub = planner.override(cfg, mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
+                                    "fsdp_ici_axes": layout["ici_axes"][FSDP],
+                                    "tensor_ici_axes": layout["ici_axes"][TENSOR],
+                                    "data_ici_axes": layout["ici_axes"][DATA]},
                          train={"batch_size": int(seqs), "global_batch_tokens": 0})
   return sub, None
 
@@ -79,7 +81,7 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str
   from shardlab import target as TG
   if layouts:                             # the extra and the preset, before anything compiles
     l = layouts[0]
-    TG.check(cfg.hardware, l["data"] * l["fsdp"] * l["tensor"])
+    TG.check(cfg.hardware, l[DATA] * l[FSDP] * l[TENSOR])
   out = []
   for layout in layouts[:k]:
     sub, why = layout_config(cfg, layout)

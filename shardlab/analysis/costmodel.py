@@ -33,10 +33,11 @@ import json
 from pathlib import Path
 
 from shardlab.analysis import hlo, ledger, timeline as TL
+from shardlab.axes import FSDP, TENSOR
 
 
 def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
-  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus). On a
+  """Bytes/s of a mesh axis (FSDP, TENSOR, or 'fsdp+tensor': the physical axes add up on a torus). On a
   switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
   (HSDP's data axis, typically) gets the nodes' NICs, not NVLink; an axis made of several takes the slowest."""
   over = ici_axes.get("bytes_per_s")
@@ -116,7 +117,7 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   busy = TL.union((r.start[i], r.finish[i]) for i in compute)
   t_compute = sum(dur[i] for i in compute)
   axes = sorted({tasks[i].coll.axis for i in comm})
-  t_comm = {a: sum(dur[i] for i in comm if tasks[i].coll.axis == a) for a in ("fsdp", "tensor", *axes)}
+  t_comm = {a: sum(dur[i] for i in comm if tasks[i].coll.axis == a) for a in (FSDP, TENSOR, *axes)}
   critical = {"compute": 0.0, **dict.fromkeys(t_comm, 0.0)}
   for i in TL.critical_path(tasks, r):
     k = "compute" if tasks[i].kind == "compute" else tasks[i].coll.axis

@@ -236,18 +236,28 @@ def moved_bytes(kind: str, full: int, n: int) -> int:
   return full * (n - 1) // n
 
 
+def mesh_ids(mesh_or_ids, axis_names=None) -> tuple:
+  """(device_ids, axis_names) from a Mesh, or from device ids and the mesh's axis names (read from the mesh,
+  never guessed from the array's rank)."""
+  if hasattr(mesh_or_ids, "axis_names"):
+    return mesh_or_ids.device_ids, tuple(mesh_or_ids.axis_names)
+  if axis_names is None or len(axis_names) != np.ndim(mesh_or_ids):
+    raise ValueError(f"device ids of rank {np.ndim(mesh_or_ids)} need the mesh's {np.ndim(mesh_or_ids)} axis "
+                     f"names (got {axis_names!r}); pass the mesh")
+  return mesh_or_ids, tuple(axis_names)
+
+
 def collectives(text: str, device_ids, axis_names=None) -> list[Collective]:
-  """Every collective in the compiled program, with its mesh axis, bytes and execution count."""
+  """Every collective in the compiled program, with its mesh axis, bytes and execution count. `device_ids`: the
+  mesh (or its device ids, with its axis_names)."""
   comps, entry = parse(text)
   return collectives_in(comps, multiplicities(comps, entry), device_ids, axis_names)
 
 
 def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list[Collective]:
   """`collectives` of an already parsed program. An async pair (`all-gather-start` .. `all-gather-done`, as GPU
-  programs have) is one collective: its start. axis_names: the mesh's (default: the last ndim of data, fsdp,
-  tensor, for device_ids of that many dims)."""
-  if axis_names is None:
-    axis_names = ("data", "fsdp", "tensor")[3 - np.ndim(device_ids):]
+  programs have) is one collective: its start. `device_ids`: the mesh, or its device ids with its axis_names."""
+  device_ids, axis_names = mesh_ids(device_ids, axis_names)
   out = []
   for comp, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}

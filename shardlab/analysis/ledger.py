@@ -64,9 +64,10 @@ def _nbytes(aval) -> int:
   return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def from_program(closed_jaxpr, axis_order=("data", "fsdp", "tensor")) -> list[Row]:
+def from_program(closed_jaxpr, axis_order=None) -> list[Row]:
   """Every collective equation of a traced step (`jax.make_jaxpr(step)(*args)`), with its trip count.
-  Collectives over axes of size 1 move nothing and are dropped (XLA removes them too)."""
+  Collectives over axes of size 1 move nothing and are dropped (XLA removes them too). Axes are named in the
+  order of the mesh the shard_map runs over (or `axis_order`)."""
   from jax.extend.core import jaxprs_in_params
   rows = []
 
@@ -77,7 +78,7 @@ def from_program(closed_jaxpr, axis_order=("data", "fsdp", "tensor")) -> list[Ro
       if name == "shard_map":
         sizes = dict(eqn.params["mesh"].shape)
       if name in PRIMITIVES:
-        rows.append(_row(eqn, name, times, sizes, where, axis_order))
+        rows.append(_row(eqn, name, times, sizes, where, axis_order or tuple(sizes)))
       inner = [j for j in jaxprs_in_params(eqn.params)]
       if name in ("while", "cond") and any(_has_collective(j) for j in inner):
         raise ValueError(f"{name} at {where}: collectives under it have no static count")

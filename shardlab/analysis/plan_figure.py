@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardlab.analysis import planner
+from shardlab.axes import DATA, FSDP, TENSOR
 
 
 def configured_layout(cfg) -> dict:
@@ -15,9 +16,9 @@ def configured_layout(cfg) -> dict:
 
 def curve(cfg, layout: dict, batches) -> tuple[list[float], list[float]]:
   """(step time s, MFU) of `layout` at each per-device batch in `batches` (tokens)."""
-  n = layout["data"] * layout["fsdp"] * layout["tensor"]
-  out = [planner.evaluate_layout(planner.override(cfg, train={"global_batch_tokens": b * n}), layout["data"],
-                                 layout["fsdp"], layout["tensor"], layout["axis_bandwidth"], layout["ici_axes"],
+  n = layout[DATA] * layout[FSDP] * layout[TENSOR]
+  out = [planner.evaluate_layout(planner.override(cfg, train={"global_batch_tokens": b * n}), layout[DATA],
+                                 layout[FSDP], layout[TENSOR], layout["axis_bandwidth"], layout["ici_axes"],
                                  layout.get("latency_hops")) for b in batches]
   return [o["step_time_s"] for o in out], [o["mfu"] for o in out]
 
@@ -42,7 +43,7 @@ def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
     color = f"C{i}"
     steps, mfus = curve(cfg, l, batches)
     fits = batches <= limit
-    label = f"data {l['data']} x fsdp {l['fsdp']} x tensor {l['tensor']}"
+    label = f"data {l[DATA]} x fsdp {l[FSDP]} x tensor {l[TENSOR]}"
     for ax, ys in ((ax_t, steps), (ax_e, [100 * m for m in mfus])):
       ys = np.asarray(ys)
       ax.plot(batches[fits], ys[fits], color=color, label=label if ax is ax_t else None)
@@ -54,7 +55,7 @@ def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
     ax_t.plot([l["batch_per_device_tokens"]], [l["step_time_s"]], "o", color=color)
     ax_e.plot([l["batch_per_device_tokens"]], [100 * l["mfu"]], "o", color=color)
   ax_t.set(xscale="log", yscale="log", ylabel="predicted step time (s)",
-           title=f"{cfg.model.name} on {layouts[0]['data'] * layouts[0]['fsdp'] * layouts[0]['tensor']} x "
+           title=f"{cfg.model.name} on {layouts[0][DATA] * layouts[0][FSDP] * layouts[0][TENSOR]} x "
                  f"{cfg.hardware.name} (predicted; MFU when compute-bound: {cfg.train.mfu:.0%})")
   ax_e.set(xscale="log", xlabel="batch per device B / N (tokens)", ylabel="predicted MFU (%)",
            ylim=(0, 100 * cfg.train.mfu * 1.15))

@@ -27,6 +27,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardlab import params as PM
+from shardlab.axes import CLASSIC, DATA, FSDP, TENSOR, names, shape_of
+from shardlab.layout import from_config
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
 
@@ -260,7 +264,7 @@ def layer_times(cfg) -> dict[str, float]:
   b = global_tokens(cfg) / (mesh.fsdp * mesh.tensor)
   math_fwd, tensor_fwd = c.math * b, c.tensor_time(b)
   return {"math_fwd": math_fwd, "fsdp_fwd": c.fsdp, "tensor_fwd": tensor_fwd,
-          "math": 3 * math_fwd, "fsdp": (1 + c.fsdp_bwd_passes) * c.fsdp, "tensor": 2 * tensor_fwd}
+          "math": 3 * math_fwd, FSDP: (1 + c.fsdp_bwd_passes) * c.fsdp, TENSOR: 2 * tensor_fwd}
 
 
 @dataclass(frozen=True)
@@ -289,21 +293,21 @@ class BlockCosts:
 
   def comm_to_math(self, b: float) -> dict[str, float]:
     """Forward fsdp and tensor, backward data: each axis's communication over the math it can hide behind."""
-    return {"fsdp": self.fsdp / (self.math * b), "tensor": self.tensor_time(b) / (self.math * b),
-            "data": self.data / (2 * self.math * b)}
+    return {FSDP: self.fsdp / (self.math * b), TENSOR: self.tensor_time(b) / (self.math * b),
+            DATA: self.data / (2 * self.math * b)}
 
   def critical_batches(self) -> dict[str, float | None]:
     """Per axis, the per-device tokens below which its communication exceeds the math it overlaps. fsdp:
     b > fsdp / math. data: b > data / (2 math). tensor: None (never compute-bound) when its per-token time
     exceeds the math's (Y > M_Y F / alpha, whatever the batch), else where its latency floor meets the math."""
     tensor = None if self.tensor_per_token > self.math else self.tensor_floor / self.math
-    return {"fsdp": self.fsdp / self.math, "tensor": tensor, "data": self.data / (2 * self.math)}
+    return {FSDP: self.fsdp / self.math, TENSOR: tensor, DATA: self.data / (2 * self.math)}
 
   def critical_batch(self) -> tuple[float | None, str]:
-    """(the largest of critical_batches, its axis): None and "tensor" when TP binds at any batch."""
+    """(the largest of critical_batches, its axis): None and TENSOR when TP binds at any batch."""
     need = self.critical_batches()
-    if need["tensor"] is None:
-      return None, "tensor"
+    if need[TENSOR] is None:
+      return None, TENSOR
     axis = max(need, key=need.get)
     return (need[axis], axis) if need[axis] > 0 else (0.0, "none")
 
@@ -322,10 +326,10 @@ def block_costs(cfg, w_x: float, w_y: float, data: int = 1, w_d: float = 1.0, pa
   sublayers = 0 if params is not None else 1 if m.kind == "ffn" else 2
   return BlockCosts(
       math=2 * p_l / hw.peak_flops,
-      fsdp=collective_time(w_bytes * shard, x, w_x, hw.hop_latency_s, hops.get("fsdp")),
+      fsdp=collective_time(w_bytes * shard, x, w_x, hw.hop_latency_s, hops.get(FSDP)),
       tensor_per_token=2 * sublayers * a_bytes * m.d_model * (y - 1) / w_y if y > 1 else 0.0,
-      tensor_floor=2 * sublayers * hw.hop_latency_s * hops.get("tensor", y / 2) if y > 1 else 0.0,
-      data=2 * collective_time(w_bytes * shard / x, data, w_d, hw.hop_latency_s, hops.get("data")),
+      tensor_floor=2 * sublayers * hw.hop_latency_s * hops.get(TENSOR, y / 2) if y > 1 else 0.0,
+      data=2 * collective_time(w_bytes * shard / x, data, w_d, hw.hop_latency_s, hops.get(DATA)),
       fsdp_bwd_passes=2 if cfg.schedule.reshard_after_forward else 1)
 
 
@@ -339,7 +343,7 @@ def comm_bytes(cfg) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------- batch window of a mesh
 
 def override(cfg, **groups):
-  """A copy of cfg with fields of some groups replaced: override(cfg, mesh={"fsdp": 8}, train={...})."""
+  """A copy of cfg with fields of some groups replaced: override(cfg, mesh={FSDP: 8}, train={...})."""
   return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
 
 
@@ -463,13 +467,11 @@ def _factorizations(n: int):
       yield data, fsdp, n // data // fsdp
 
 
-def _sharding_problems(m, fsdp: int, tensor: int) -> list[str]:
-  """What shardlab cannot shard (the divisibility rules of validate.py, without importing JAX)."""
-  rules = [("model.d_model", m.d_model, "fsdp", fsdp)]
-  if m.kind != "ffn":
-    rules += [("model.n_heads", m.n_heads, "tensor", tensor), ("model.vocab_size", m.vocab_size, "tensor", tensor)]
-  rules += [("model.d_ff", m.d_ff, "tensor", tensor)]
-  return [f"sharding: {name}={v} is not divisible by {axis}={size}" for name, v, axis, size in rules if v % size]
+def _sharding_problems(cfg, shape: dict) -> list[str]:
+  """What shardlab cannot shard: the dims a layout rule does not divide on this mesh (params.problems, the
+  requirements validation checks too)."""
+  return [f"sharding: {n.setting}={n.value} is not divisible by {n.by().replace('mesh.', '')}={n.size}"
+          for n in PM.problems(cfg.model, from_config(cfg), shape)]
 
 
 def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str, float],
@@ -487,9 +489,9 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
   tokens = global_tokens(cfg)
   b = tokens / (data * fsdp * tensor)
-  sub = override(cfg, mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": ici_axes["fsdp"],
-                         "tensor_ici_axes": ici_axes["tensor"]}, train={"global_batch_tokens": tokens / data})
-  args = (bandwidth["fsdp"], bandwidth["tensor"], data, bandwidth["data"])
+  sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor, "fsdp_ici_axes": ici_axes[FSDP],
+                         "tensor_ici_axes": ici_axes[TENSOR]}, train={"global_batch_tokens": tokens / data})
+  args = (bandwidth[FSDP], bandwidth[TENSOR], data, bandwidth[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
   step = (m.n_layers * (block.forward(b) + block.backward(b)) + embed.forward(b) + embed.backward(b)) / cfg.train.mfu
   ratios = block.comm_to_math(b)
@@ -497,15 +499,15 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
 
-  why = _sharding_problems(m, fsdp, tensor)
+  why = _sharding_problems(cfg, shape_of({DATA: data, FSDP: fsdp, TENSOR: tensor}))
   k = 1 if mem["total"] <= hbm else microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
   if mem["total"] > hbm:
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
                f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
                f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k}" if k else ""))
   need = block.critical_batches()
-  what = {"fsdp": "the weight AllGather", "tensor": "the activation AllGather/ReduceScatter",
-          "data": "the gradient AllReduce"}
+  what = {FSDP: "the weight AllGather", TENSOR: "the activation AllGather/ReduceScatter",
+          DATA: "the gradient AllReduce"}
   for axis, r in ratios.items():
     if r > 1:
       at = ("at any batch (tensor > M_Y F / alpha)" if need[axis] is None
@@ -518,7 +520,7 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
     notes.append(f"each batch shard holds {local_seqs:.3g} sequences: shardlab shards whole sequences over "
                  "data x fsdp (fractions need sequence sharding)")
   return {
-      "data": data, "fsdp": fsdp, "tensor": tensor, "fits": mem["total"] <= hbm,
+      DATA: data, FSDP: fsdp, TENSOR: tensor, "fits": mem["total"] <= hbm,
       "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
       "mfu": 6 * param_count(m) * b / (hw.peak_flops * step), "rejected_because": why,
       "memory_per_device_bytes": mem["total"], "memory_margin_bytes": hbm - mem["total"],
@@ -547,7 +549,7 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
   out = []
   for data, fsdp, tensor in _factorizations(n):
     sizes = [tensor, fsdp, data]                   # innermost first
-    names = ("tensor", "fsdp", "data")
+    names = (TENSOR, FSDP, DATA)
     placed = torus_axes(sizes, dims) if dims is not None else None
     if placed:
       axes, hops = [a for a, _ in placed], dict(zip(names, [h for _, h in placed]))
@@ -599,14 +601,17 @@ def check(cfg) -> None:
 
 
 def mesh_links(cfg) -> tuple[dict[str, int], dict[str, float]]:
-  """({axis: physical interconnect axes it spans (mesh.*_ici_axes)}, {axis: bytes/s}) for cfg.mesh: on a switch
-  each axis gets switch_bandwidths' share (the data axis the nodes' NICs once it spans nodes), on a torus its
-  links (hardware.axis_bandwidth)."""
+  """({axis: physical interconnect axes it spans (mesh.<axis>_ici_axes)}, {axis: bytes/s}) for every axis of
+  cfg.mesh's classic three and any other it has (> 1), innermost first: on a switch each axis gets
+  switch_bandwidths' share (an outer axis the nodes' NICs once it spans nodes), on a torus its links
+  (hardware.axis_bandwidth)."""
   mesh, hw = cfg.mesh, cfg.hardware
-  ici = {"tensor": mesh.tensor_ici_axes, "fsdp": mesh.fsdp_ici_axes, "data": mesh.data_ici_axes}
+  sizes = {**{a: 1 for a in CLASSIC}, **mesh.shape}
+  inner_first = [a for a in reversed(names()) if a in sizes]
+  ici = {a: mesh.ici_axes(a) for a in inner_first}
   if hw.torus:
     return ici, {a: hw.axis_bandwidth(n) for a, n in ici.items()}
-  return ici, dict(zip(("tensor", "fsdp", "data"), switch_bandwidths(hw, [mesh.tensor, mesh.fsdp, mesh.data])))
+  return ici, dict(zip(inner_first, switch_bandwidths(hw, [sizes[a] for a in inner_first])))
 
 
 def this_layout(cfg) -> dict[str, Any]:
@@ -621,7 +626,7 @@ def plan(cfg) -> dict[str, Any]:
   / data) and `hsdp` the whole layout, the gradient AllReduce over data included (evaluate_layout)."""
   check(cfg)
   if cfg.mesh.data > 1:
-    replica = override(cfg, mesh={"data": 1}, train={"global_batch_tokens": global_tokens(cfg) / cfg.mesh.data})
+    replica = override(cfg, mesh={DATA: 1}, train={"global_batch_tokens": global_tokens(cfg) / cfg.mesh.data})
     return {**plan(replica), "mesh_data": cfg.mesh.data, "hsdp": this_layout(cfg)}
   m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
   x, y = mesh.fsdp, mesh.tensor
@@ -640,7 +645,7 @@ def plan(cfg) -> dict[str, Any]:
   emb_fsdp = ((3 if cfg.schedule.reshard_after_forward else 2) * collective_time(
       w_bytes * embed_params(m) / y, x, hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.hop_latency_s))
   t_math = 6 * p * tokens / (n * hw.peak_flops)
-  t_comm = {"fsdp": m.n_layers * per_layer["fsdp"] + emb_fsdp, "tensor": m.n_layers * per_layer["tensor"]}
+  t_comm = {FSDP: m.n_layers * per_layer[FSDP] + emb_fsdp, TENSOR: m.n_layers * per_layer[TENSOR]}
   mem = memory_per_device(cfg)
 
   warnings = []
@@ -654,7 +659,7 @@ def plan(cfg) -> dict[str, Any]:
 
   return {
       "model": m.name, "kind": m.kind, "hardware": hw.name,
-      "mesh": {"fsdp": x, "tensor": y, "devices": n, "fsdp_ici_axes": m_x, "tensor_ici_axes": m_y},
+      "mesh": {FSDP: x, TENSOR: y, "devices": n, "fsdp_ici_axes": m_x, "tensor_ici_axes": m_y},
       "global_batch_tokens": tokens,
       "batch_per_device_tokens": tokens / n,
       "n_params": p,
@@ -666,12 +671,12 @@ def plan(cfg) -> dict[str, Any]:
       "microbatches": microbatches_to_fit(cfg),
       "min_devices_to_fit": min_devices_to_fit(p, hw.hbm_bytes, 4 * dtype_bytes(cfg.precision.param_dtype)),
       "alpha": a,
-      "axis_bandwidth": {"fsdp": hw.axis_bandwidth(mesh.fsdp_ici_axes),
-                         "tensor": hw.axis_bandwidth(mesh.tensor_ici_axes)},
+      "axis_bandwidth": {FSDP: hw.axis_bandwidth(mesh.fsdp_ici_axes),
+                         TENSOR: hw.axis_bandwidth(mesh.tensor_ici_axes)},
       "comm_bytes_per_element": {"weights": w_bytes, "activations": a_bytes},
       "critical_batch_per_device": {
           "dp": critical_batch_dp(a, m_x, w_bytes),
-          "fsdp": critical_batch_fsdp(a, m_x, w_bytes),
+          FSDP: critical_batch_fsdp(a, m_x, w_bytes),
           "fsdp_tp": critical_batch_fsdp_tp(a, m.d_ff, m_x, m_y, w_bytes, a_bytes),
           "this_mesh": critical,       # below it a block's forward fsdp or tensor comms exceed its math
           "binding_axis": binding,     # the axis that binds there (tensor with this_mesh null: at any batch)
@@ -682,9 +687,9 @@ def plan(cfg) -> dict[str, Any]:
       "t_math_s": t_math,
       "t_comm_s": t_comm,
       "t_math_per_layer_s": per_layer["math"],
-      "t_comm_per_layer_s": {"fsdp": per_layer["fsdp"], "tensor": per_layer["tensor"]},
-      "comm_to_math_forward": {"fsdp": per_layer["fsdp_fwd"] / per_layer["math_fwd"],
-                               "tensor": per_layer["tensor_fwd"] / per_layer["math_fwd"]},
+      "t_comm_per_layer_s": {FSDP: per_layer[FSDP], TENSOR: per_layer[TENSOR]},
+      "comm_to_math_forward": {FSDP: per_layer["fsdp_fwd"] / per_layer["math_fwd"],
+                               TENSOR: per_layer["tensor_fwd"] / per_layer["math_fwd"]},
       "compute_bound": max(per_layer["fsdp_fwd"], per_layer["tensor_fwd"]) <= per_layer["math_fwd"],
       "compute_bound_additive": per_layer["fsdp_fwd"] + per_layer["tensor_fwd"] <= per_layer["math_fwd"],
       "roofline_step_s": {"overlapped": max(t_math, *t_comm.values()), "additive": t_math + sum(t_comm.values())},

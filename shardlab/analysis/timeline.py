@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardlab.analysis import hlo
+from shardlab.axes import FSDP, TENSOR
 
 
 @dataclass
@@ -115,7 +116,7 @@ def build(prog, device_ids=None, axis_names=None) -> list[Task]:
   `prog`: an analysis.program.Program (or HLO text, parsed here, with the mesh's device_ids and axis names)."""
   if isinstance(prog, str):
     from shardlab.analysis.program import Program
-    axis_names = axis_names or ("data", "fsdp", "tensor")[3 - np.ndim(device_ids):]
+    device_ids, axis_names = hlo.mesh_ids(device_ids, axis_names)
     prog = Program(prog, device_ids, axis_names)
   comps, entry, device_ids, axis_names = prog.comps, prog.entry, prog.device_ids, prog.axis_names
   colls = {(c.computation, c.name): c for c in prog.collectives}
@@ -291,7 +292,7 @@ def length(intervals: list[tuple]) -> float:
 # ---- outputs: Chrome / Perfetto trace events and a Gantt chart ----
 
 COLORS = {"compute fwd": "#4c72b0", "compute bwd": "#8172b3", "fsdp all-gather": "#dd8452",
-          "fsdp reduce-scatter": "#c44e52", "tensor": "#55a868", "other comm": "#937860"}
+          "fsdp reduce-scatter": "#c44e52", TENSOR: "#55a868", "other comm": "#937860"}
 
 
 TP_SCOPES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_enter", "ring_shift", "ag_matmul_ring",
@@ -303,9 +304,9 @@ def category(t: Task) -> str:
   if t.kind == "compute":
     return "compute bwd" if t.backward else "compute fwd"
   c = t.coll
-  if c.axis == "fsdp" and c.kind in ("all-gather", "reduce-scatter"):
+  if c.axis == FSDP and c.kind in ("all-gather", "reduce-scatter"):
     return f"fsdp {c.kind}"
-  return "tensor" if c.scope in TP_SCOPES else "other comm"
+  return TENSOR if c.scope in TP_SCOPES else "other comm"
 
 
 def events(tasks: list[Task], r: Replay, duration: list[float], rows: list[str]) -> list[dict]:

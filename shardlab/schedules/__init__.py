@@ -10,32 +10,11 @@ by themselves.
 """
 from __future__ import annotations
 
-import importlib
-
-from shardlab.mesh import ConfigError
+from shardlab.schedules.loading import load_object
 from shardlab.schedules.explicit import ExplicitSchedule
 from shardlab.schedules.gspmd import GSPMDSchedule
 
 REGISTRY = {"explicit": ExplicitSchedule, "gspmd": GSPMDSchedule}
-
-
-def load_object(spec: str, what: str, registry: dict):
-  """A registry name, or `package.module:Name` imported from anywhere on sys.path; else one-line ConfigError."""
-  if spec in registry:
-    return registry[spec]
-  if ":" not in spec:
-    raise ConfigError(f"{what}={spec}: unknown; known: {', '.join(registry)}, or package.module:Class")
-  module, _, name = spec.partition(":")
-  try:
-    obj = importlib.import_module(module)
-  except ImportError as e:
-    raise ConfigError(f"{what}={spec}: cannot import {module} ({e}); is its directory on sys.path "
-                      f"(PYTHONPATH, or the current directory)?") from None
-  for part in name.split("."):
-    if not hasattr(obj, part):
-      raise ConfigError(f"{what}={spec}: {module} has no {name}")
-    obj = getattr(obj, part)
-  return obj
 
 
 def resolve(impl: str):
@@ -43,5 +22,6 @@ def resolve(impl: str):
   return load_object(impl, "schedule.impl", REGISTRY)
 
 
-def build(cfg, model, compute_dtype):
-  return resolve(cfg.impl)(cfg, model, compute_dtype)
+def build(cfg, model, compute_dtype, layout=None):
+  """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())."""
+  return resolve(cfg.impl)(cfg, model, compute_dtype, layout)

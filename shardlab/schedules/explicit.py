@@ -28,8 +28,10 @@ import jax.numpy as jnp
 from shardlab import collectives as C
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
-from shardlab.mesh import DATA, FSDP, TENSOR, ConfigError
-from shardlab.params import LAYOUT, batch_axes, declare, is_param, replica_axes
+from shardlab.axes import FSDP, TENSOR
+from shardlab.layout import Layout, honoured
+from shardlab.mesh import ConfigError
+from shardlab.params import declare, is_param
 from shardlab.schedules.tp import MATMUL, TP, make_tp
 
 # remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
@@ -50,23 +52,6 @@ REMAT = {
 }
 KNOBS = {"tp": tuple(TP), "grad_reduce": ("per_layer", "next_layer", "deferred"),
          "remat": tuple(REMAT), "gather_dtype": ("param", "compute")}
-
-
-# The layout rules (params.LAYOUT) this schedule can honour: its TP contractions shard heads, d_ff, vocab and
-# the sequence over `tensor`, and the batch is split over `fsdp` (and `data` in front of it, when the mesh has
-# one); a weight's `embed` dim may be sharded over `fsdp` (FSDP / ZeRO-3) or replicated (None: plain data
-# parallelism, gradients all-reduced over fsdp). Weights are always replicated over `data` (HSDP).
-HONOURS = {"embed": (FSDP, None), "heads": (TENSOR,), "kv_heads": (TENSOR,), "mlp": (TENSOR,), "vocab": (TENSOR,),
-           "batch": ((DATA, FSDP), FSDP), "seq": (TENSOR,)}
-
-
-def check_layout(layout: dict, name: str = "the explicit schedule") -> None:
-  """A rule of `layout` this schedule cannot honour: one line, before anything compiles."""
-  for logical, allowed in HONOURS.items():
-    got = layout.get(logical)
-    if got not in allowed:
-      raise ConfigError(f"params.LAYOUT[{logical!r}]={got!r}: {name} cannot honour it; it takes "
-                        f"{' or '.join(repr(a) for a in allowed)}")
 
 
 def _remat_policy(remat: str):
@@ -267,7 +252,7 @@ class _Weights:
 
 class ExplicitSchedule:
   """Hand-placed FSDP x TP, and HSDP when the mesh has a `data` axis. Runs inside shard_map over the mesh; which
-  axes the batch and the weights are split over comes from params.LAYOUT on that mesh (`batch_axes`).
+  axes the batch and the weights are split over comes from the layout on that mesh (`Layout.batch_axes`).
 
   Its hooks (schedules/protocol.py: `LayerSchedule`) are the extension points; override one in a subclass
   in your own file and run it with `schedule.impl=your_module:YourClass`:
@@ -279,7 +264,9 @@ class ExplicitSchedule:
                                              (schedules/tp.py: TP registry, or package.module:Class)
   """
 
-  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32):
+  shard_mapped = True   # runs inside shard_map (train.py)
+
+  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None):
     for knob, allowed in KNOBS.items():
       if knob == "tp":
         continue                                    # a registered contraction or package.module:Class
@@ -289,22 +276,37 @@ class ExplicitSchedule:
       raise ConfigError(f"schedule.prefetch={cfg.prefetch}: must be between 0 and model.n_layers={model.n_layers}")
     if cfg.microbatches < 1:
       raise ConfigError(f"schedule.microbatches={cfg.microbatches}: must be >= 1")
-    check_layout(LAYOUT)
     if cfg.grad_reduce == "deferred" and (cfg.prefetch or not cfg.reshard_after_forward):
       raise ConfigError("schedule.grad_reduce=deferred gathers every weight once per step, so it takes no "
                         "schedule.prefetch and no schedule.reshard_after_forward=false; set prefetch=0 and "
                         "reshard_after_forward=true")
     self.cfg, self.model, self.dtype = cfg, model, compute_dtype
-    self.ops = make_tp(cfg.tp)
-    self.decls = declare(model)
+    self.layout = layout or Layout()
+    self.ops = make_tp(cfg.tp, self.layout)
+    self.decls = declare(model, layout=self.layout)
     self.policy = _remat_policy(cfg.remat)
+
+  def honours(self, axis_names) -> dict:
+    """The layout rules this schedule can honour on a mesh of `axis_names`, derived from its parts: the TP
+    contraction's dims over its axis; a weight's `embed` dim over `fsdp` (FSDP / ZeRO-3) or replicated (plain
+    data parallelism, gradients all-reduced); the batch over any batch axes that include the axes weights are
+    sharded on (weights are replicated over the others: HSDP); every layer on every device (no `layers` rule)
+    and whole sequences (no `length` rule)."""
+    weights = set(self.layout.rule("embed", axis_names))
+    batch = self.layout.batch_axes(axis_names)
+    return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": [()], "length": [()],
+            "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
+
+  def bind(self, mesh) -> None:
+    """The mesh the step is built for: a layout rule this schedule cannot honour there is one line."""
+    honoured(self.layout, self.honours(mesh.axis_names), mesh.axis_names, f"the {type(self).__name__} schedule")
 
   @property
   def residual_axes(self) -> tuple[str, ...]:
     """Mesh axes the residual stream varies over: the batch axes and, when sequence-parallel, `tensor` (the
     sequence). Read at trace time, inside shard_map, from the mesh being traced."""
     names = jax.sharding.get_abstract_mesh().axis_names
-    return batch_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
+    return self.layout.batch_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
 
   def gather(self, shard, decl, stacked: bool = False):
     """W[D_fsdp, ..] -> W[D, ..] in the compute dtype. Backward (AD): psum_scatter of the gradient over fsdp,
@@ -317,7 +319,7 @@ class ExplicitSchedule:
     dim = decl.dim_of(FSDP)
     early = (TENSOR,) if decl.tensor_replicated else ()
     if dim is not None:     # sharded over fsdp: reduce the data replicas' gradients on the shard
-      early += replica_axes(jax.sharding.get_abstract_mesh().axis_names)
+      early += self.layout.replica_axes(jax.sharding.get_abstract_mesh().axis_names)
     if early:
       w = C.pvary(w, early, name="replicated_weight")
     if dim is not None:

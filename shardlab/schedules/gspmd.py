@@ -1,5 +1,5 @@
 """The compiler's own sharding, as a baseline: the same model math under plain `jax.jit`, parameters and
-batch placed with the same NamedShardings (params.LAYOUT), activations constrained like the explicit
+batch placed with the same NamedShardings (the layout), activations constrained like the explicit
 schedule's, and every collective left to XLA's SPMD partitioner. Compare its ledger with `baseline`'s to see
 what hand placement buys. Knobs: `tp` (allgather: sequence-parallel activations | allreduce), `microbatches`,
 `remat`; the others describe hand placement and are rejected.
@@ -12,23 +12,27 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import model as M
 from shardlab.config import ModelConfig, ScheduleConfig
-from shardlab.mesh import TENSOR, ConfigError
-from shardlab.params import batch_spec, declare
+from shardlab.axes import FSDP, TENSOR
+from shardlab.layout import Layout, honoured
+from shardlab.mesh import ConfigError
+from shardlab.params import declare
 from shardlab.schedules.explicit import _remat_policy
 from shardlab.schedules.tp import IdentityOps
 
 class ConstrainedOps(IdentityOps):
   """Plain math on global arrays with the explicit schedule's activation layouts as sharding hints."""
 
-  def __init__(self, seq_parallel: bool):
-    self.seq_parallel = seq_parallel
+  axis = TENSOR
+
+  def __init__(self, seq_parallel: bool, layout: Layout):
+    self.seq_parallel, self.layout = seq_parallel, layout
     self.seq_sharded = seq_parallel
     self.mesh = None
 
   @property
   def batch(self):
-    """The batch dim's spec entry: the mesh axes params.LAYOUT['batch'] names that this mesh has."""
-    return batch_spec(self.mesh.axis_names)[0]
+    """The batch dim's spec entry: the mesh axes the layout's batch rule names that this mesh has."""
+    return self.layout.batch_spec(self.mesh.axis_names)[0]
 
   @property
   def residual(self):
@@ -65,7 +69,7 @@ class _Weights:
 class GSPMDSchedule:
   shard_mapped = False   # train.py builds a plain jit step for it
 
-  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32):
+  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None):
     default = ScheduleConfig()
     for knob in ("prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce"):
       if getattr(cfg, knob) != getattr(default, knob):
@@ -76,12 +80,20 @@ class GSPMDSchedule:
     if cfg.microbatches < 1:
       raise ConfigError(f"schedule.microbatches={cfg.microbatches}: must be >= 1")
     self.cfg, self.model, self.dtype = cfg, model, compute_dtype
-    self.decls = declare(model)
-    self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather")
+    self.layout = layout or Layout()
+    self.decls = declare(model, layout=self.layout)
+    self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather", layout=self.layout)
     self.policy = _remat_policy(cfg.remat)
 
+  def honours(self, axis_names) -> dict:
+    """Its activation constraints put heads, d_ff and vocab (and the sequence, tp=allgather) on `tensor`; weights
+    go where the layout puts them (the partitioner follows); every layer and whole sequences on every device."""
+    dims = ("heads", "kv_heads", "mlp", "vocab") + (("seq",) if self.ops.seq_parallel else ())
+    return {**{d: [(TENSOR,)] for d in dims}, "embed": [(FSDP,), ()], "layers": [()], "length": [()]}
+
   def bind(self, mesh) -> None:
-    """The mesh the activation constraints refer to (set when the step is built)."""
+    """The mesh the activation constraints refer to (set when the step is built); rules checked against it."""
+    honoured(self.layout, self.honours(mesh.axis_names), mesh.axis_names, "the gspmd schedule")
     self.ops.mesh = mesh
 
   def loss_and_grads(self, params, tokens_BL, targets_BL, n_tokens: int):

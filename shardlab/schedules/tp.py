@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlab import collectives as C
-from shardlab.mesh import TENSOR
-from shardlab.params import batch_axes
+from shardlab.axes import TENSOR
+from shardlab.layout import Layout
 
 SEQ_DIM = 1      # activations are [B, L, ...]
 MATMUL = "matmul_out"  # the name remat="save_matmuls" keeps
@@ -37,6 +37,13 @@ def _dots(ws, eqs):
 class IdentityOps:
   """Every reduction and gather is the identity: the model's plain, unsharded math."""
   seq_sharded = False
+  bidirectional = False      # a ring that splits each sequence block in halves (seq_len needs 2 x tensor)
+  axis: str | None = None    # the mesh axis its contractions run over
+  layout = Layout()          # the sharding rules (make_tp sets the run's): which axes the batch is split over
+
+  def honours(self) -> dict:
+    """The layout rules this contraction can honour, as data: {logical dim: [mesh axes it must map to]}."""
+    return {}
 
   def column(self, x, w, eq):
     return self.columns(x, (w,), (eq,))[0]
@@ -84,6 +91,12 @@ class IdentityOps:
 class _TensorParallel(IdentityOps):
   """Reductions over the vocab and batch shards, shared by every TP mode."""
   seq_sharded = True
+  axis = TENSOR
+
+  def honours(self) -> dict:
+    """Heads, d_ff and vocab over `tensor` (and the residual stream's sequence when sequence-parallel)."""
+    dims = ("heads", "kv_heads", "mlp", "vocab") + (("seq",) if self.seq_sharded else ())
+    return {d: [(self.axis,)] for d in dims}
 
   def vocab_max(self, x):
     return C.pmax(x, TENSOR, name="vocab_max")
@@ -98,8 +111,8 @@ class _TensorParallel(IdentityOps):
     return jax.lax.axis_index(TENSOR) * h_local
 
   def batch_sum(self, x):
-    """Over the mesh axes the batch is split on (params.LAYOUT['batch'] on the mesh being traced)."""
-    return C.psum(x, batch_axes(jax.sharding.get_abstract_mesh().axis_names), name="loss_sum")
+    """Over the mesh axes the batch is split on (the layout's batch rule on the mesh being traced)."""
+    return C.psum(x, self.layout.batch_axes(jax.sharding.get_abstract_mesh().axis_names), name="loss_sum")
 
   def seq_shard(self, x):
     if not self.seq_sharded:
@@ -108,7 +121,7 @@ class _TensorParallel(IdentityOps):
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(TENSOR) * n, n, SEQ_DIM)
 
   def token_sum(self, x):
-    axes = batch_axes(jax.sharding.get_abstract_mesh().axis_names) + ((TENSOR,) if self.seq_sharded else ())
+    axes = self.layout.batch_axes(jax.sharding.get_abstract_mesh().axis_names) + ((TENSOR,) if self.seq_sharded else ())
     return C.psum(x, axes, name="loss_sum")
 
 
@@ -159,7 +172,9 @@ class BidiRingTP(RingTP):
 TP = {"allgather": AllGatherTP, "ring": RingTP, "ring_bidi": BidiRingTP, "allreduce": AllReduceTP}
 
 
-def make_tp(mode: str):
-  """An instance of the contraction class `schedule.tp` names."""
-  from shardlab.schedules import load_object
-  return load_object(mode, "schedule.tp", TP)()
+def make_tp(mode: str, layout: Layout | None = None):
+  """An instance of the contraction class `schedule.tp` names, reading the run's sharding rules."""
+  from shardlab.schedules.loading import load_object
+  ops = load_object(mode, "schedule.tp", TP)()
+  ops.layout = layout or Layout()
+  return ops
