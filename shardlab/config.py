@@ -16,8 +16,11 @@ from typing import Any, Optional
 from shardlab.hardware import HardwareConfig
 from shardlab.layout import LayoutConfig
 
-# The Hydra config groups, shipped inside the package (an installed shardlab runs without the source tree).
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+# The Hydra config groups: conf/ at the repository's top level in a source checkout (and an editable install);
+# the wheel ships the same files inside the package, as shardlab/conf/ (pyproject.toml: package-dir), so an
+# installed shardlab runs from any directory without the source tree.
+_PACKAGE = Path(__file__).resolve().parent
+CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf" / "config.yaml").is_file() else _PACKAGE.parent / "conf"
 
 
 @dataclass
@@ -167,7 +170,7 @@ class ProfileConfig:
 class XlaConfig:
   """A bundle of XLA compiler options (DebugOptions fields, e.g. `xla_gpu_enable_pipelined_all_gather: true`),
   passed to every compile of the run (`lowered.compile(compiler_options=...)`), local and target alike, and
-  recorded in summary.json. shardlab/conf/xla/ holds the bundles real GPU recipes set (docs/targets.md)."""
+  recorded in summary.json. conf/xla/ holds the bundles real GPU recipes set (docs/targets.md)."""
   name: str = "none"
   flags: dict[str, Any] = field(default_factory=dict)
 
@@ -210,7 +213,7 @@ def _mesh_label(*args) -> str:
 
 
 def register_configs() -> None:
-  """Register the schemas so that every YAML in shardlab/conf/<group>/ is checked against its dataclass."""
+  """Register the schemas so that every YAML in conf/<group>/ is checked against its dataclass."""
   from hydra.core.config_store import ConfigStore
   from omegaconf import OmegaConf
   # ${mesh_label:${mesh}} -> '4x2', '2x2x2' with a data axis, 'p2xf2xt2' with others (run dir names: axes.label).

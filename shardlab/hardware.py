@@ -1,4 +1,4 @@
-"""Hardware presets (shardlab/conf/hardware/*.yaml): peak rates for the closed-form planner, the achieved rates the
+"""Hardware presets (conf/hardware/*.yaml): peak rates for the closed-form planner, the achieved rates the
 calibrated cost model uses, and the description of the real target that `compile_for=target` compiles for.
 
 Bandwidth of one mesh axis (what the planner divides bytes by), `axis_bandwidth(m)`:

@@ -4,7 +4,7 @@
   python -m shardlab.plan model=llama2_13b hardware=tpu_v5p mesh.fsdp=1024 mesh.tensor=4 \\
       mesh.fsdp_ici_axes=2 train.global_batch_tokens=3000000 train.mfu=0.4
 
-Takes the same Hydra overrides as `python -m shardlab`, composes shardlab/conf/, and prints one JSON object (keys and
+Takes the same Hydra overrides as `python -m shardlab`, composes conf/, and prints one JSON object (keys and
 formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override, a setting
 out of range or a mesh axis that does not divide the dimensions it shards prints one line to stderr and exits
 with status 2.
@@ -34,7 +34,7 @@ from shardlab.config import CONF_DIR
 
 
 def compose(overrides: list[str]):
-  """shardlab/conf/ + overrides -> typed `Config` (Hydra validates every override against the schemas)."""
+  """conf/ + overrides -> typed `Config` (Hydra validates every override against the schemas)."""
   from hydra import compose as hydra_compose, initialize_config_dir
   from shardlab.config import register_configs, to_config
   register_configs()
@@ -53,7 +53,7 @@ def _one_line(e: BaseException) -> str:
   return " | ".join(parts) or name
 
 
-# The planner's own options: not part of shardlab/conf/, so they are taken out of argv before Hydra sees it.
+# The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
 OPTIONS = {"search": "bool", "top": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 

@@ -78,7 +78,7 @@ _FULL_ERROR = False   # HYDRA_FULL_ERROR=1: tracebacks instead of one-line error
 
 
 class Preflight(Callback):
-  """Hydra callback (shardlab/conf/config.yaml): `preflight.check` before Hydra makes the run directory or writes
+  """Hydra callback (conf/config.yaml): `preflight.check` before Hydra makes the run directory or writes
   `.hydra/`, so a rejected run leaves an existing run directory (and its record) untouched. Single runs only;
   each job of a multirun is checked by `train` (a failed job must still leave its row)."""
 

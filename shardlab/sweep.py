@@ -99,7 +99,7 @@ def write(sweep_dir) -> list[dict]:
 
 
 class SweepSummary(Callback):
-  """Hydra callback (shardlab/conf/config.yaml): writes the sweep summary when a multirun ends."""
+  """Hydra callback (conf/config.yaml): writes the sweep summary when a multirun ends."""
 
   def on_multirun_end(self, config, **kwargs) -> None:
     rows = write(config.hydra.sweep.dir)

@@ -84,7 +84,7 @@ def devices(hw: HardwareConfig, n_devices: int) -> list:
 
 def compile_(lowered, flags: dict | None = None):
   """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
-  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (shardlab/conf/xla/)."""
+  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/)."""
   import jax
   was = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
@@ -114,7 +114,7 @@ def compile_with(lowered, flags: dict | None = None):
   except Exception as e:          # XlaRuntimeError: INVALID_ARGUMENT: No such compile option: 'xla_...'
     if "compile option" not in str(e):
       raise
-    raise ConfigError(f"xla.flags: {str(e).splitlines()[0]} (see shardlab/conf/xla/ for the options this XLA takes)") from None
+    raise ConfigError(f"xla.flags: {str(e).splitlines()[0]} (see conf/xla/ for the options this XLA takes)") from None
 
 
 def describe(devs: list, topo: str = "") -> dict:

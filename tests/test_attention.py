@@ -8,7 +8,7 @@
 - blockwise and dot_product equal plain, forward and gradients, at several block sizes; blockwise's compiled
   memory grows linearly in the sequence length (plain's, the control, quadratically).
 - Each remat policy keeps what planner.activation_elements_per_token says, element for element.
-- Each preset in shardlab/conf/model/ has its published parameter count.
+- Each preset in conf/model/ has its published parameter count.
 """
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,7 @@ import pytest
 from conftest import compiled_grads, load_preset, mesh_of, tiny_config
 from shardlab.hardware import HardwareConfig
 
-H100 = HardwareConfig()   # the h100 preset's numbers (shardlab/conf/hardware/h100.yaml)
+H100 = HardwareConfig()   # the h100 preset's numbers (conf/hardware/h100.yaml)
 V5P = HardwareConfig(name="tpu_v5p", peak_flops=4.59e14, ici_bandwidth=1.8e11, hop_latency_s=1e-6, torus=True)
 
 

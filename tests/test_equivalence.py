@@ -1,5 +1,5 @@
 """Every schedule is the same training as the unsharded reference: loss and every gradient, float32, on
-every mesh shape. New presets in shardlab/conf/schedule/ are picked up by themselves."""
+every mesh shape. New presets in conf/schedule/ are picked up by themselves."""
 import itertools
 
 import jax

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.analysis import planner
-from shardlab.config import Config, MeshConfig, ModelConfig, PrecisionConfig, ScheduleConfig, TrainConfig
+from shardlab.config import CONF_DIR, Config, MeshConfig, ModelConfig, PrecisionConfig, ScheduleConfig, TrainConfig
 from shardlab.hardware import HardwareConfig
 from shardlab.plan import compose
 
@@ -205,8 +205,8 @@ def test_memory_zero3_divides_state_not_activations():
 
 # -------------------------------------------------------------------------------------------- presets and the CLI
 
-@pytest.mark.parametrize("hw", sorted(p.stem for p in (REPO / "shardlab/conf/hardware").glob("*.yaml")))
-@pytest.mark.parametrize("model", sorted(p.stem for p in (REPO / "shardlab/conf/model").glob("*.yaml")))
+@pytest.mark.parametrize("hw", sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml")))
+@pytest.mark.parametrize("model", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
 def test_every_preset_plans(hw, model):
   out = planner.plan(compose([f"hardware={hw}", f"model={model}"]))
   assert all(k in out for k in CONTRACT) and out["n_params"] > 0 and out["step_time_s"] > 0

@@ -33,3 +33,17 @@ def test_no_axis_name_literal_outside_the_declarations():
   out = subprocess.run([sys.executable, "-m", "shardlab.axes"], capture_output=True, text=True, cwd=ROOT)
   assert out.returncode == 0, out.stdout + out.stderr
   assert out.stdout.strip().endswith("0 axis-name literals outside axes.py, collectives.py, schedules/")
+
+
+def test_the_wheel_ships_conf_inside_the_package(tmp_path):
+  """conf/ is at the repository's top level; a wheel (pip install ., not editable) carries it as shardlab/conf/,
+  which shardlab.config.CONF_DIR finds when the source tree is not there."""
+  import subprocess
+  import sys
+  import zipfile
+  out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                        str(tmp_path), str(ROOT)], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-2000:]
+  names = set(zipfile.ZipFile(next(tmp_path.glob("shardlab-*.whl"))).namelist())
+  want = {"shardlab/conf/" + p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml")}
+  assert want and want <= names, sorted(want - names)[:5]

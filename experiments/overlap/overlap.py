@@ -31,7 +31,7 @@ def loop_collectives(model: dict, flags: dict, preset: str = "fsdp_prefetch", ch
   from shardlab.analysis.program import Program
   from shardlab.mesh import make_mesh
   from shardlab.testing import tiny_config
-  knobs = {k: v for k, v in yaml.safe_load((ROOT / f"shardlab/conf/schedule/{preset}.yaml").read_text()).items()
+  knobs = {k: v for k, v in yaml.safe_load((ROOT / f"conf/schedule/{preset}.yaml").read_text()).items()
            if k not in ("name", "defaults")}
   knobs.update(change or {})
   cfg = tiny_config(model=model, **knobs)
@@ -54,7 +54,7 @@ def main() -> None:
   out = []
   for size, model in SIZES.items():
     for preset, change, bundle in RUNS:
-      flags = yaml.safe_load((ROOT / f"shardlab/conf/xla/{bundle}.yaml").read_text())["flags"]
+      flags = yaml.safe_load((ROOT / f"conf/xla/{bundle}.yaml").read_text())["flags"]
       t0 = time.perf_counter()
       rows = loop_collectives(model, flags, preset, change)
       out.append({"model": size, "schedule": preset, "knobs": change, "xla": bundle,

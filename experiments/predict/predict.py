@@ -1,4 +1,4 @@
-"""Predicted step time of every schedule preset (shardlab/conf/schedule/) for the exact LLaMA-3 8B preset (grouped-query
+"""Predicted step time of every schedule preset (conf/schedule/) for the exact LLaMA-3 8B preset (grouped-query
 attention, 8.03e9 parameters) at 4 x 4096 tokens per device, on an H100 node and a TPU v5p slice; and the memory of
 MaxText's one-node Llama-2-7B configuration on 8 x H100, compiled against analytic. MODEL PREDICTIONS from dry runs
 (compile and analyze, nothing allocated, no step run), not measurements. Writes results.md and results.json here and

@@ -57,7 +57,7 @@ MAXTEXT = ("MaxText, MaxText/configs/a3/llama_2_7b/README.md (1x A3 (h100-80gb-8
            "of that time (attention counted without the causal half)")
 MAXTEXT_TFLOPS = 492.0
 # shardlab's nearest configuration: FSDP over 8 with prefetch, cuDNN flash attention, the weights' matmul outputs
-# and the attention output saved for backward (MaxText's minimal_flash), MaxText's XLA flags (shardlab/conf/xla/maxtext_a3).
+# and the attention output saved for backward (MaxText's minimal_flash), MaxText's XLA flags (conf/xla/maxtext_a3).
 LLAMA2_7B = ["model=llama2_7b", "mesh=8x1", "precision=bf16", "train.batch_size=32", "model.seq_len=4096",
              "model.attention=dot_product", "schedule=fsdp_prefetch", "schedule.remat=save_matmuls_attn_out",
              "xla=maxtext_a3", "hardware=h100", "compile_for=target", "dry_run=true"]

@@ -17,7 +17,7 @@ stream (NCCL runs collectives one after another on its own stream):
 
 Bytes accessed of a kernel are read from its fused computation: a parameter read only through dynamic-slices
 counts the slices, an in-place dynamic-update-slice counts the update (a layer's slice of a stacked buffer, not
-the stack). Every constant is in the hardware preset with its source (shardlab/conf/hardware/). The same replay at peak
+the stack). Every constant is in the hardware preset with its source (conf/hardware/). The same replay at peak
 rates (HardwareConfig.peak) is the ceiling it is compared with. MODEL PREDICTIONS, not measurements.
 """
 from __future__ import annotations

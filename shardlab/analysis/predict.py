@@ -21,7 +21,7 @@ CONF_HARDWARE = CONF_DIR / "hardware"
 
 
 def hardware_preset(name: str | HardwareConfig) -> HardwareConfig:
-  """A preset of shardlab/conf/hardware/ by name (or a HardwareConfig, returned as is)."""
+  """A preset of conf/hardware/ by name (or a HardwareConfig, returned as is)."""
   if isinstance(name, HardwareConfig):
     return name
   import dataclasses
