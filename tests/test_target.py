@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("jax_cuda12_plugin", reason="target compilation needs the cuda12 extra: pip install 'shardlab[cuda12]'")
 
 from conftest import load_preset, preset_names, tiny_config  # noqa: E402
+from shardlab.testing import abstract_batch  # noqa: E402
 
 H100 = None
 
@@ -39,8 +40,7 @@ def target_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
   fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, getattr(jnp, compute)), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
-  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                sharding=NamedSharding(mesh, P("fsdp")))
+  tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
   program = ledger.from_program(jax.make_jaxpr(fn)(params, tokens))
   return Program.of(TG.compile_(fn.lower(params, tokens)), mesh), program, mesh
 
