@@ -625,6 +625,8 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None):
   b = placed_batch(tiny_batch(), mesh, layout)
   sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout) if cls
            else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout))
+  PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, cfg.schedule.microbatches,
+                     seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
   return compiled, compiled(params, b)

@@ -13,10 +13,12 @@
   microbatches     gradient accumulation inside the step
   remat            what a layer keeps for backward (REMAT: none, full, save_matmuls, save_qkv_proj, ...)
 
-The layer stack is a custom_vjp: the forward saves each layer's residuals (its `jax.vjp` closure, flattened)
-minus the gathered weights, and the backward re-gathers those weights with the same prefetch, then applies
-the transpose of the gather (a psum_scatter over `fsdp`) to each layer's weight gradient as soon as it is
-ready. Plain AD of a prefetching scan would save every gathered weight (the carry) for backward.
+The layer loop is a stage unit (`Stage`) whose forward and backward are plain functions: the forward saves each
+layer's residuals (its `jax.vjp` closure, flattened) minus the gathered weights, and the backward re-gathers
+those weights with the same prefetch, then applies the transpose of the gather (a psum_scatter over `fsdp`) to
+each layer's weight gradient as soon as it is ready. Plain AD of a prefetching scan would save every gathered
+weight (the carry) for backward. The layer stack of one microbatch is the custom_vjp made of the two; a pipeline
+schedule calls them for different microbatches in one tick.
 """
 from __future__ import annotations
 
