@@ -2,7 +2,7 @@
 
     pytest examples/            # shardlab's pytest plugin sets up 8 fake CPU devices; no conftest needed
 
-A schedule is a class whose `loss_and_grads(params, tokens, targets, n_tokens)` runs inside shard_map and
+A schedule is a class whose `loss_and_grads(params, batch, n_tokens)` runs inside shard_map and
 returns the loss and reduced, parameter-sharded gradients. The quickest new one subclasses the explicit
 schedule and changes one step. Here: each weight's FSDP all-gather is split along a dim that is not sharded
 over fsdp, into two all-gathers of half the size (smaller messages a GPU scheduler can interleave with
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import testing
-from shardlab.mesh import FSDP
+from shardlab.axes import FSDP
 from shardlab.schedules.explicit import ExplicitSchedule
 
 

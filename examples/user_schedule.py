@@ -11,8 +11,7 @@ examples/test_user_schedule.py checks both with the testing kit.
 import jax
 
 from shardlab import collectives as C
-from shardlab.mesh import FSDP, TENSOR
-from shardlab.params import replica_axes
+from shardlab.axes import FSDP, TENSOR
 from shardlab.schedules.explicit import ExplicitSchedule
 from shardlab.schedules.tp import SEQ_DIM, AllGatherTP
 
@@ -43,7 +42,7 @@ class ExplicitReduce(ExplicitSchedule):
     dim = decl.dim_of(FSDP)
     early = (TENSOR,) if decl.tensor_replicated else ()   # K/V heads replicated over tensor, read by TP compute
     if dim is not None:                                    # HSDP: the data replicas' sum, on the fsdp shard
-      early += replica_axes(jax.sharding.get_abstract_mesh().axis_names)
+      early += self.layout.replica_axes(jax.sharding.get_abstract_mesh().axis_names)
     late = tuple(a for a in self.residual_axes if a not in decl.mesh_axes() and a not in early)
     if late:                                    # e.g. norm scales under sequence parallelism
       g = C.psum(g, late, name="user_grad_psum")

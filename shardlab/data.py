@@ -15,8 +15,26 @@ token's successors' codes around their mean.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+
+class Batch(NamedTuple):
+  """What a step trains on, already shifted, int32, sharded by the layout (batch over the batch axes, the
+  sequence over `length`'s): inputs[B, L], targets[B, L], positions[L]. Every sequence of a batch holds its
+  tokens at the same positions (no packed documents), so positions has no batch dim: RoPE's tables are [L, K],
+  not [B, L, K]. A reordering of the sequence over devices (context parallelism's load balancing) reorders the
+  positions with the tokens."""
+  inputs: jax.Array      # the tokens the model reads
+  targets: jax.Array     # the token after each input
+  positions: jax.Array   # each input's position in its sequence (RoPE; the causal order)
+
+
+def split(tokens_BL1) -> Batch:
+  """A chain of L+1 tokens per sequence -> inputs [:, :-1], targets [:, 1:], positions 0..L-1."""
+  return Batch(tokens_BL1[:, :-1], tokens_BL1[:, 1:], jnp.arange(tokens_BL1.shape[1] - 1, dtype=jnp.int32))
 
 
 def successor_table(seed: int, vocab_size: int, branching: int):
@@ -50,9 +68,11 @@ def token_code(tokens, d: int):
 
 
 class MarkovData:
-  def __init__(self, seed: int, batch_size: int, seq_len: int, vocab_size: int, branching: int, sharding=None):
-    self._fn = jax.jit(lambda step: markov_batch(seed, step, batch_size, seq_len, vocab_size, branching),
-                       out_shardings=sharding)
+  """batch(step) -> Batch, each field placed with `shardings` (a Batch of them: train.batch_specs on the mesh)."""
 
-  def batch(self, step: int):
+  def __init__(self, seed: int, batch_size: int, seq_len: int, vocab_size: int, branching: int, shardings=None):
+    self._fn = jax.jit(lambda step: split(markov_batch(seed, step, batch_size, seq_len, vocab_size, branching)),
+                       out_shardings=shardings)
+
+  def batch(self, step: int) -> Batch:
     return self._fn(jnp.int32(step))

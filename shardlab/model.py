@@ -2,8 +2,11 @@
 with RoPE (attention.py), SwiGLU MLP, vocabulary-parallel cross-entropy), or (model.kind=ffn) the Scaling
 Book's FFN-only model: L blocks x + W_out relu(W_in x) on fixed token codes, regressing the next token's code.
 
-The math never names a collective or a mesh axis. Where a contraction runs over a sharded dimension it asks
-`ops` (the schedule's TP contractions):
+The math never names a collective or a mesh axis. It reads its parallel context through one object, `ctx`
+(schedules/parallel.py: `Parallel`): the TP contractions `ctx.tp`, the weights `ctx.weight(name)` (gathered by
+the schedule, or already gathered), the layer loop `ctx.layers(x, layer_fn)` and attention
+`ctx.attend(q, k, v, positions)` (context parallelism replaces it without touching this file). Where a
+contraction runs over a sharded dimension it asks `ops = ctx.tp`:
   ops.column(x, w, eq)  x[B, L_tp, D] (or x[B, L, D]) . w[D, .., N_tp] -> y[B, L, .., N_tp]
   ops.columns(x, ws, eqs)  several column contractions of one x, gathered once (Q and K/V)
   ops.row(h, w, eq)     h[B, L, .., N_tp] . w[.., N_tp, D] -> y[B, L_tp, D] (reduced over tensor)
@@ -12,8 +15,8 @@ The math never names a collective or a mesh axis. Where a contraction runs over 
   ops.head_start: the first query head this device holds.
   ops.seq_shard(x), ops.token_sum(x): the FFN-only model's input into the residual stream's layout, and its
   loss summed over every token.
-With `IdentityOps` every one of these is the plain operation: that is the unsharded model.
-Weights come from `w.get(name)` (gathered by the schedule) and the layer stack runs as `w.layers(x, layer)`.
+With `IdentityOps` every one of these is the plain operation: that is the unsharded model (`parallel.plain`).
+The data arrives as inputs, targets and positions (data.Batch), already shifted; RoPE reads the positions.
 """
 from __future__ import annotations
 
@@ -35,11 +38,12 @@ def rms_norm(x_BLD, scale_D, eps):
   return (y * scale_D.astype(jnp.float32)[None, None, :]).astype(x_BLD.dtype)
 
 
-def rope(x_BLHK, theta):
-  """Rotary position embedding (rotate-half form) over the full sequence, positions 0..L-1."""
-  L, K = x_BLHK.shape[1], x_BLHK.shape[-1]
+def rope(x_BLHK, positions_L, theta):
+  """Rotary position embedding (rotate-half form) at each token's position in its sequence (the data's
+  positions: right however the sequence is split or reordered over devices)."""
+  K = x_BLHK.shape[-1]
   freq_K2 = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
-  ang_LK2 = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_K2[None, :]
+  ang_LK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
   cos, sin = jnp.cos(ang_LK2)[None, :, None, :], jnp.sin(ang_LK2)[None, :, None, :]
   x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
@@ -63,8 +67,10 @@ def local_kv(ops, m: ModelConfig, wkv_D2GK, h_local: int):
   return w_D2NK, (None if need == 1 else (h0 + jnp.arange(h_local)) // R - start)
 
 
-def layer(ops, m: ModelConfig, x_BLD, w):
-  """One block. x is the residual stream (sequence-sharded over `tensor` when ops.seq_sharded)."""
+def layer(ctx, m: ModelConfig, x_BLD, w, positions_L):
+  """One block. x is the residual stream (sequence-sharded over `tensor` when ctx.tp.seq_sharded); positions are
+  those of the tokens attention sees (the whole local sequence)."""
+  ops = ctx.tp
   h_BLD = rms_norm(x_BLD, w["attn_norm"], m.norm_eps)
   wkv_D2GK, kv_index = local_kv(ops, m, w["wkv"], w["wq"].shape[1])
   q_BLHK, kv_BL2GK = ops.columns(h_BLD, (w["wq"], wkv_D2GK), ("bld,dhk->blhk", "bld,dtgk->bltgk"))
@@ -72,7 +78,8 @@ def layer(ops, m: ModelConfig, x_BLD, w):
   k_BLGK, v_BLGK = kv_BL2GK[:, :, 0], kv_BL2GK[:, :, 1]
   if kv_index is not None:   # one K/V head per query head (replicated K/V, heads not aligned to devices)
     k_BLGK, v_BLGK = jnp.take(k_BLGK, kv_index, axis=2), jnp.take(v_BLGK, kv_index, axis=2)
-  o_BLHK = A.attend(m.attention, rope(q_BLHK, m.rope_theta), rope(k_BLGK, m.rope_theta), v_BLGK, m.attention_block)
+  o_BLHK = ctx.attend(rope(q_BLHK, positions_L, m.rope_theta), rope(k_BLGK, positions_L, m.rope_theta), v_BLGK,
+                      positions_L)
   x_BLD = x_BLD + ops.row(o_BLHK, w["wo"], "blhk,hkd->bld")
   h_BLD = rms_norm(x_BLD, w["mlp_norm"], m.norm_eps)
   gu_BL2F = ops.column(h_BLD, w["wi"], "bld,dtf->bltf")
@@ -111,23 +118,25 @@ def ffn_layer(ops, x_BLD, w):
   return x_BLD + ops.row(jax.nn.relu(h_BLF), w["wd"], "blf,fd->bld").astype(x_BLD.dtype)
 
 
-def ffn_loss(ops, m: ModelConfig, w, tokens_BL, targets_BL, n_tokens: int):
+def ffn_loss(ctx, m: ModelConfig, batch, n_tokens: int):
   """The FFN-only model: the blocks map each token's code (data.token_code) towards the next token's; the loss
   is the squared error per code dimension, this device's share of the mean over every token."""
-  x_BLD = ops.seq_shard(token_code(tokens_BL, m.d_model))
-  x_BLD = w.layers(x_BLD, lambda x, lw: ffn_layer(ops, x, lw))
-  err_BLD = x_BLD - ops.seq_shard(token_code(targets_BL, m.d_model))
+  ops = ctx.tp
+  x_BLD = ops.seq_shard(token_code(batch.inputs, m.d_model))
+  x_BLD = ctx.layers(x_BLD, lambda x, lw: ffn_layer(ops, x, lw))
+  err_BLD = x_BLD - ops.seq_shard(token_code(batch.targets, m.d_model))
   return ops.token_sum(jnp.sum(err_BLD * err_BLD)) / (n_tokens * m.d_model)
 
 
-def loss(ops, m: ModelConfig, w, tokens_BL, targets_BL, n_tokens: int):
+def loss(ctx, m: ModelConfig, batch, n_tokens: int):
   """Sum of this device's token losses over the global token count: summed over devices (and over
-  microbatches) it is the global mean."""
+  microbatches) it is the global mean. `batch`: data.Batch (inputs and targets [B, L], positions [L])."""
   if m.kind == "ffn":
-    return ffn_loss(ops, m, w, tokens_BL, targets_BL, n_tokens)
-  x_BLD = embed(ops, tokens_BL, w.get("embed"))
-  x_BLD = w.layers(x_BLD, lambda x, lw: layer(ops, m, x, lw))
-  x_BLD = rms_norm(x_BLD, w.get("final_norm"), m.norm_eps)
-  logits_BLV = ops.column(x_BLD, w.get("unembed"), "bld,dv->blv")
-  nll_BL = cross_entropy(ops, logits_BLV, targets_BL)
+    return ffn_loss(ctx, m, batch, n_tokens)
+  ops = ctx.tp
+  x_BLD = embed(ops, batch.inputs, ctx.weight("embed"))
+  x_BLD = ctx.layers(x_BLD, lambda x, lw: layer(ctx, m, x, lw, batch.positions))
+  x_BLD = rms_norm(x_BLD, ctx.weight("final_norm"), m.norm_eps)
+  logits_BLV = ops.column(x_BLD, ctx.weight("unembed"), "bld,dv->blv")
+  nll_BL = cross_entropy(ops, logits_BLV, batch.targets)
   return ops.batch_sum(jnp.sum(nll_BL)) / n_tokens

@@ -26,6 +26,8 @@ Comparisons
   assert_overlap(..)              collectives that can run behind matmuls (the compiled dependency graph)
 The tiny model
   tiny_config, tiny_batch, reference_loss_and_grads, compile_schedule (cached; tests/conftest.py uses them)
+  placed_batch(tokens, mesh)      tokens[B, L+1] -> data.Batch (inputs, targets, positions) placed on the mesh
+  abstract_batch(B, L, mesh)      the same as ShapeDtypeStructs (for .lower)
 """
 from __future__ import annotations
 
@@ -533,6 +535,32 @@ def tiny_batch():
   return markov_batch(0, 0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching)
 
 
+def placed_batch(tokens_BL1, mesh, layout=None):
+  """tokens[B, L+1] -> data.Batch (inputs, targets, positions), each field placed by the layout's data spec on
+  `mesh` (default layout: layout.Layout())."""
+  import jax
+  from jax.sharding import NamedSharding
+  from shardlab.data import split
+  from shardlab.layout import Layout
+  from shardlab.train import batch_specs
+  specs = batch_specs(layout or Layout(), mesh)
+  return jax.device_put(split(tokens_BL1), type(specs)(*(NamedSharding(mesh, s) for s in specs)))
+
+
+def abstract_batch(batch_size: int, seq_len: int, mesh, layout=None):
+  """A data.Batch of ShapeDtypeStructs (int32 inputs, targets [batch_size, seq_len], positions [seq_len]) placed
+  like placed_batch (for .lower)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from shardlab.data import Batch
+  from shardlab.layout import Layout
+  from shardlab.train import batch_specs
+  shapes = ((batch_size, seq_len), (batch_size, seq_len), (seq_len,))
+  return Batch(*(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, s))
+                 for shape, s in zip(shapes, batch_specs(layout or Layout(), mesh))))
+
+
 def reference_loss_and_grads(model: dict | None = None):
   """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
   `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored."""
@@ -594,9 +622,11 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None):
   layout.check(mesh.axis_names)
   decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
-  b = jax.device_put(tiny_batch(), NamedSharding(mesh, layout.batch_spec(mesh.axis_names)))
+  b = placed_batch(tiny_batch(), mesh, layout)
   sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout) if cls
            else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout))
+  PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, cfg.schedule.microbatches,
+                     seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
   return compiled, compiled(params, b)

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import collectives as C
 from shardlab.config import Config
+from shardlab.data import Batch
 from shardlab.params import is_param, specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -72,31 +73,37 @@ def _jit(fn, mesh, in_specs, out_specs, shard_mapped: bool, **kw):
   return jax.jit(fn, in_shardings=named(in_specs), out_shardings=named(out_specs), **kw)
 
 
+def batch_specs(layout, mesh) -> Batch:
+  """The data's specs on the mesh: inputs and targets [B, L] by the layout's data spec, positions [L] by its
+  `length` rule."""
+  spec = layout.batch_spec(mesh.axis_names)
+  return Batch(spec, spec, layout.spec(("length",), mesh.axis_names))
+
+
 def make_grad_fn(cfg: Config, schedule, decls, mesh):
-  """(params, tokens[B, L+1]) -> (loss, grads sharded like params), jitted. For tests and analysis."""
+  """(params, data.Batch) -> (loss, grads sharded like params), jitted. For tests and analysis."""
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   pspecs = specs(decls)
-  fn = lambda p, b: schedule.loss_and_grads(p, b[:, :-1], b[:, 1:], n_tokens)
+  fn = lambda p, b: schedule.loss_and_grads(p, b, n_tokens)
   schedule.bind(mesh)
-  return _jit(fn, mesh, (pspecs, schedule.layout.batch_spec(mesh.axis_names)), (P(), pspecs), schedule.shard_mapped)
+  return _jit(fn, mesh, (pspecs, batch_specs(schedule.layout, mesh)), (P(), pspecs), schedule.shard_mapped)
 
 
 def make_train_step(cfg: Config, schedule, decls, opt, mesh):
-  """jit(shard_map(step)): (state, tokens[B, L+1]) -> (state, {loss, grad_norm}). The state is donated."""
+  """jit(shard_map(step)): (state, data.Batch) -> (state, {loss, grad_norm}). The state is donated."""
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   sspecs = state_specs(opt, decls)
 
   shard_mapped = schedule.shard_mapped
   schedule.bind(mesh)
 
-  def step(state, batch_BL1):
+  def step(state, batch):
     params = state["params"]
-    loss, grads = schedule.loss_and_grads(params, batch_BL1[:, :-1], batch_BL1[:, 1:], n_tokens)
+    loss, grads = schedule.loss_and_grads(params, batch, n_tokens)
     norm = global_norm(grads, decls) if shard_mapped else optax.tree.norm(grads)
     grads = clip_by_global_norm(grads, norm, cfg.train.grad_clip)
     updates, opt_state = opt.update(grads, state["opt"], params)
     params = optax.apply_updates(params, updates)
     return {"params": params, "opt": opt_state, "step": state["step"] + 1}, {"loss": loss, "grad_norm": norm}
 
-  return _jit(step, mesh, (sspecs, schedule.layout.batch_spec(mesh.axis_names)), (sspecs, P()), shard_mapped,
-              donate_argnums=0)
+  return _jit(step, mesh, (sspecs, batch_specs(schedule.layout, mesh)), (sspecs, P()), shard_mapped, donate_argnums=0)

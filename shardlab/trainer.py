@@ -29,9 +29,10 @@ def build(cfg: Config, devices=None):
   mesh over these (a target's, target.devices) instead of the local ones."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from shardlab import params as PM, schedules, train as T
+  from shardlab.data import Batch
   from shardlab.layout import from_config
   from shardlab.mesh import make_mesh
   # The audit reads each collective's op_name: a program from a persistent compilation cache must carry its own
@@ -47,17 +48,20 @@ def build(cfg: Config, devices=None):
   shapes = jax.eval_shape(lambda: T.init_state_local(PM.init(jax.random.key(0), decls, cfg.model), opt))
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                                 shapes, specs)
-  abstract_batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                        sharding=NamedSharding(mesh, layout.batch_spec(mesh.axis_names)))
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), T.batch_specs(layout, mesh),
+                           is_leaf=lambda x: isinstance(x, P))
+  B, L = cfg.train.batch_size, cfg.model.seq_len
+  abstract_batch = Batch(*(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s)
+                           for shape, s in zip(((B, L), (B, L), (L,)), shardings)))
   return dict(mesh=mesh, decls=decls, schedule=sched, opt=opt, step_fn=step_fn, abstract_state=abstract_state,
               abstract_batch=abstract_batch)
 
 
 def lower(built: dict):
-  """built["step_fn"].lower(...) for build()'s abstract inputs; one layer's residual bytes, read off that trace
-  (schedules.explicit.record_residuals), go into built["layer_residuals"] for the memory breakdown."""
-  from shardlab.schedules.explicit import record_residuals
-  with record_residuals() as rec:
+  """built["step_fn"].lower(...) for build()'s abstract inputs; one layer's residual bytes, which the schedule's
+  stage unit returns while that trace runs (Stage.residual_bytes; schedules without a stage unit record none),
+  go into built["layer_residuals"] for the memory breakdown."""
+  with built["schedule"].recording_residuals() as rec:
     lowered = built["step_fn"].lower(built["abstract_state"], built["abstract_batch"])
   built["layer_residuals"] = max(rec, key=lambda r: r["saved"]) if rec else None
   return lowered
@@ -131,7 +135,7 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) ->
   """The step loop on the local devices, from a fresh state or the newest checkpoint: metrics.jsonl per step,
   checkpoints every `checkpoint.every` steps, at the end and on SIGTERM/SIGINT; fills in the summary's losses
   and step times. On an error summary.json says why, with the losses so far, and the error is raised."""
-  from jax.sharding import NamedSharding
+  import jax
   from tqdm import tqdm
 
   from shardlab import checkpoint as CK, params as PM, preflight, train as T
@@ -149,7 +153,7 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) ->
       state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
     summary["checkpoint"] = {"dir": str(ckpt.dir), "resumed_from": ckpt.latest, "saved": ckpt.saved}
     data = MarkovData(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
-                      cfg.data.branching, NamedSharding(mesh, b["schedule"].layout.batch_spec(mesh.axis_names)))
+                      cfg.data.branching, jax.tree.map(lambda a: a.sharding, b["abstract_batch"]))
     tokens = cfg.train.batch_size * cfg.model.seq_len
     times = []
     try:

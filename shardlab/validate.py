@@ -28,10 +28,9 @@ def check_layout(cfg: Config, sched=None) -> None:
   every rule one it can honour on this mesh."""
   layout, shape = from_config(cfg), cfg.mesh.shape
   layout.check(tuple(shape))
-  ops = getattr(sched, "ops", None)
+  ops = None if sched is None else sched.ops
   check_divisible(cfg.model, layout, shape, cfg.train.batch_size, cfg.schedule.microbatches if sched else 1,
-                  seq_parallel=bool(getattr(ops, "seq_sharded", False)),
-                  seq_halves=bool(getattr(ops, "bidirectional", False)))
+                  seq_parallel=ops is not None and ops.seq_sharded, seq_halves=ops is not None and ops.bidirectional)
   if sched is not None:
     honoured(layout, sched.honours(tuple(shape)), tuple(shape), f"schedule {cfg.schedule.name}")
 
@@ -161,6 +160,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _validate_ffn(cfg)
   else:
     _validate_attention(cfg)
+  from_config(cfg).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
   sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg))   # checks its own knobs
   check_layout(cfg, sched)
   if t.steps < 1:

@@ -152,13 +152,15 @@ def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
   from shardlab.analysis.planner import activation_elements_per_token
   from shardlab.config import ModelConfig
   from shardlab.schedules.explicit import KNOBS, _remat_policy
+  from shardlab.schedules.parallel import Parallel, attention as model_attention
   from shardlab.schedules.tp import IdentityOps
   m = ModelConfig(d_model=64, d_ff=128, n_heads=8, n_kv_heads=2, seq_len=32, attention=attention,
                   attention_block=8)
   w = {k: jax.ShapeDtypeStruct(d.per_layer().shape, jnp.float32) for k, d in PM.declare(m)["layers"].items()}
   B = 16
   x = jax.ShapeDtypeStruct((B, m.seq_len, m.d_model), jnp.float32)
-  f = lambda x, w: M.layer(IdentityOps(), m, x, w)
+  ctx = Parallel(IdentityOps(), None, None, model_attention(m))
+  f = lambda x, w: M.layer(ctx, m, x, w, jnp.arange(m.seq_len))
   for remat in KNOBS["remat"]:
     policy = _remat_policy(remat)
     g = f if policy is None else jax.checkpoint(f, policy=policy)

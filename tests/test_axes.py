@@ -32,7 +32,7 @@ def test_a_declared_toy_axis_trains_a_step_as_the_reference():
   state = T.init_state(PM.init_sharded(0, decls, cfg.model, mesh), opt, decls, mesh)
   sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, TOY_LAYOUT)
   step = T.make_train_step(cfg, sched, decls, opt, mesh)
-  b = jax.device_put(batch(), NamedSharding(mesh, TOY_LAYOUT.batch_spec(mesh.axis_names)))
+  b = testing.placed_batch(batch(), mesh, TOY_LAYOUT)
   lowered = step.lower(state, b)
   state, met = lowered.compile()(state, b)
   p0 = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)

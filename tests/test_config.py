@@ -37,6 +37,13 @@ BAD = [
     (["distributed.coordinator=node0"], "distributed.coordinator=node0: must be HOST:PORT"),
     (["distributed.coordinator=node0:1234", "distributed.num_processes=2", "distributed.process_id=2"],
      "distributed.process_id=2: must be in 0..distributed.num_processes-1"),
+    (["layout.rules.embed=[tensor]"], "layout rule embed -> tensor: the tensor axis does not shard embed"),
+    (["layout.rules.batch=[nowhere]"], "layout rule batch -> nowhere: no mesh axis 'nowhere' is declared"),
+    (["layout.rules.mlp=[]"], "layout rule mlp -> none (replicated): schedule baseline cannot honour it"),
+    (["mesh.pipeline=2", "mesh.fsdp=2"], "layout rule layers -> pipeline: schedule baseline cannot honour it"),
+    (["mesh.context=2", "mesh.fsdp=2"], "layout rule length -> context: schedule baseline cannot honour it"),
+    (["mesh=8x1", "model.d_model=20", "model.n_heads=2"], "model.d_model=20 is not divisible by mesh.fsdp=8 "
+                                                          "(layout rule embed -> fsdp: embed dim 1)"),
 ]
 
 

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from conftest import compiled_grads, load_preset, preset_names
+from shardlab.testing import placed_batch
 
 PLACED_TO_HLO = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "psum": "all-reduce",
                  "psum_invariant": "all-reduce", "pmax": "all-reduce", "ppermute": "collective-permute",
@@ -36,7 +37,7 @@ def test_hlo_collectives_are_the_placed_ones(preset):
   decls = PM.declare(cfg.model)
   mesh = mesh_of(2, 4)
   fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
-  placed = placed_kinds(str(jax.make_jaxpr(fn)(PM.init_sharded(0, decls, cfg.model, mesh), batch())))
+  placed = placed_kinds(str(jax.make_jaxpr(fn)(PM.init_sharded(0, decls, cfg.model, mesh), placed_batch(batch(), mesh))))
   found = hlo_kinds(compiled)
   assert found, "no collectives at all in a 2x4 program"
   assert found <= placed, f"{preset}: the compiler added {found - placed} (placed: {sorted(placed)})"

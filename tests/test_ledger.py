@@ -11,6 +11,7 @@ import math
 import pytest
 
 from conftest import MESHES, compiled_grads, load_preset, mesh_of, preset_names, tiny_config
+from shardlab.testing import abstract_batch
 
 FAMILIES = ["baseline", "collective_matmul", "collective_matmul_bidi", "megatron_allreduce", "keep_gathered",
             "deferred_reduce", "next_layer_reduce"]
@@ -33,8 +34,7 @@ def grad_fn_and_args(mesh_shape: tuple, knobs: tuple, model: tuple = ()):
   fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
-  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                sharding=NamedSharding(mesh, PM.batch_spec(mesh.axis_names)))
+  tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
   return fn, (params, tokens)
 
 

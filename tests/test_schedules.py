@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import compiled_grads, load_preset, mesh_of, preset_names
 from shardlab.analysis import hlo
 from shardlab.analysis.program import memory
+from shardlab.testing import abstract_batch
 
 
 def _knobs(preset):
@@ -59,7 +60,7 @@ def _temp_bytes(**knobs):
   decls = PM.declare(m)
   p = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                    decls, is_leaf=PM.is_param)
-  b = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
+  b = abstract_batch(8, 16, mesh)
   fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, m, jnp.float32), decls, mesh)
   return memory(fn.lower(p, b).compile())["temp"]
 
@@ -78,3 +79,42 @@ def test_prefetch_and_reshard_change_memory_as_theory_says():
   keep = (_temp_bytes(reshard_after_forward=False) - base) / G
   assert NL - 1 <= keep <= NL, keep
   assert abs(delta[1] - 1) <= 0.5 and abs(delta[2] - 2) <= 0.5, delta
+
+
+def test_stage_unit_runs_forward_and_backward_for_different_microbatches():
+  """The stage unit's forward and backward are plain functions: forward of microbatch 0 and 1, then backward of
+  1 and 0 (a pipeline's order, not the stack's) give each microbatch the gradients AD gives the stack (the
+  custom_vjp made of the same two), with FSDP prefetch and the gradient reduced one layer late."""
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+  from conftest import tiny_config
+  from shardlab import model as M, params as PM
+  from shardlab.axes import FSDP, TENSOR
+  from shardlab.schedules.explicit import ExplicitSchedule
+  from shardlab.testing import assert_trees_close
+  cfg = tiny_config({"kind": "ffn"}, prefetch=1, grad_reduce="next_layer")
+  sched, mesh = ExplicitSchedule(cfg.schedule, cfg.model), mesh_of(2, 4)
+  decls = PM.declare(cfg.model)["layers"]
+  stacked = PM.init_sharded(0, {"layers": decls}, cfg.model, mesh)["layers"]
+  B, L, D = 4, cfg.model.seq_len, cfg.model.d_model
+  xs = jax.random.normal(jax.random.key(1), (3, B, L, D))
+  x_spec, w_spec = P(FSDP, TENSOR), {k: d.spec() for k, d in decls.items()}
+
+  def run(stacked, x0, x1, dy):
+    sched.bind(mesh)
+    stage = sched.stage(lambda x, w: M.ffn_layer(sched.ops, x, w))
+    y0, r0 = stage.forward(x0, stacked)
+    y1, r1 = stage.forward(x1, stacked)
+    dx1, dw1 = stage.backward(r1, dy)
+    dx0, dw0 = stage.backward(r0, dy)
+    ref_y0, vjp = jax.vjp(stage, x0, stacked)
+    ref_dx0, ref_dw0 = vjp(dy)
+    return (y0, dx0, dw0, dx1, dw1), (ref_y0, ref_dx0, ref_dw0, jax.vjp(stage, x1, stacked)[1](dy))
+
+  out_specs = ((x_spec, x_spec, w_spec, x_spec, w_spec), (x_spec, x_spec, w_spec, (x_spec, w_spec)))
+  got, ref = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(w_spec, x_spec, x_spec, x_spec),
+                                   out_specs=out_specs))(stacked, xs[0], xs[1], xs[2])
+  assert_trees_close(got[0], ref[0], rtol=1e-6, atol=1e-6, label="stage forward: ")
+  assert_trees_close((got[1], got[2]), (ref[1], ref[2]), rtol=1e-6, atol=1e-6, label="microbatch 0 backward: ")
+  assert_trees_close((got[3], got[4]), ref[3], rtol=1e-6, atol=1e-6, label="microbatch 1 backward: ")
+  assert float(np.abs(np.asarray(got[2]["wi"])).sum()) > 0

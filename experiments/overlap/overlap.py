@@ -30,7 +30,7 @@ def loop_collectives(model: dict, flags: dict, preset: str = "fsdp_prefetch", ch
   from shardlab.analysis.predict import hardware_preset
   from shardlab.analysis.program import Program
   from shardlab.mesh import make_mesh
-  from shardlab.testing import tiny_config
+  from shardlab.testing import abstract_batch, tiny_config
   knobs = {k: v for k, v in yaml.safe_load((ROOT / f"conf/schedule/{preset}.yaml").read_text()).items()
            if k not in ("name", "defaults")}
   knobs.update(change or {})
@@ -40,8 +40,7 @@ def loop_collectives(model: dict, flags: dict, preset: str = "fsdp_prefetch", ch
   fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
-  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                sharding=NamedSharding(mesh, P("fsdp")))
+  tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
   prog = Program.of(TG.compile_(fn.lower(params, tokens), flags), mesh)
   return [{"kind": p.coll.kind, "pass": "backward" if "transpose(" in p.coll.op_name else "forward",
            "bytes": p.coll.bytes_full, "matmuls_between": p.gemms, "kernels_between": p.kernels, "sync": p.is_sync}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardlab import jax_private
 from shardlab.analysis import hlo
 
 # jaxpr primitive -> HLO opcode (the ledger speaks HLO's names on both sides). `pvary`/`pcast` move nothing.
@@ -54,10 +55,9 @@ class Row:
 
 
 def _dce(jaxpr):
-  """The jaxpr with dead equations removed, recursively (jit, scan, shard_map, remat, custom calls).
-  Private JAX API (jax 0.10.2), isolated here; without it the count would include dead collectives."""
-  from jax._src.interpreters import partial_eval as pe
-  return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+  """The jaxpr with dead equations removed (shardlab.jax_private: private JAX API, in one place); without it the
+  count would include dead collectives."""
+  return jax_private.dce(jaxpr)
 
 
 def _nbytes(aval) -> int:

@@ -6,7 +6,7 @@ ZeRO-3 (arXiv:1910.02054): fp32 master weights, fp32 gradients and two fp32 Adam
 sharded over every device (ZeRO-3); the compute-dtype copy, the gathered weights (one layer at prefetch 0, k+1 at
 depth k, every layer when they are kept for backward or gathered once per step) and the activations come on top.
 Local sizes here are exact (from the parameter declarations and the mesh). Activations: with one layer's
-residuals read off the traced step (run.lower, schedules.explicit.record_residuals: the shapes and dtypes AD keeps
+residuals read off the traced step (run.lower, schedules.explicit.Stage.residual_bytes: the shapes and dtypes AD keeps
 on a device), n_layers x the saved set + one layer's set without remat (held while that layer's backward runs);
 without a trace (the planner, the preflight check), the planner's per-token estimate
 (planner.activation_elements_per_token), divided over `tensor` except, under the all-reduce (Megatron)
@@ -34,7 +34,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   """Bytes per device: master_params, grads, optimizer, compute_params, gathered_weights, activations, total.
 
   `residuals`: one layer's residual bytes per device from the traced program (schedules.explicit.
-  record_residuals: `saved` under the remat policy, `unremat` without it). With them, activations are exact
+  Stage.residual_bytes: `saved` under the remat policy, `unremat` without it). With them, activations are exact
   shapes and dtypes: n_layers x saved + one layer's unremat (the layer whose backward runs holds its whole
   set, recomputed or saved, beside its cotangents' first buffers); without them, the per-token estimate (also
   what a GPU target with model.attention=dot_product gets: the trace sees XLA's attention, the GPU runs cuDNN's

@@ -3,7 +3,7 @@
 
 `impl` is a registered name (REGISTRY) or `package.module:Class`, a class in any importable module (your own
 file, outside this package): see `schedules/protocol.py` for the hooks a schedule overrides, and
-`examples/` for one. A class needs `loss_and_grads(params, tokens, targets, n_tokens)` (run inside shard_map,
+`examples/` for one. A class needs `loss_and_grads(params, batch, n_tokens)` (run inside shard_map,
 returning the loss and fully reduced, parameter-sharded gradients; a class with `shard_mapped = False` runs
 under plain jit on global arrays instead, as `gspmd` does). Tests pick up every YAML in conf/schedule/
 by themselves.

@@ -13,10 +13,12 @@
   microbatches     gradient accumulation inside the step
   remat            what a layer keeps for backward (REMAT: none, full, save_matmuls, save_qkv_proj, ...)
 
-The layer stack is a custom_vjp: the forward saves each layer's residuals (its `jax.vjp` closure, flattened)
-minus the gathered weights, and the backward re-gathers those weights with the same prefetch, then applies
-the transpose of the gather (a psum_scatter over `fsdp`) to each layer's weight gradient as soon as it is
-ready. Plain AD of a prefetching scan would save every gathered weight (the carry) for backward.
+The layer loop is a stage unit (`Stage`) whose forward and backward are plain functions: the forward saves each
+layer's residuals (its `jax.vjp` closure, flattened) minus the gathered weights, and the backward re-gathers
+those weights with the same prefetch, then applies the transpose of the gather (a psum_scatter over `fsdp`) to
+each layer's weight gradient as soon as it is ready. Plain AD of a prefetching scan would save every gathered
+weight (the carry) for backward. The layer stack of one microbatch is the custom_vjp made of the two; a pipeline
+schedule calls them for different microbatches in one tick.
 """
 from __future__ import annotations
 
@@ -27,11 +29,14 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import model as M
-from shardlab.config import ModelConfig, ScheduleConfig
 from shardlab.axes import FSDP, TENSOR
+from shardlab.config import ModelConfig, ScheduleConfig
+from shardlab.data import Batch
+from shardlab.jax_private import dce_used_inputs
 from shardlab.layout import Layout, honoured
 from shardlab.mesh import ConfigError
 from shardlab.params import declare, is_param
+from shardlab.schedules.parallel import Parallel, accumulate, attention, microbatches
 from shardlab.schedules.tp import MATMUL, TP, make_tp
 
 # remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
@@ -70,10 +75,10 @@ def _put(bufs, values, l):
   return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, l, 0), bufs, values)
 
 
-def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs, settle=None):
+def prefetched_loop(n: int, depth: int, reverse: bool, fetch, body, carry, bufs, settle=None):
   """`carry, bufs = body(l, carry, W_l, bufs)` for l = 0..n-1 (n-1..0 if reverse), W_l = fetch(l) issued
-  `depth` layers ahead and held in the loop carry. The last `depth` layers fetch nothing (no extra bytes).
-  `fetch(l, carry)` sees the loop carry at the time it is issued (see `bwd`).
+  `depth` layers ahead and held in the loop carry (FSDP prefetch). The last `depth` layers fetch nothing (no
+  extra bytes). `fetch(l, carry)` sees the loop carry at the time it is issued (see `Stage.backward`).
 
   settle: one layer late. `body` then returns (carry, bufs, item), and `bufs = settle(l, item, bufs)` runs in
   the next layer's iteration (the last layer's after the loop): e.g. a gradient reduce-scatter issued while the
@@ -116,23 +121,6 @@ def pipeline(n: int, depth: int, reverse: bool, fetch, body, carry, bufs, settle
   return carry, bufs
 
 
-_RECORD: list | None = None    # a list while record_residuals() is active
-
-
-@contextlib.contextmanager
-def record_residuals():
-  """Within it, every layer stack traced appends one layer's residual bytes per device (one microbatch), from the
-  avals of its abstract trace: {"saved": what the remat policy keeps for backward, gathered weights left out (they
-  are memory_model's gathered_weights), "unremat": all a layer's backward needs without remat, which its backward
-  holds, recomputed or saved, while it runs}. memory_model.breakdown counts activations from them."""
-  global _RECORD
-  prev, _RECORD = _RECORD, []
-  try:
-    yield _RECORD
-  finally:
-    _RECORD = prev
-
-
 def _nbytes(avals) -> int:
   return sum(a.size * a.dtype.itemsize for a in avals)
 
@@ -142,7 +130,6 @@ def _read_residual_bytes(fn, gather, x, stacked) -> int:
   (memory_model counts those as gathered_weights). AD's closure can hold residuals its transpose never reads
   (a collective-matmul ring's per-step values); the stack saves them, and XLA removes them from the loop state
   as dead, so they are left out here too (DCE of the backward's jaxpr)."""
-  from jax._src.interpreters import partial_eval as pe   # the DCE ledger.py uses; no public equivalent
   meta = {}
 
   def forward(x, stacked):
@@ -154,100 +141,115 @@ def _read_residual_bytes(fn, gather, x, stacked) -> int:
     return y, leaves
   y, leaves = jax.eval_shape(forward, x, stacked)
   backward = jax.make_jaxpr(lambda leaves, ct: jax.tree.unflatten(meta["treedef"], leaves)(ct))(leaves, y).jaxpr
-  used = pe.dce_jaxpr(backward, [True] * len(backward.outvars))[1]      # per input: the leaves, then ct
+  used = dce_used_inputs(backward)      # per input: the leaves, then ct
   return _nbytes([a for a, u, w in zip(leaves, used, meta["weight"]) if u and not w])
 
 
-def layer_stack(x, stacked, layer_fn, gather, depth: int, keep: bool, policy, reduce=None, late: bool = False):
-  """x -> layer_fn(..layer_fn(layer_fn(x, W_0), W_1).., W_{n-1}) with W_l = gather(stacked[l]).
+class Stage:
+  """A stack of layers as one unit with its own forward and backward, as plain functions:
 
-  Backward: reduce(dW_l, stacked[l]) is layer l's gradient shard (default: the transpose of `gather`), issued
-  in layer l's backward iteration, or with `late` in the next one's (layer l-1)."""
-  if reduce is None:
-    reduce = lambda dw, shard: jax.vjp(gather, shard)[1](dw)[0]
-  n = jax.tree.leaves(stacked)[0].shape[0]
-  f = layer_fn if policy is None else jax.checkpoint(layer_fn, policy=policy)
-  meta = {}
+    forward(x, stacked)      -> (y, residuals)   every layer of `stacked` for one microbatch; residuals are what
+                                                 each layer's backward reads (its jax.vjp closure's leaves,
+                                                 flattened and stacked per layer), the gathered weights left out
+    backward(residuals, dy)  -> (dx, dW)         every layer backward in reverse, re-gathering the weights with
+                                                 the same prefetch; dW: each layer's gradient shard, reduced by
+                                                 `reduce` in its own backward iteration (or the next one's, late)
 
-  def residuals(x, w):
+  W_l = gather(stacked[l]) is fetched `depth` layers ahead (FSDP prefetch, prefetched_loop). `keep`: the
+  gathered weights are residuals too (no re-gather in backward). `policy`: the remat policy of each layer.
+  `reduce(dW_l, stacked[l])` is layer l's gradient shard (default: the transpose of `gather`). The layer stack
+  of one microbatch (every layer forward, then every layer backward) is `__call__`: a custom_vjp made of the
+  two; a pipeline schedule calls forward and backward itself, for different microbatches in one tick."""
+
+  def __init__(self, layer_fn, gather, depth: int = 0, keep: bool = False, policy=None, reduce=None,
+               late: bool = False):
+    self.layer_fn, self.gather, self.depth, self.keep, self.policy, self.late = layer_fn, gather, depth, keep, policy, late
+    self.reduce = reduce or (lambda dw, shard: jax.vjp(gather, shard)[1](dw)[0])
+    self.f = layer_fn if policy is None else jax.checkpoint(layer_fn, policy=policy)
+    self.meta = {}   # one layer's residual structure (treedef, where the weights are), set by forward's trace
+
+  def _residuals(self, x, w):
     """One layer's forward and what its backward needs, as flat leaves; weights located by identity."""
-    y, vjp = jax.vjp(f, x, w)
+    y, vjp = jax.vjp(self.f, x, w)
     leaves, treedef = jax.tree.flatten(vjp)
     w_index = {id(a): i for i, a in enumerate(jax.tree.leaves(w))}
-    where_w = tuple(-1 if keep else w_index.get(id(a), -1) for a in leaves)
+    where_w = tuple(-1 if self.keep else w_index.get(id(a), -1) for a in leaves)
     return y, leaves, treedef, where_w
 
-  def save(leaves, where_w):
+  @staticmethod
+  def _save(leaves, where_w):
     return [a for a, i in zip(leaves, where_w) if i < 0]
 
-  @jax.custom_vjp
-  def stack(x, stacked):
-    fetch = lambda l, _: gather(_take(stacked, l))
-    return pipeline(n, depth, False, fetch, lambda l, x, w, b: (layer_fn(x, w), b), x, ())[0]
+  def _fetch(self, stacked):
+    return lambda l, _: self.gather(_take(stacked, l))
 
-  def fwd(x, stacked):
-    fetch = lambda l, _: gather(_take(stacked, l))
+  def apply(self, x, stacked):
+    """The forward alone (nothing kept for backward)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    body = lambda l, x, w, b: (self.layer_fn(x, w), b)
+    return prefetched_loop(n, self.depth, False, self._fetch(stacked), body, x, ())[0]
+
+  def forward(self, x, stacked):
+    """(y, residuals): residuals = (one buffer per saved leaf [n, ...], stacked)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
     # Shapes (and varying axes) of one layer's residuals, from an abstract trace that emits nothing.
     def probe(x, stacked):
-      _, leaves, treedef, where_w = residuals(x, gather(_take(stacked, 0)))
-      meta.update(treedef=treedef, where_w=where_w)
-      return save(leaves, where_w)
+      _, leaves, treedef, where_w = self._residuals(x, self.gather(_take(stacked, 0)))
+      self.meta.update(treedef=treedef, where_w=where_w)
+      return self._save(leaves, where_w)
     avals = jax.make_jaxpr(probe)(x, stacked).out_avals
-    if _RECORD is not None:
-      _RECORD.append({"saved": _read_residual_bytes(f, gather, x, stacked),
-                      "unremat": _read_residual_bytes(layer_fn, gather, x, stacked)})
-    bufs = [C.pvary(jnp.zeros((n, *a.shape), a.dtype), a.manual_axis_type.varying, name="zeros")
-            for a in avals]
+    bufs = [C.pvary(jnp.zeros((n, *a.shape), a.dtype), a.manual_axis_type.varying, name="zeros") for a in avals]
 
     def body(l, x, w, bufs):
-      y, leaves, _, where_w = residuals(x, w)
-      assert where_w == meta["where_w"], "a layer's residual structure changed between layers"
-      return y, _put(bufs, save(leaves, where_w), l)
+      y, leaves, _, where_w = self._residuals(x, w)
+      assert where_w == self.meta["where_w"], "a layer's residual structure changed between layers"
+      return y, _put(bufs, self._save(leaves, where_w), l)
 
-    y, bufs = pipeline(n, depth, False, fetch, body, x, bufs)
+    y, bufs = prefetched_loop(n, self.depth, False, self._fetch(stacked), body, x, bufs)
     return y, (bufs, stacked)
 
-  def bwd(res, dy):
-    bufs, stacked = res
-    where_w, treedef = meta["where_w"], meta["treedef"]
+  def backward(self, residuals, dy):
+    """(dx, dW), dW shaped like `stacked`: each layer's gradient reduced (its shard)."""
+    bufs, stacked = residuals
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    where_w, treedef = self.meta["where_w"], self.meta["treedef"]
+
     def regather(l, dx):
       # XLA:CPU drops optimization barriers before its last CSE pass, which would then merge a re-gather
       # outside the layer loop with the identical forward gather (keeping that layer gathered). Indexing with
       # a value of dx makes the two differ: `dx == dx` holds unless dx is NaN, and XLA does not fold it.
       probe = jax.tree.leaves(dx)[0].reshape(-1)[0]
       l = jnp.where(probe == probe, l, n)   # n: out of range (clamped), so never equal to l
-      return gather(_take(stacked, l))
+      return self.gather(_take(stacked, l))
     grads = jax.tree.map(C.zeros_like, stacked)
 
     def settle(l, dw, grads):
-      return _put(grads, reduce(dw, _take(stacked, l)), l)   # W_l's gradient reduce-scattered, in backward
+      return _put(grads, self.reduce(dw, _take(stacked, l)), l)   # W_l's gradient reduce-scattered, in backward
 
     def body(l, dx, w, grads):
       saved = iter(_take(bufs, l))
       w_leaves = jax.tree.leaves(w) if w is not None else []
       leaves = [next(saved) if i < 0 else w_leaves[i] for i in where_w]
       dx, dw = jax.tree.unflatten(treedef, leaves)(dx)
-      return (dx, grads, dw) if late else (dx, settle(l, dw, grads))
+      return (dx, grads, dw) if self.late else (dx, settle(l, dw, grads))
 
-    dx, grads = pipeline(n, depth, True, None if keep else regather, body, dy, grads, settle if late else None)
-    return dx, grads
+    return prefetched_loop(n, self.depth, True, None if self.keep else regather, body, dy, grads,
+                           settle if self.late else None)
 
-  stack.defvjp(fwd, bwd)
-  return stack(x, stacked)
+  def residual_bytes(self, x, stacked) -> dict:
+    """One layer's residual bytes per device (one microbatch), from abstract traces that emit nothing: {"saved":
+    what the remat policy keeps for backward, gathered weights left out (memory_model counts them as
+    gathered_weights), "unremat": all a layer's backward needs without remat, which its backward holds,
+    recomputed or saved, while it runs}. memory_model.breakdown counts activations from them."""
+    return {"saved": _read_residual_bytes(self.f, self.gather, x, stacked),
+            "unremat": _read_residual_bytes(self.layer_fn, self.gather, x, stacked)}
 
-
-class _Weights:
-  """What the model reads its weights through: FSDP-gathered on demand, or already gathered."""
-
-  def __init__(self, sched: "ExplicitSchedule", params, gathered: bool):
-    self.s, self.params, self.gathered = sched, params, gathered
-
-  def get(self, name):
-    p = self.params[name]
-    return p if self.gathered else self.s.fetch(p, self.s.decls[name])
-
-  def layers(self, x, layer_fn):
-    return self.s.layer_loop(x, self.params["layers"], layer_fn, self.gathered)
+  def __call__(self, x, stacked):
+    @jax.custom_vjp
+    def stack(x, stacked):
+      return self.apply(x, stacked)
+    stack.defvjp(self.forward, self.backward)
+    return stack(x, stacked)
 
 
 class ExplicitSchedule:
@@ -285,6 +287,7 @@ class ExplicitSchedule:
     self.ops = make_tp(cfg.tp, self.layout)
     self.decls = declare(model, layout=self.layout)
     self.policy = _remat_policy(cfg.remat)
+    self.residuals: list | None = None   # a list while recording_residuals() is active
 
   def honours(self, axis_names) -> dict:
     """The layout rules this schedule can honour on a mesh of `axis_names`, derived from its parts: the TP
@@ -346,13 +349,31 @@ class ExplicitSchedule:
     """x through every layer of `stacked` (each layer's weights [NL, ..] sharded like params): the prefetch
     depth, what backward keeps, and when each layer's gradient is reduced (in its backward iteration, or with
     grad_reduce=next_layer in the next one's, so that it runs behind that layer's matmuls)."""
+    stage = self.stage(layer_fn, gathered)
+    if self.residuals is not None:
+      self.residuals.append(stage.residual_bytes(x, stacked))
+    return stage(x, stacked)
+
+  def stage(self, layer_fn, gathered: bool = False) -> Stage:
+    """The stage unit of this schedule's layer loop: its gather (prefetch depth, re-gather or keep), remat
+    policy and gradient reduction (reduce_grad, in the layer's backward iteration or the next one's)."""
     if gathered:   # deferred reduction: weights already gathered; backward re-reads them, no comm
-      return layer_stack(x, stacked, layer_fn, lambda w: w, 0, False, self.policy)
+      return Stage(layer_fn, lambda w: w, policy=self.policy)
     decls = {k: d.per_layer() for k, d in self.decls["layers"].items()}
     gather = lambda w: {k: self.gather(v, decls[k]) for k, v in w.items()}
     reduce = lambda g, w: {k: self.reduce_grad(g[k], v, decls[k]) for k, v in w.items()}
-    return layer_stack(x, stacked, layer_fn, gather, self.cfg.prefetch, not self.cfg.reshard_after_forward,
-                       self.policy, reduce, late=self.cfg.grad_reduce == "next_layer")
+    return Stage(layer_fn, gather, self.cfg.prefetch, not self.cfg.reshard_after_forward, self.policy, reduce,
+                 late=self.cfg.grad_reduce == "next_layer")
+
+  @contextlib.contextmanager
+  def recording_residuals(self):
+    """Within it, every layer loop this schedule traces appends one layer's residual bytes (Stage.residual_bytes)
+    to the list it yields: what trainer.lower hands the memory breakdown."""
+    prev, self.residuals = self.residuals, []
+    try:
+      yield self.residuals
+    finally:
+      self.residuals = prev
 
   def gather_all(self, params):
     return {k: (jax.tree.map(lambda p, d: self.gather(p, d.per_layer(), stacked=True), v, self.decls[k],
@@ -365,26 +386,22 @@ class ExplicitSchedule:
                              self.decls[k], is_leaf=is_param) if k == "layers"
                 else self.reduce_grad(v, params[k], self.decls[k])) for k, v in grads.items()}
 
-  def loss_and_grads(self, params, tokens_BL, targets_BL, n_tokens: int):
+  def context(self, params, gathered: bool = False) -> Parallel:
+    """The model's parallel context: this schedule's TP contractions, its weights reader (FSDP-gathered on
+    demand through `fetch`, or already gathered) and layer loop, and the model's attention."""
+    weight = (lambda name: params[name]) if gathered else (lambda name: self.fetch(params[name], self.decls[name]))
+    layers = lambda x, layer_fn: self.layer_loop(x, params["layers"], layer_fn, gathered)
+    return Parallel(self.ops, weight, layers, attention(self.model))
+
+  def loss_and_grads(self, params, batch: Batch, n_tokens: int):
     """Loss and gradients (shaped and sharded like `params`, fully reduced) for this device's batch."""
-    k = self.cfg.microbatches
-    mb = lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:])
-    toks, tgts = mb(tokens_BL), mb(targets_BL)
+    batches = microbatches(batch, self.cfg.microbatches)
     if self.cfg.grad_reduce == "deferred":
       gathered = self.gather_all(params)                          # one all-gather per parameter per step
-      loss, g = self._accumulate(gathered, toks, tgts, n_tokens, gathered=True)
+      loss, g = self._accumulate(gathered, batches, n_tokens, gathered=True)
       return loss, self.reduce_all(g, params)                     # one reduce-scatter per parameter per step
-    return self._accumulate(params, toks, tgts, n_tokens, gathered=False)
+    return self._accumulate(params, batches, n_tokens, gathered=False)
 
-  def _accumulate(self, params, toks, tgts, n_tokens, gathered):
-    def loss_fn(p, t, y):
-      return M.loss(self.ops, self.model, _Weights(self, p, gathered), t, y, n_tokens)
-    vg = jax.value_and_grad(loss_fn)
-    if toks.shape[0] == 1:
-      return vg(params, toks[0], tgts[0])
-
-    def micro(acc, batch):
-      loss, g = vg(params, *batch)
-      return jax.tree.map(jnp.add, acc, (loss, g)), None
-    zero = (jnp.zeros((), jnp.float32), jax.tree.map(C.zeros_like, params))
-    return jax.lax.scan(micro, zero, (toks, tgts))[0]
+  def _accumulate(self, params, batches: Batch, n_tokens, gathered):
+    loss_fn = lambda p, b: M.loss(self.context(p, gathered), self.model, b, n_tokens)
+    return accumulate(jax.value_and_grad(loss_fn), params, batches, C.zeros_like)

@@ -28,21 +28,16 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 
 @runtime_checkable
-class Schedule(Protocol):
-  """What train.py calls. Built as `cls(cfg: ScheduleConfig, model: ModelConfig, compute_dtype)`; the
-  constructor rejects knobs it cannot honour with a one-line `shardlab.mesh.ConfigError`."""
-
-  def loss_and_grads(self, params: dict, tokens_BL, targets_BL, n_tokens: int) -> tuple[Any, dict]:
-    """Inside shard_map (unless `shard_mapped = False`: plain jit on global arrays): this device's loss
-    contribution (summed over devices it is the global mean) and gradients shaped, sharded and fully reduced
-    like `params`."""
-    ...
-
-
-@runtime_checkable
 class TPContraction(Protocol):
-  """How the model's sharded contractions move bytes over `tensor` (model.py's `ops`)."""
-  seq_sharded: bool   # the residual stream between layers is sequence-sharded over tensor
+  """How the model's sharded contractions move bytes over `tensor` (the model's `ctx.tp`)."""
+  seq_sharded: bool     # the residual stream between layers is sequence-sharded over tensor
+  bidirectional: bool   # splits each sequence block in halves (model.seq_len must divide by 2 x tensor)
+  axis: str | None      # the mesh axis its contractions run over
+  layout: Any           # the run's sharding rules (layout.Layout; make_tp sets it)
+
+  def honours(self) -> dict:
+    """The layout rules it can honour, as data: {logical dim: [mesh axes it must map to]}."""
+    ...
 
   def columns(self, x, ws: tuple, eqs: tuple) -> tuple:
     """Column-parallel: x[B, L(_tp), D] . w[D, .., N_tp] -> y[B, L, .., N_tp] for each (w, eq)."""
@@ -68,6 +63,35 @@ class TPContraction(Protocol):
 
 
 @runtime_checkable
+class Schedule(Protocol):
+  """What train.py calls. Built as `cls(cfg: ScheduleConfig, model: ModelConfig, compute_dtype, layout)`; the
+  constructor rejects knobs it cannot honour with a one-line `shardlab.mesh.ConfigError`."""
+  shard_mapped: bool    # True: runs inside shard_map; False: plain jit on global arrays (gspmd)
+  layout: Any           # the sharding rules it was built with (layout.Layout): the data's specs come from it
+  ops: TPContraction    # the model's TP contractions
+
+  def honours(self, axis_names) -> dict:
+    """The layout rules it can honour on a mesh of `axis_names`, as data derived from its parts: {logical dim:
+    [allowed tuples of mesh axes]}; validation rejects any other rule with one line (layout.honoured)."""
+    ...
+
+  def bind(self, mesh) -> None:
+    """The mesh the step is built for (called once by train.py, before tracing): check the rules against it."""
+    ...
+
+  def recording_residuals(self):
+    """A context manager yielding a list: each layer loop traced inside appends one layer's residual bytes per
+    device ({"saved", "unremat"}: Stage.residual_bytes), or nothing where the compiler decides (gspmd)."""
+    ...
+
+  def loss_and_grads(self, params: dict, batch, n_tokens: int) -> tuple[Any, dict]:
+    """Inside shard_map (unless `shard_mapped = False`: plain jit on global arrays): this device's loss
+    contribution (summed over devices it is the global mean) and gradients shaped, sharded and fully reduced
+    like `params`. `batch`: data.Batch (inputs, targets, positions [B, L]), already shifted."""
+    ...
+
+
+@runtime_checkable
 class LayerSchedule(Schedule, Protocol):
   """The explicit schedule's hooks, one decision each."""
   ops: TPContraction  # the TP contraction (schedule.tp)
@@ -81,6 +105,11 @@ class LayerSchedule(Schedule, Protocol):
     """How a gradient is reduced: the gradient of gather(shard) -> the gradient of `shard`, fully reduced (the
     same sum as gather's transpose). Per layer, one layer later or deferred is `schedule.grad_reduce`; a
     bucketed or otherwise different reduction overrides this."""
+    ...
+
+  def context(self, params, gathered: bool = False):
+    """The model's parallel context (schedules/parallel.py: Parallel): the TP contractions, the weights reader,
+    the layer loop and the attention hook. Override to replace one (e.g. attention, for context parallelism)."""
     ...
 
   def layer_loop(self, x, stacked: dict, layer_fn: Callable, gathered: bool = False):

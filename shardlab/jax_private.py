@@ -1,0 +1,29 @@
+"""Every use of JAX's private API (`jax._src`), in one place, for the JAX version it was written for.
+
+Written for jax 0.10.2: dead-code elimination of a jaxpr (`partial_eval.dce_jaxpr`), which has no public
+equivalent. The ledger counts only collectives whose results are used (XLA removes the others), and the memory
+breakdown counts only the residuals a layer's backward reads. Another JAX version: check these still exist and
+behave the same (tests/test_ledger.py and tests/test_target.py's memory tests fail if they do not), then add it
+to TESTED.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+from jax._src.interpreters import partial_eval as _pe
+
+TESTED = ("0.10.2",)
+if jax.__version__ not in TESTED:
+  warnings.warn(f"shardlab.jax_private was written for jax {', '.join(TESTED)}; this is jax {jax.__version__}: "
+                "the ledger's dead-code elimination and the residual reader use private API", stacklevel=2)
+
+
+def dce(jaxpr):
+  """The jaxpr with dead equations removed, recursively (jit, scan, shard_map, remat, custom calls)."""
+  return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def dce_used_inputs(jaxpr) -> list[bool]:
+  """Per input of `jaxpr`: whether any of its outputs depends on it."""
+  return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1]
