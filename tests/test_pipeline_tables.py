@@ -1,0 +1,68 @@
+"""Pipeline schedules as tables (shardlab/schedules/pipeline.py): placed on ticks, checked, replayed, drawn.
+Pure Python: no devices, no compile."""
+import pytest
+
+from shardlab.mesh import ConfigError
+from shardlab.schedules import pipeline as PL
+from shardlab.schedules.pipeline import Action
+
+
+@pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])
+def test_bubble_of_uniform_stages_on_free_links_is_the_closed_form(P, M):
+  """gpipe and 1f1b: (P-1)/(M+P-1); interleaved (V=2): (P-1)/(V M+P-1), each within 10% (here: exact);
+  zb_h1 (W split off and deferred) below 1f1b's."""
+  for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    got = PL.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0)["bubble"]
+    want = PL.closed_form_bubble(name, P, M, V)
+    assert abs(got - want) <= 0.1 * want, (name, P, M, V, got, want)
+  zb = PL.replay(PL.build("zb_h1", P, M), t_f=1.0, t_b=1.0, t_w=1.0)["bubble"]
+  assert zb < PL.replay(PL.build("1f1b", P, M), t_f=1.0, t_b=1.0, t_w=1.0)["bubble"], (P, M, zb)
+
+
+def test_activations_in_flight():
+  """GPipe holds every microbatch; 1f1b and zb_h1 at most P - s on stage s (stage 0: P)."""
+  P, M = 4, 16
+  assert PL.in_flight(PL.build("gpipe", P, M)) == [M] * P
+  assert PL.in_flight(PL.build("1f1b", P, M)) == [P - s for s in range(P)]
+  assert PL.in_flight(PL.build("zb_h1", P, M)) == [P - s for s in range(P)]
+
+
+def test_the_1f1b_table_is_warmup_steady_state_cooldown():
+  t = PL.build("1f1b", 2, 3)
+  assert [[str(a) if a else "." for a in row] for row in t] == [
+      ["F0", "."], ["F1", "F0"], [".", "B0"], ["B0", "F1"], ["F2", "B1"], ["B1", "F2"], [".", "B2"], ["B2", "."]]
+
+
+def test_a_table_that_reads_before_it_was_sent_never_runs_a_backward_or_deadlocks_is_one_line():
+  t = PL.build("gpipe", 2, 2)
+  early = [list(r) for r in t]
+  early[1][1], early[2][1] = early[2][1], early[1][1]   # stage 1 runs F1 before stage 0 sent it
+  with pytest.raises(ConfigError, match=r"^pipeline table: stage 1 runs F\d at tick \d+, but its input F\d from "
+                                        r"stage 0 is made at tick \d+: it reads an activation before it was sent$"):
+    PL.check(early, 2)
+  no_backward = [[a if a is None or not (s == 0 and a.kind == "B") else None for s, a in enumerate(r)] for r in t]
+  with pytest.raises(ConfigError, match=r"^pipeline table: stage 0 never runs a backward: B0 is missing"):
+    PL.check(no_backward, 2)
+  with pytest.raises(ConfigError, match=r"^pipeline table deadlocks at tick 0: stage 0 waits to run B0; "
+                                        r"stage 1 waits to run B0$"):
+    PL.table([[Action("B", 0), Action("F", 0)], [Action("B", 0), Action("F", 0)]])
+  with pytest.raises(ConfigError, match=r"^pipeline.microbatches=6 is not a multiple of mesh.pipeline=4"):
+    PL.build("interleaved", 4, 6, 2)
+  with pytest.raises(ConfigError, match=r"^pipeline=zigzag: unknown"):
+    PL.build("zigzag", 4, 8)
+
+
+def test_interleaved_sends_v_times_the_messages():
+  """Each boundary between virtual stages is a send: V P - 1 of them per microbatch and direction."""
+  P, M, V = 4, 8, 2
+  sends = lambda t, v: sum(1 for row in t for s, a in enumerate(row) if a and a.kind == "F"
+                           and PL.vstage(s, a.chunk, P) < v * P - 1)
+  assert sends(PL.build("1f1b", P, M), 1) == M * (P - 1)
+  assert sends(PL.build("interleaved", P, M, V), V) == M * (V * P - 1)
+
+
+def test_the_picture(tmp_path):
+  for name, V in (("1f1b", 1), ("interleaved", 2)):
+    r = PL.replay(PL.build(name, 4, 8, V), t_f=1.0, t_b=2.0)
+    PL.draw(r, tmp_path / f"{name}.png", title=f"{name}, P=4, M=8{', V=2' if V > 1 else ''}: ", unit="T_F")
+    assert (tmp_path / f"{name}.png").stat().st_size > 10_000
