@@ -73,3 +73,13 @@ def test_failed_jobs_are_rows_and_device_counts_differ_per_process(grid, tmp_pat
   for mesh, n in (("8x1", "1"), ("2x4", "1"), ("1x1", "8")):
     r = by[(mesh, n)]
     assert r["status"] == "error" and "ConfigError: mesh.fsdp=" in r["error"], r
+
+
+def test_sweep_columns_add_a_bytes_column_for_every_axis_present():
+  """bytes_data, bytes_fsdp and bytes_tensor always (their names unchanged); another declared axis's column
+  when a job has it, in the registry's order."""
+  from shardlab.sweep import COLUMNS, columns
+  assert columns([{"job": "0"}]) == COLUMNS
+  got = columns([{"job": "0", "bytes_pipeline": 1, "bytes_context": 2}])
+  axes = [c for c in got if c.startswith("bytes_")]
+  assert axes == ["bytes_pipeline", "bytes_data", "bytes_fsdp", "bytes_context", "bytes_tensor"]
