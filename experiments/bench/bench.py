@@ -30,7 +30,6 @@ def main() -> None:
   set_cpu_devices(a.devices)
   import jax
   from hydra import compose, initialize_config_dir
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from shardlab import params as PM, train as T
   from shardlab.config import register_configs, to_config
@@ -51,7 +50,7 @@ def main() -> None:
     compiled = b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile()
     state = T.init_state(PM.init_sharded(0, b["decls"], cfg.model, b["mesh"]), b["opt"], b["decls"], b["mesh"])
     data = MarkovData(0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching,
-                      NamedSharding(b["mesh"], P("fsdp")))
+                      jax.tree.map(lambda x: x.sharding, b["abstract_batch"]))
     batch = data.batch(0)
     for _ in range(3):   # warm up
       state, met = compiled(state, batch)
