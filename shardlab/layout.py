@@ -128,6 +128,13 @@ def from_config(cfg) -> Layout:
   return Layout.of(dict(cfg.rules), cfg.name)
 
 
+# What a rule no schedule honours yet needs (messages).
+NOT_YET = {"layers": "pipeline stages need a pipeline executor, which shardlab does not have yet (docs/pipeline.md); "
+                     "use mesh.pipeline=1",
+           "length": "a sequence split over devices needs context-parallel attention, which shardlab does not have "
+                     "yet; use mesh.context=1"}
+
+
 def honoured(layout: Layout, honours: dict, axis_names, who: str) -> None:
   """Each rule of `layout` on this mesh is one `who` can honour (`honours`: {logical: [allowed axis tuples]},
   data a schedule derives from its parts); one line otherwise. A logical dim missing from `honours` may be
@@ -136,8 +143,9 @@ def honoured(layout: Layout, honours: dict, axis_names, who: str) -> None:
     got = layout.rule(logical, axis_names)
     if got not in [tuple(a) for a in allowed]:
       show = lambda t: " x ".join(t) if t else "none (replicated)"
+      hint = f": {NOT_YET[logical]}" if logical in NOT_YET and allowed == [()] else ""
       raise ConfigError(f"layout rule {logical} -> {show(got)}: {who} cannot honour it on this mesh; it takes "
-                        f"{' or '.join(show(tuple(a)) for a in allowed)}")
+                        f"{' or '.join(show(tuple(a)) for a in allowed)}{hint}")
 
 
 @dataclass
