@@ -34,7 +34,7 @@ class HardwareConfig:
   # ---- the real target (compile_for=target; shardlab/target.py) ----
   target_platform: str = ""         # cuda | tpu | "" (no target: compile_for=target refuses this preset)
   target_config: str = ""           # cuda: GpuTargetConfig text file in shardlab/targets/
-  tpu_type: str = ""                # tpu: the topology name's prefix (v5p, v5litepod..)
+  tpu_type: str = ""                # tpu: the topology name's prefix, as libtpu 0.0.42 names it (v5p, v5e)
   devices_per_host: int = 8         # GPUs per node / TPU chips per host: how a device count becomes hosts
   topology: str = ""                # "" derive from the mesh; else as get_topology_desc takes it ("1x8x8", "4x4x4")
   # ---- achieved rates (the calibrated cost model; 1.0 everywhere = the peak-rate ceiling) ----

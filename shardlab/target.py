@@ -8,7 +8,7 @@ schedule, its fusions and custom calls, its buffer assignment), with nothing all
        and a topology "slices x hosts x devices per host" ("1x1x8": one node of 8; "1x8x8": 8 nodes of 8).
        JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 keeps the plugin from looking for a driver.
   TPU  libtpu, pinned to the version JAX pins (`pip install "shardlab[tpu]"`), and a topology name
-       ("v5p:2x2x2", "v5litepod:2x4"). ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets several compiling processes share it.
+       ("v5p:2x2x2", "v5e:2x4": libtpu 0.0.42 does not take "v5litepod"). ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets several compiling processes share it.
 
 The local devices stay what they were (the fake CPU devices a run trains on): mesh.set_cpu_devices keeps JAX on
 the CPU wherever no accelerator is present, so an installed plugin neither initializes nor logs.

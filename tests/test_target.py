@@ -192,9 +192,31 @@ def test_topologies():
   from shardlab.mesh import ConfigError
   assert TG.topology(h100(), 8) == "1x1x8" and TG.topology(h100(), 64) == "1x8x8" and TG.topology(h100(), 2) == "1x1x2"
   assert TG.topology(hardware_preset("tpu_v5p"), 64) == "v5p:4x4x4"
-  assert TG.topology(hardware_preset("tpu_v5e"), 8) == "v5litepod:2x4"
+  assert TG.topology(hardware_preset("tpu_v5e"), 8) == "v5e:2x4"   # libtpu 0.0.42's name ("TPU v5 lite" devices)
   with pytest.raises(ConfigError, match="whole nodes"):
     TG.topology(h100(), 12)
+
+
+def _target_presets():
+  from shardlab.config import CONF_DIR
+  import yaml
+  return sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml")
+                if yaml.safe_load(p.read_text()).get("target_platform"))
+
+
+@pytest.mark.parametrize("preset", _target_presets())
+def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp_path):
+  """compile_for=target dry runs on every hardware preset that names a target (h100, h200, h100_multinode,
+  tpu_v5p, tpu_v5e): the step compiles with that target's compiler and is analyzed."""
+  import importlib.util
+  from conftest import compose
+  from shardlab.config import to_config
+  from shardlab.trainer import train
+  cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false"))
+  if importlib.util.find_spec("libtpu" if cfg.hardware.target_platform == "tpu" else "jax_cuda12_plugin") is None:
+    pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
+  summary = train(cfg, tmp_path / "run")
+  assert summary["status"] == "ok" and summary["target"]["devices"] == 8, summary.get("target")
 
 
 def small_target(schedule: str, **model):
