@@ -5,6 +5,7 @@ is reported, its own memory, and a calibrated prediction; `predict_fn` costs any
 Needs the CUDA compiler plugin (`pip install "shardlab[cuda12]"`; .ci/run installs it); skipped without it.
 """
 import functools
+import re
 
 import pytest
 
@@ -384,10 +385,11 @@ def test_tpu_loop_trip_counts_are_read_off_their_conditions(schedule):
   assert trips(tpu) == trips(local) == ([4, 4] if schedule == "baseline" else [3, 3])
 
 
-@pytest.mark.parametrize("step,trips", [(1, 5), (2, 3)])
-def test_trip_count_of_an_unannotated_loop_through_a_copied_counter(step, trips):
+@pytest.mark.parametrize("step,trips,copied", [(1, 5, False), (2, 3, False), (1, 5, True)])
+def test_trip_count_of_an_unannotated_loop_through_a_copied_counter(step, trips, copied):
   """The form libtpu emits: the counter starts as a copy of a constant (2), the condition's root is `i < 7`,
-  the body adds `step` (2: a body unrolled twice)."""
+  the body adds `step` (2: a body unrolled twice), to the counter itself or to a copy of it (libtpu's form for
+  v5p 16 x 4 at batch 16, which once ended in a traceback)."""
   from shardlab.analysis import hlo
   text = f"""HloModule m
 
@@ -415,9 +417,11 @@ ENTRY %main (x: f32[]) -> (s32[], f32[]) {{
   ROOT %w = (s32[], f32[]) while(%t), condition=%cond, body=%body
 }}
 """
+  if copied:
+    text = text.replace("  %next = s32[] add(%i, %c)", "  %ic = s32[] copy(%i)\n  %next = s32[] add(%ic, %c)")
   comps, entry = hlo.parse(text)
   loop = next(i for i in comps[entry] if i.opcode == "while")
   assert hlo.trip_count(loop, entry, comps) == trips
   assert hlo.multiplicities(comps, entry)["body"] == trips
   with pytest.raises(ValueError, match="no known trip count"):       # a body that does not count up: refused
-    hlo.trip_count(loop, entry, hlo.parse(text.replace("add(%i, %c)", "multiply(%i, %c)"))[0])
+    hlo.trip_count(loop, entry, hlo.parse(re.sub(r"add\((%ic?), %c\)", r"multiply(\1, %c)", text))[0])

@@ -172,6 +172,8 @@ def _increment(name: str, k: int, body: list) -> int | None:
     return None
   for a, b in (ins.operands, ins.operands[::-1]):
     g = by_name.get(a)
+    while g is not None and g.opcode in ("copy", "bitcast") and g.operands:   # libtpu copies the counter first
+      g = by_name.get(g.operands[0])
     if g is not None and g.opcode == "get-tuple-element" and re.search(rf"index={k}\b", g.attrs):
       return _constant(b, body)
   return None
