@@ -2,7 +2,8 @@
 
 Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by
 side), bytes.png (bytes each device moves per step, per mesh axis), memory.png (compiled peak memory per
-device), and the timelines of chosen runs (their timeline.png, copied as timeline_<job>.png).
+device), and the timeline of every run (or of those --runs names: their timeline.png, copied as
+timeline_<job>.png); a run without one is named in report.md.
 """
 from __future__ import annotations
 
@@ -124,9 +125,9 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
       raise ReportError(f"--runs {','.join(runs)}: no run named {', '.join(unknown)} in {d}; runs here: "
                         f"{', '.join(j['label'] for j in jobs)}")
   made = figures(jobs, d)
+  # Every run's timeline (or those --runs names): none is left out without saying so.
   chosen = [j for j in jobs if (j["dir"] / "timeline.png").exists() and (runs is None or j["label"] in runs)]
-  if runs is None:
-    chosen = chosen[:4]
+  without = [j["label"] for j in jobs if not (j["dir"] / "timeline.png").exists() and (runs is None or j["label"] in runs)]
   lines = [f"# Report: {d}", "", f"{sum(j['status'] == 'ok' for j in jobs)} of {len(jobs)} runs ok. Measured "
            "times are from the machine that ran them (on fake CPU devices they are a regression canary, not a "
            "claim about overlap); predicted times come from the cost model on the named hardware preset.", ""]
@@ -154,6 +155,9 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
     else:
       dst = d / "timeline.png"
     lines += [f"### Predicted timeline: {j['label']}", "", f"![timeline {j['label']}]({dst.name})", ""]
+  if without:
+    lines += [f"No predicted timeline for {', '.join(without)} (the run wrote no timeline.png: it failed before "
+              "its analysis, or ran with an older shardlab).", ""]
   (d / "report.md").write_text("\n".join(lines))
   return d / "report.md"
 
@@ -161,7 +165,8 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(prog="python -m shardlab.report", description=__doc__.splitlines()[0])
   ap.add_argument("dir", type=Path, help="a run directory or a sweep directory")
-  ap.add_argument("--runs", default=None, help="comma-separated run names whose timelines to include")
+  ap.add_argument("--runs", default=None, help="comma-separated run names whose timelines to include (default: "
+                                                 "every run's)")
   a = ap.parse_args(argv)
   if not a.dir.is_dir():
     print(f"shardlab.report: error: {a.dir} is not a directory", file=sys.stderr)

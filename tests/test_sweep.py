@@ -57,6 +57,8 @@ def test_report_draws_the_sweep(grid):
   for fig in ("step_time.png", "bytes.png", "memory.png"):
     assert (out / fig).stat().st_size > 10_000 and f"]({fig})" in report
   assert report.count("\n| ") >= 5   # header + 4 runs
+  timelines = sorted(p.name for p in out.glob("timeline_*.png"))      # every run's, none left out
+  assert len(timelines) == 4 and all(f"]({t})" in report for t in timelines), timelines
 
 
 def test_failed_jobs_are_rows_and_device_counts_differ_per_process(grid, tmp_path):
