@@ -94,6 +94,12 @@ class ModelConfig:
     return self.n_kv_heads or self.n_heads
 
 
+def schedule_label(name: str, impl: str, tp: str) -> str:
+  """ScheduleConfig.label from its fields (also the `schedule_label` resolver of the run directory's name)."""
+  cls = lambda spec: spec.rpartition(":")[2] if ":" in spec else None
+  return (cls(impl) or name) + (f"-{cls(tp)}" if cls(tp) else "")
+
+
 @dataclass
 class ScheduleConfig:
   name: str = "baseline"
@@ -106,6 +112,12 @@ class ScheduleConfig:
   microbatches: int = 1
   remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_qkv_attn_out
                                   # | save_matmuls_attn_out (schedules/explicit.py: REMAT)
+
+  @property
+  def label(self) -> str:
+    """What the run ran, for run and sweep directory names, summary.json and reports: the preset's name, or a
+    user's class (`impl=my_sched:AllReduceSlice` -> 'AllReduceSlice'), with a user's TP class after it."""
+    return schedule_label(self.name, self.impl, self.tp)
 
 
 @dataclass
@@ -220,6 +232,8 @@ def register_configs() -> None:
   # The old form ${mesh_label:DATA,FSDP,TENSOR} still works.
   if not OmegaConf.has_resolver("mesh_label"):
     OmegaConf.register_new_resolver("mesh_label", _mesh_label)
+  if not OmegaConf.has_resolver("schedule_label"):   # ${schedule_label:${schedule}}: ScheduleConfig.label
+    OmegaConf.register_new_resolver("schedule_label", lambda s: schedule_label(s["name"], s["impl"], s["tp"]))
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)
   for group, node in GROUPS.items():

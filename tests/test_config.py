@@ -77,3 +77,18 @@ def test_typo_in_override_is_rejected(override, message, tmp_path):
   lines = [l for l in r.stderr.splitlines() if l.strip()]
   assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardlab: error: ") and message in lines[0], \
       r.stderr
+
+
+def test_runs_are_named_by_what_they_ran():
+  """A user's schedule class (and TP class) names the run directory and the summary, not the preset it started
+  from; presets keep their names."""
+  from hydra import compose as hydra_compose, initialize_config_dir
+  from shardlab.config import CONF_DIR, ScheduleConfig, register_configs
+  assert ScheduleConfig().label == "baseline"
+  assert ScheduleConfig(impl="my_sched:AllReduceSlice").label == "AllReduceSlice"
+  assert ScheduleConfig(name="fsdp_prefetch", tp="my_tp:Mine").label == "fsdp_prefetch-Mine"
+  register_configs()
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    c = hydra_compose(config_name="config", overrides=["schedule.impl=my_sched:AllReduceSlice", "mesh.context=2",
+                                                       "mesh.fsdp=2"], return_hydra_config=True)
+    assert c.hydra.run.dir.endswith("_AllReduceSlice_f2xc2xt2"), c.hydra.run.dir
