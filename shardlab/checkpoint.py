@@ -105,12 +105,13 @@ class Checkpointer:
                                       create=c.enabled), item_names=("state", "meta"))
     self.latest: int | None = None   # the newest good checkpoint: restored or saved by this run
     self.saved: list[int] = []
+    self.pending: int | None = None  # the step of the save last handed to orbax (maybe still being written)
 
   def save(self, step: int, state, losses: list[float]) -> None:
     """Save the state after `step` steps (unless saving is off, or that step is already saved)."""
     if not self.c.enabled or (self.latest is not None and step <= self.latest):
       return
-    self.check()
+    self.wait()   # the save before this one, finished (orbax would wait anyway): its failure names its own step
     meta = {"step": step, "losses": list(losses), "mesh": self.mesh_shape, "shapes": shapes(state),
             "checksums": checksums(state), "settings": self.settings}
     try:
@@ -118,7 +119,7 @@ class Checkpointer:
     except Exception as e:
       raise self._failed(e, step) from None
     self.saved.append(step)
-    self.latest = step
+    self.latest = self.pending = step
 
   def restore(self, abstract_state):
     """(state placed with `abstract_state`'s shardings, losses so far) from the newest intact checkpoint;
@@ -156,11 +157,16 @@ class Checkpointer:
     self.mngr.reload()
 
   def _failed(self, e: Exception, step: int | None = None) -> RunError:
+    """The one line for a failed save: `step`'s, or (None) the save in flight, which orbax finishes in the
+    background; the newest checkpoint complete on disk."""
     try:
-      done = max(self.mngr.all_steps(read=True), default=None)
+      self.mngr.reload()
+      done = max(self.mngr.all_steps(), default=None)
     except Exception:
       done = None
-    why = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:240]
+    why = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())
+    why = why if len(why) <= 400 else why[:397] + "..."
+    step = step if step is not None else self.pending
     what = f"saving checkpoint {step} failed" if step is not None else "a checkpoint save failed in the background"
     return RunError(f"checkpoint.dir={self.dir}: {what} ({type(e).__name__}: {why}); last complete checkpoint: "
                     f"{done if done is not None else 'none'}; check that the directory is writable and has space")
@@ -197,13 +203,19 @@ class Checkpointer:
 
 
 class Interrupted(Exception):
-  """SIGTERM or SIGINT arrived; the state after `step` steps was saved (if saving is on) and the run stopped."""
+  """SIGTERM or SIGINT arrived; the state after `step` steps was saved (if saving is on) and the run stopped.
+  `step` None: it arrived while compiling, before any step of this run."""
 
-  def __init__(self, signum: int, step: int, ckpt: Checkpointer):
+  def __init__(self, signum: int, step: int | None, ckpt: Checkpointer | None):
     self.signum = signum
+    name = signal.Signals(signum).name
+    if step is None:
+      super().__init__(f"stopped by {name} while compiling, before this run's first step: nothing saved by this "
+                       "run; run it again with checkpoint.resume=true")
+      return
     where = (f"saved checkpoint {step} in {ckpt.dir}; continue with checkpoint.resume=true "
              f"checkpoint.dir={ckpt.dir}" if ckpt.c.enabled else "nothing saved (checkpoint.enabled=false)")
-    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {where}")
+    super().__init__(f"stopped by {name} after step {step}: {where}")
 
 
 class StoppedAtOnce(Exception):

@@ -22,9 +22,12 @@ def _task(dcfg) -> None:
   hc = HydraConfig.get()
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
+  from shardlab.preflight import Finished
   try:
     summary = train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
     print(final_line(out_dir, summary), flush=True)
+  except Finished as e:                   # a requeued job whose run is done: nothing written, exit 0
+    print(f"shardlab: {e}", flush=True)
   except ConfigError as e:
     if _FULL_ERROR:
       raise
@@ -90,6 +93,9 @@ class Preflight(Callback):
       return
     try:
       preflight.check(to_config(config), str(OmegaConf.select(config, "hydra.run.dir")))
+    except preflight.Finished as e:       # a requeued job whose run is done: one line, exit 0, nothing written
+      print(f"shardlab: {e}", flush=True)
+      sys.exit(0)
     except (ConfigError, RunError) as e:
       print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
       sys.exit(2 if isinstance(e, ConfigError) else 1)
@@ -100,7 +106,11 @@ def cli() -> None:
   from hydra.errors import HydraException
   from omegaconf.errors import OmegaConfBaseException
   global _FULL_ERROR
+  import logging
   register_configs()
+  # A log handler that cannot write (Hydra's <run dir>/run.log on a full disk) prints "--- Logging error ---"
+  # and a traceback per record; the run reports the full disk itself, in one line.
+  logging.raiseExceptions = False
   asked = os.environ.get("HYDRA_FULL_ERROR")
   _FULL_ERROR = asked == "1"
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
