@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -42,22 +43,43 @@ class _NoOrbaxTracebacks(logging.Filter):
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+def _from_checkpoint_io(u) -> bool:
+  """An unraisable exception (sys.unraisablehook's argument) raised by orbax's or tensorstore's own code: a
+  coroutine of theirs, or a traceback through their files."""
+  if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+    return True
+  code = getattr(u.object, "cr_code", None) or getattr(u.object, "gi_code", None)
+  files = [code.co_filename] if code is not None else []
+  tb = u.exc_traceback
+  while tb is not None:
+    files.append(tb.tb_frame.f_code.co_filename)
+    tb = tb.tb_next
+  return any(f"{os.sep}orbax{os.sep}" in f or f"{os.sep}tensorstore{os.sep}" in f for f in files)
+
+
 def _no_closed_loop_reports(hook):
-  """sys.unraisablehook without tensorstore's late callbacks: when one read of a damaged checkpoint fails, orbax
-  ends the restore and closes its event loop while the other reads are still in flight; each of those then
-  fails to post its result to the closed loop ('Event loop is closed'), which Python printed as a traceback
-  (about 190 lines for a zeroed checkpoint). shardlab reports that checkpoint itself, in one line."""
+  """sys.unraisablehook without orbax's and tensorstore's late reports: when one read of a damaged checkpoint
+  fails, orbax ends the restore and closes its event loop while the other reads are still in flight; each of
+  those then fails to post its result to the closed loop ('Event loop is closed'), or its coroutine is dropped
+  with its own error ('Exception ignored in: <coroutine object _read_array_index_and_device_put>', with the
+  array's whole TensorStore spec), which Python printed as a traceback each: 190 to 22,000 lines for one
+  damaged checkpoint. shardlab reports that checkpoint itself, in one line."""
   def unraisable(u):
-    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+    if not _from_checkpoint_io(u):
       hook(u)
   unraisable.shardlab = True
   return unraisable
 
 
-def _why_unreadable(e: Exception) -> str:
+def _why_unreadable(e: BaseException) -> str:
   """A failed read in a few words: tensorstore's message is a chain ('Error opening ...: Error reading ...:
-  Error decoding ...') followed by its JSON spec; the last two links say which file and what was wrong."""
-  msg = " ".join((str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0].split())
+  Error decoding ...') followed by its JSON spec; the last two links say which file and what was wrong. Orbax
+  may wrap it ('Encountered error while reading array index ... See full TensorStore details: <its spec>'):
+  the innermost cause is tensorstore's."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  msg = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0].split(" See full TensorStore")[0]
+  msg = " ".join(msg.split())
   links = msg.split(": Error ")
   if len(links) > 3:
     msg = f"{links[0]}: ... Error " + ": Error ".join(links[-2:])
