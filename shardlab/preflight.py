@@ -72,6 +72,7 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   check_checkpoints_unused(cfg, out_dir)
   check_resume(cfg, out_dir)
   check_profile(cfg)
+  check_vocab(cfg)
   D.check_cluster_env(cfg.distributed)
   set_cpu_devices(cfg.cpu_devices)                # this process's devices (each process brings its own)
   D.initialize(cfg.distributed)                   # jax.distributed, when this is one of several processes
@@ -170,6 +171,15 @@ def check_checkpoints_unused(cfg: Config, out_dir) -> None:
     raise ConfigError(f"{_ckpt_setting(cfg, d)}: holds checkpoints of another run ({', '.join(steps[:6])}"
                       f"{', ...' if len(steps) > 6 else ''}); a fresh run would mix with them and delete them: "
                       "continue them with checkpoint.resume=true, or choose an empty checkpoint.dir")
+
+
+def check_vocab(cfg: Config) -> None:
+  """More successors per token than the vocabulary has: both settings named, and the fix (validate's own
+  message names only data.branching, though model.vocab_size is as likely the one changed)."""
+  b, v = cfg.data.branching, cfg.model.vocab_size
+  if isinstance(b, int) and isinstance(v, int) and v >= 1 and b > v:
+    raise ConfigError(f"data.branching={b} is more than model.vocab_size={v} (each token's successors are drawn "
+                      f"from the vocabulary); choose data.branching <= {v} or model.vocab_size >= {b}")
 
 
 def check_profile(cfg: Config) -> None:
