@@ -137,10 +137,27 @@ def _summary(out_dir) -> dict | None:
 
 def check_run_dir_unused(cfg: Config, out_dir) -> None:
   """A run directory belongs to one run (or one lineage of resumed runs): a fresh run into a directory that
-  holds another run's results (summary.json, metrics.jsonl) is refused before anything is overwritten."""
-  if cfg.checkpoint.resume:
-    return
+  holds another run's results (summary.json, metrics.jsonl) is refused before anything is overwritten. A
+  resumed one whose checkpoint.dir has no checkpoint record to compare (check_resume) is compared with the
+  settings in the directory's summary.json instead: a run of other settings would start over on top of it."""
   p = Path(out_dir)
+  if cfg.checkpoint.resume:
+    s = _summary(p)
+    conf = s.get("config") if s is not None else None
+    if not isinstance(conf, dict) or _latest_record(checkpoint_dir(cfg, out_dir)) is not None:
+      return
+    def get(key):
+      v = conf
+      for part in key.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+      return v
+    now = record_settings(cfg)
+    diff = [f"{k}={now[k]} (that run: {get(k)})" for k in now if get(k) is not None and get(k) != now[k]]
+    if diff and not cfg.checkpoint.allow_changed:
+      raise ConfigError(f"hydra.run.dir={out_dir}: holds a run with other settings ({', '.join(diff)}) and no "
+                        "checkpoint to resume; a resumed run would start over on top of it: choose a new "
+                        "hydra.run.dir, or set checkpoint.allow_changed=true to replace it")
+    return
   held = [n for n in ("summary.json", "metrics.jsonl") if (p / n).is_file()]
   if not held:
     return

@@ -114,6 +114,17 @@ def test_second_run_into_a_finished_runs_directory_is_refused(finished):
   assert sums(finished) == before and not (finished / ".hydra").exists()
 
 
+def test_resumed_run_of_other_settings_without_checkpoints_is_refused(finished):
+  """checkpoint.resume=true into a run directory whose run left no checkpoint (here: moved away) and other
+  settings (another seed): it would start over on top of that run, so it is refused; nothing changes."""
+  from shardlab.mesh import ConfigError
+  shutil.rmtree(finished / "checkpoints")
+  before = sums(finished)
+  with pytest.raises(ConfigError, match=r"holds a run with other settings \(train.seed=1 \(that run: 0\)\)"):
+    run(finished, "train.seed=1", "checkpoint.resume=true")
+  assert sums(finished) == before
+
+
 def test_second_sweep_into_a_sweep_directory_is_refused(ref, tmp_path):
   """Loss 3: a sweep directory as Hydra and shardlab leave it (two jobs, each with .hydra/, and the summary):
   a new one-job sweep into it is refused before any job starts; nothing changes."""
