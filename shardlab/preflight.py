@@ -118,12 +118,15 @@ def check_run_dir(out_dir) -> None:
       top = top.parent
     try:
       top.mkdir()
-      top.rmdir()
     except FileExistsError:                       # made meanwhile (another process of this run)
-      pass
+      return
     except OSError as e:
       raise ConfigError(f"hydra.run.dir={out_dir}: cannot make it in {parent} ({e.strerror or e}); choose a "
                         "writable hydra.run.dir") from None
+    try:
+      top.rmdir()
+    except OSError:                               # another process of this run has filled it meanwhile
+      pass
 
 
 def _summary(out_dir) -> dict | None:
