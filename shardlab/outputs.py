@@ -61,6 +61,14 @@ def move_into(src: Path, dst: Path) -> None:
   src.rmdir()
 
 
+def writing_failed(e: OSError, out) -> bool:
+  """An OSError from writing into the run directory `out`: a path under it, or no space, quota or permission."""
+  import errno
+  name = getattr(e, "filename", None)
+  under = name is not None and str(Path(name).absolute()).startswith(str(Path(out).absolute()))
+  return under or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
+
+
 def cannot_write(out, what: str, when: str, ckpt: dict | None = None):
   """The RunError for a file of the run directory that could not be written (a full disk, most often): one
   line naming the directory, the file and the step; what was written before stays whole (write_atomic,

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -111,17 +112,22 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   try:                                            # the run dir's lock is released however this ends
     # SIGTERM/SIGINT from here on stop the run with a line and a summary (while compiling: once XLA returns).
     with CK.StopOnSignal() as stop:
+      # The analysis's files (timeline.*) are written into a directory beside them and renamed in whole.
+      stage = out / f".analysis-{os.getpid()}"
       try:
-        # The analysis's files (timeline.*) are written beside the run dir and renamed in whole.
-        stage = out / f".analysis-{os.getpid()}"
         b, compiled, a, analysis = compile_and_analyze(cfg, stage)
         if stage.is_dir():
           O.move_into(stage, out)
       except OSError as e:
-        raise O.cannot_write(out, "the analysis (timeline.json, timeline.png)", "before step 0") from None
+        if not O.writing_failed(e, out):
+          raise
+        raise O.cannot_write(out, "the analysis (timeline.json, timeline.png)", "before training") from None
       except CK.StoppedAtOnce:
         _compile_interrupted(out, main, "stopped at once by a second signal while compiling")
         raise
+      finally:
+        if stage.is_dir():                        # what a failed analysis or move left behind
+          shutil.rmtree(stage, ignore_errors=True)
       signum = stop.requested()                   # agreed by every process
       if signum:
         e = CK.Interrupted(signum, None, None)

@@ -216,6 +216,29 @@ def test_full_run_directory_is_one_line_and_keeps_the_earlier_files(ref, tmp_pat
   assert s["status"] == "ok" and s["losses"] == ref[1]["losses"] and s["checkpoint"]["resumed_from"] == 6
 
 
+def test_run_directory_too_small_for_the_analysis_is_one_line(tmp_path):
+  """A run directory (64 KiB tmpfs) too small for the analysis's timeline files: one line naming it and the
+  point (before training), exit 1, and no half-written file or staging directory left in it."""
+  if os.geteuid() != 0:
+    pytest.skip("needs root for a small tmpfs in a mount namespace")
+  small = tmp_path / "small"
+  small.mkdir()
+  out = small / "run"
+  script = (f'mount -t tmpfs -o size=64k tmpfs "$0" || exit 99; "$@"; rc=$?; ls -A {out} > {tmp_path / "ls"}; '
+            'exit $rc')
+  r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(small), sys.executable,
+                      "-m", "shardlab", *CMD, f"hydra.run.dir={out}"], cwd=ROOT, env=ENV, capture_output=True,
+                     text=True, timeout=300)
+  if r.returncode == 99:
+    pytest.skip(f"no tmpfs mount possible here: {r.stderr.strip()[:200]}")
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert [l for l in r.stderr.splitlines() if l.strip()] == [
+      f"shardlab: error: hydra.run.dir={out}: cannot write the analysis (timeline.json, timeline.png) before training "
+      "(No space left on device); its earlier files are kept whole; free space or choose another hydra.run.dir"]
+  left = (tmp_path / "ls").read_text().split()
+  assert not [n for n in left if n.startswith(".analysis") or n.startswith("timeline")], left
+
+
 @pytest.mark.slow
 def test_requeue_loop_ends_like_the_uninterrupted_run(ref, tmp_path):
   """The same `checkpoint.resume=true` command, as a requeued job runs it: the first two runs killed (-9) at
