@@ -167,3 +167,18 @@ def test_orbax_and_tensorstore_late_reports_are_dropped():
   finally:
     coro.close()
   assert seen == [other]
+
+
+def test_a_failed_background_save_names_its_own_step(tmp_path):
+  """A save that fails in the background surfaces at a later check or at the next save: the line names the step
+  whose save failed (it named the next one, 80 for a failed 60) and the newest complete checkpoint."""
+  from shardlab.checkpoint import Checkpointer
+  from shardlab.config import CheckpointConfig
+  ck = Checkpointer(CheckpointConfig(), tmp_path / "ck", (4, 2))
+  try:
+    ck.pending = 60
+    err = str(ck._failed(OSError(28, "No space left on device")))
+  finally:
+    ck.close()
+  assert err.startswith(f"checkpoint.dir={tmp_path / 'ck'}: saving checkpoint 60 failed (OSError: [Errno 28] No "
+                        "space left on device); last complete checkpoint: none"), err
