@@ -95,23 +95,23 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
     lock_run_dir(out_dir)
 
 
-def check_run_dir(out_dir) -> None:
+def check_run_dir(out_dir, setting: str = "hydra.run.dir") -> None:
   """The run directory is named (an empty name is the current directory: the run's files would land among the
   user's), is a directory, or can be made one: the topmost missing directory is made and removed again, since
   write permission says nothing on /proc or as root."""
   if not str(out_dir).strip():
-    raise ConfigError(f"hydra.run.dir={str(out_dir)!r}: empty, so the run's files would go into the current "
-                      "directory; name a directory, e.g. hydra.run.dir=outputs/run1")
+    raise ConfigError(f"{setting}={str(out_dir)!r}: empty, so the run's files would go into the current "
+                      f"directory; name a directory, e.g. {setting}=outputs/run1")
   p = Path(out_dir).absolute()
   if p.exists() and not p.is_dir():
-    raise ConfigError(f"hydra.run.dir={out_dir}: is a file, not a directory; choose another hydra.run.dir")
+    raise ConfigError(f"{setting}={out_dir}: is a file, not a directory; choose another {setting}")
   parent = p
   while not parent.exists():
     parent = parent.parent
   if not parent.is_dir():
-    raise ConfigError(f"hydra.run.dir={out_dir}: {parent} is a file, so the run directory cannot be made there")
+    raise ConfigError(f"{setting}={out_dir}: {parent} is a file, so the run directory cannot be made there")
   if not os.access(parent, os.W_OK | os.X_OK):
-    raise ConfigError(f"hydra.run.dir={out_dir}: {parent} is not writable; choose another hydra.run.dir")
+    raise ConfigError(f"{setting}={out_dir}: {parent} is not writable; choose another {setting}")
   if parent != p:
     top = p
     while top.parent != parent:
@@ -121,8 +121,8 @@ def check_run_dir(out_dir) -> None:
     except FileExistsError:                       # made meanwhile (another process of this run)
       return
     except OSError as e:
-      raise ConfigError(f"hydra.run.dir={out_dir}: cannot make it in {parent} ({e.strerror or e}); choose a "
-                        "writable hydra.run.dir") from None
+      raise ConfigError(f"{setting}={out_dir}: cannot make it in {parent} ({e.strerror or e}); choose a "
+                        f"writable {setting}") from None
     try:
       top.rmdir()
     except OSError:                               # another process of this run has filled it meanwhile

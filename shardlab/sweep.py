@@ -94,11 +94,9 @@ def check_sweep_dir(sweep_dir, resume: bool) -> None:
   overwrite job 0.. and mix its rows with the old jobs' (ConfigError). With checkpoint.resume=true the same
   sweep goes on there (a requeued or re-launched sweep: each job resumes its own run dir)."""
   from shardlab.mesh import ConfigError
+  from shardlab.preflight import check_run_dir
+  check_run_dir(sweep_dir, "hydra.sweep.dir")     # named, not a file, can be made
   d = Path(str(sweep_dir))
-  if not str(sweep_dir).strip():
-    raise ConfigError("hydra.sweep.dir='': empty, so the jobs would go into the current directory; name a directory")
-  if d.exists() and not d.is_dir():
-    raise ConfigError(f"hydra.sweep.dir={sweep_dir}: is a file, not a directory; choose another hydra.sweep.dir")
   if resume or not d.is_dir():
     return
   jobs = sorted(p.name for p in d.iterdir() if p.is_dir() and ((p / ".hydra").exists() or (p / "summary.json").exists()))

@@ -145,6 +145,14 @@ def test_second_sweep_into_a_sweep_directory_is_refused(ref, tmp_path):
   assert sums(sw) == before
 
 
+def test_sweep_directory_that_cannot_be_made_is_one_line(tmp_path):
+  """hydra.sweep.dir under /proc used to end in Hydra's FileNotFoundError traceback (exit 0!)."""
+  r = subprocess.run([sys.executable, "-m", "shardlab", "-m", *CMD, "hydra.sweep.dir=/proc/shardlab_sweep"],
+                     cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+  assert one_error_line(r) == ("shardlab: error: hydra.sweep.dir=/proc/shardlab_sweep: cannot make it in /proc (No "
+                               "such file or directory); choose a writable hydra.sweep.dir")
+
+
 def test_fresh_run_into_another_runs_checkpoint_dir_is_refused(finished, tmp_path):
   """Loss 4: a fresh run (no resume) with checkpoint.dir naming another run's checkpoints: refused, one line;
   the checkpoints as they were, the new run directory never made."""
