@@ -1,14 +1,15 @@
 """Everything checked before a run compiles or writes, each failure one line (ConfigError: exit 2):
 
   1. the settings' ranges and the process settings (validate.py), before JAX starts;
-  2. the run directory: named, not a file, creatable, and not holding another run's results unless resuming;
-     the checkpoint directory: holding no other run's checkpoints unless resuming; on resume the checkpoint's
-     JSON record: saved with the same model, batch, seed and data settings (unless checkpoint.allow_changed=true),
-     and not past train.steps; the profile window inside the run;
+  2. the run directory: named, not a file, creatable; on resume the checkpoint's JSON record: saved with the
+     same model, batch, seed and data settings (unless checkpoint.allow_changed=true), and not past
+     train.steps; the profile window inside the run;
   3. the processes (joined within distributed.timeout_s), the devices against the mesh, and the memory the
      model needs per device (analytic, `memory_model.breakdown`) against what each local device has;
-  4. a resumed run that is already finished (its final checkpoint saved and summary.json written): `Finished`,
-     which the CLI reports in one line, exit 0, touching nothing;
+  4. process 0's run directory holding no other run's results, and the checkpoint directory no other run's
+     checkpoints, unless resuming (process 0's verdict for every process); a resumed run that is already
+     finished (its final checkpoint saved and summary.json written): `Finished`, which the CLI reports in one
+     line, exit 0, touching nothing;
   5. the checkpoint directory: a probe file written and read back by every process; with several processes,
      a nonce written by process 0 must be read back by all (the same shared directory);
   6. the run directory lock (`<run dir>/.lock`, flock, held by process 0 for the run): a second run into the
@@ -68,8 +69,6 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   from shardlab.validate import validate, validate_launch
   validate_launch(cfg)                            # ranges, checkpoint and process settings, before JAX starts
   check_run_dir(out_dir)
-  check_run_dir_unused(cfg, out_dir)
-  check_checkpoints_unused(cfg, out_dir)
   check_resume(cfg, out_dir)
   check_profile(cfg)
   check_vocab(cfg)
@@ -83,6 +82,17 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
     TG.check(cfg.hardware, cfg.mesh.n_devices)
   # The mesh against every process's devices (a dry run compiled for a target needs none of them).
   validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))
+  # Process 0's run dir holds the run's results: its verdict, for every process (no peer left waiting for it).
+  refusal = ""
+  if D.is_main():
+    try:
+      check_run_dir_unused(cfg, out_dir)
+    except ConfigError as e:
+      refusal = str(e)
+  refusal = D.gather_strings("shardlab_run_dir_unused", refusal)[0]
+  if refusal:
+    raise ConfigError(refusal)
+  check_checkpoints_unused(cfg, out_dir)          # the same shared directory for every process
   check_finished(cfg, out_dir)
   main = lock and jax.process_index() == 0
   if main:
