@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -42,22 +43,43 @@ class _NoOrbaxTracebacks(logging.Filter):
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+def _from_checkpoint_io(u) -> bool:
+  """An unraisable exception (sys.unraisablehook's argument) raised by orbax's or tensorstore's own code: a
+  coroutine of theirs, or a traceback through their files."""
+  if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+    return True
+  code = getattr(u.object, "cr_code", None) or getattr(u.object, "gi_code", None)
+  files = [code.co_filename] if code is not None else []
+  tb = u.exc_traceback
+  while tb is not None:
+    files.append(tb.tb_frame.f_code.co_filename)
+    tb = tb.tb_next
+  return any(f"{os.sep}orbax{os.sep}" in f or f"{os.sep}tensorstore{os.sep}" in f for f in files)
+
+
 def _no_closed_loop_reports(hook):
-  """sys.unraisablehook without tensorstore's late callbacks: when one read of a damaged checkpoint fails, orbax
-  ends the restore and closes its event loop while the other reads are still in flight; each of those then
-  fails to post its result to the closed loop ('Event loop is closed'), which Python printed as a traceback
-  (about 190 lines for a zeroed checkpoint). shardlab reports that checkpoint itself, in one line."""
+  """sys.unraisablehook without orbax's and tensorstore's late reports: when one read of a damaged checkpoint
+  fails, orbax ends the restore and closes its event loop while the other reads are still in flight; each of
+  those then fails to post its result to the closed loop ('Event loop is closed'), or its coroutine is dropped
+  with its own error ('Exception ignored in: <coroutine object _read_array_index_and_device_put>', with the
+  array's whole TensorStore spec), which Python printed as a traceback each: 190 to 22,000 lines for one
+  damaged checkpoint. shardlab reports that checkpoint itself, in one line."""
   def unraisable(u):
-    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+    if not _from_checkpoint_io(u):
       hook(u)
   unraisable.shardlab = True
   return unraisable
 
 
-def _why_unreadable(e: Exception) -> str:
+def _why_unreadable(e: BaseException) -> str:
   """A failed read in a few words: tensorstore's message is a chain ('Error opening ...: Error reading ...:
-  Error decoding ...') followed by its JSON spec; the last two links say which file and what was wrong."""
-  msg = " ".join((str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0].split())
+  Error decoding ...') followed by its JSON spec; the last two links say which file and what was wrong. Orbax
+  may wrap it ('Encountered error while reading array index ... See full TensorStore details: <its spec>'):
+  the innermost cause is tensorstore's."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  msg = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0].split(" See full TensorStore")[0]
+  msg = " ".join(msg.split())
   links = msg.split(": Error ")
   if len(links) > 3:
     msg = f"{links[0]}: ... Error " + ": Error ".join(links[-2:])
@@ -105,12 +127,13 @@ class Checkpointer:
                                       create=c.enabled), item_names=("state", "meta"))
     self.latest: int | None = None   # the newest good checkpoint: restored or saved by this run
     self.saved: list[int] = []
+    self.pending: int | None = None  # the step of the save last handed to orbax (maybe still being written)
 
   def save(self, step: int, state, losses: list[float]) -> None:
     """Save the state after `step` steps (unless saving is off, or that step is already saved)."""
     if not self.c.enabled or (self.latest is not None and step <= self.latest):
       return
-    self.check()
+    self.wait()   # the save before this one, finished (orbax would wait anyway): its failure names its own step
     meta = {"step": step, "losses": list(losses), "mesh": self.mesh_shape, "shapes": shapes(state),
             "checksums": checksums(state), "settings": self.settings}
     try:
@@ -118,7 +141,7 @@ class Checkpointer:
     except Exception as e:
       raise self._failed(e, step) from None
     self.saved.append(step)
-    self.latest = step
+    self.latest = self.pending = step
 
   def restore(self, abstract_state):
     """(state placed with `abstract_state`'s shardings, losses so far) from the newest intact checkpoint;
@@ -156,11 +179,16 @@ class Checkpointer:
     self.mngr.reload()
 
   def _failed(self, e: Exception, step: int | None = None) -> RunError:
+    """The one line for a failed save: `step`'s, or (None) the save in flight, which orbax finishes in the
+    background; the newest checkpoint complete on disk."""
     try:
-      done = max(self.mngr.all_steps(read=True), default=None)
+      self.mngr.reload()
+      done = max(self.mngr.all_steps(), default=None)
     except Exception:
       done = None
-    why = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:240]
+    why = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())
+    why = why if len(why) <= 400 else why[:397] + "..."
+    step = step if step is not None else self.pending
     what = f"saving checkpoint {step} failed" if step is not None else "a checkpoint save failed in the background"
     return RunError(f"checkpoint.dir={self.dir}: {what} ({type(e).__name__}: {why}); last complete checkpoint: "
                     f"{done if done is not None else 'none'}; check that the directory is writable and has space")
@@ -197,13 +225,19 @@ class Checkpointer:
 
 
 class Interrupted(Exception):
-  """SIGTERM or SIGINT arrived; the state after `step` steps was saved (if saving is on) and the run stopped."""
+  """SIGTERM or SIGINT arrived; the state after `step` steps was saved (if saving is on) and the run stopped.
+  `step` None: it arrived while compiling, before any step of this run."""
 
-  def __init__(self, signum: int, step: int, ckpt: Checkpointer):
+  def __init__(self, signum: int, step: int | None, ckpt: Checkpointer | None):
     self.signum = signum
+    name = signal.Signals(signum).name
+    if step is None:
+      super().__init__(f"stopped by {name} while compiling, before this run's first step: nothing saved by this "
+                       "run; run it again with checkpoint.resume=true")
+      return
     where = (f"saved checkpoint {step} in {ckpt.dir}; continue with checkpoint.resume=true "
              f"checkpoint.dir={ckpt.dir}" if ckpt.c.enabled else "nothing saved (checkpoint.enabled=false)")
-    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {where}")
+    super().__init__(f"stopped by {name} after step {step}: {where}")
 
 
 class StoppedAtOnce(Exception):

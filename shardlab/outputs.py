@@ -12,12 +12,14 @@ from pathlib import Path
 
 
 def final_line(out_dir, summary: dict) -> str:
-  """The one line a finished run ends with: run dir, status, final loss, median step time."""
+  """The one line a finished run ends with: run dir, status, final loss, median step time (none when this
+  process ran no step: a requeued run whose last checkpoint was already the final one)."""
   if summary.get("final_loss") is None:
     return f"shardlab: {out_dir}: {summary['status']} (dry run: compiled and analyzed, no step run)"
-  ms = summary["step_time_s_median"] * 1e3
+  median = summary.get("step_time_s_median")
+  time_ = f"step time {median * 1e3:.1f} ms (median)" if median is not None else "no step timed"
   return (f"shardlab: {out_dir}: {summary['status']}, final loss {summary['final_loss']:.4f} after "
-          f"{len(summary['losses'])} steps, step time {ms:.1f} ms (median)")
+          f"{len(summary['losses'])} steps, {time_}")
 
 
 def strict(x):
@@ -31,8 +33,55 @@ def strict(x):
   return x
 
 
+def write_atomic(path, data: str | bytes) -> None:
+  """Write `path` so that a failure (a full disk, a kill) leaves its earlier version or nothing, never a
+  truncated file: a temporary file in the same directory, flushed to disk, renamed over `path`."""
+  path = Path(path)
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  try:
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+
+
 def write_json(path: Path, obj) -> None:
-  path.write_text(json.dumps(strict(obj), indent=2, allow_nan=False))
+  write_atomic(path, json.dumps(strict(obj), indent=2, allow_nan=False))
+
+
+def move_into(src: Path, dst: Path) -> None:
+  """Every file of `src` (a staging directory the analysis wrote into) renamed into `dst`, replacing older
+  versions whole; then `src` removed. Same filesystem: each rename is atomic."""
+  for p in sorted(src.iterdir()):
+    os.replace(p, dst / p.name)
+  src.rmdir()
+
+
+def writing_failed(e: OSError, out) -> bool:
+  """An OSError from writing into the run directory `out`: a path under it, or no space, quota or permission."""
+  import errno
+  name = getattr(e, "filename", None)
+  under = name is not None and str(Path(name).absolute()).startswith(str(Path(out).absolute()))
+  return under or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
+
+
+def cannot_write(out, what: str, when: str, ckpt: dict | None = None):
+  """The RunError for a file of the run directory that could not be written (a full disk, most often): one
+  line naming the directory, the file and the step; what was written before stays whole (write_atomic,
+  Metrics)."""
+  import sys
+  from shardlab.validate import RunError
+  e = sys.exc_info()[1]
+  why = getattr(e, "strerror", None) or " ".join(str(e).split())[:160]
+  saved = (ckpt or {}).get("saved") or []
+  last = saved[-1] if saved else (ckpt or {}).get("resumed_from")
+  keep = (f"; checkpoint {last} in {ckpt['dir']} is saved: free space, then continue with checkpoint.resume=true"
+          if last is not None else "; free space or choose another hydra.run.dir")
+  return RunError(f"hydra.run.dir={out}: cannot write {what} {when} ({why}); its earlier files are kept whole{keep}")
 
 
 def non_finite(loss: float, gnorm: float, step: int, ckpt) -> str:
@@ -69,7 +118,8 @@ class Logs:
   def after(self, step: int, rec: dict) -> None:
     if self.tb is not None:
       for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s"):
-        self.tb.add_scalar(f"train/{k}", rec[k], step)
+        if math.isfinite(rec[k]):   # a NaN is in metrics.jsonl (null); tensorboardX would warn before our line
+          self.tb.add_scalar(f"train/{k}", rec[k], step)
     if self.tracing and step == self.window[-1]:
       self._stop()
 
@@ -82,19 +132,69 @@ class Logs:
     if self.tracing:
       self._stop()
     if self.tb is not None:
-      self.tb.close()
+      try:
+        self.tb.close()
+      except OSError:   # a full disk: metrics.jsonl and the error line say what happened
+        pass
 
 
-def open_metrics(out: Path, start: int, main: bool):
-  """metrics.jsonl for writing, keeping the rows before `start` when resuming into the same run dir (the rows
-  of steps after the restored checkpoint are run again). Processes other than 0 write nowhere."""
+def _rows(path: Path) -> list[str]:
+  """metrics.jsonl's lines that parse (a line cut short by a kill or a full disk is dropped)."""
+  out = []
+  for l in path.read_text().splitlines() if path.exists() else []:
+    try:
+      if isinstance(json.loads(l).get("step"), int):
+        out.append(l)
+    except (ValueError, AttributeError):
+      pass
+  return out
+
+
+def step_times(out: Path, steps: int) -> list[float]:
+  """The step times metrics.jsonl recorded for steps [0, steps) (a resumed run that ran no step itself)."""
+  rows = [json.loads(l) for l in _rows(out / "metrics.jsonl")]
+  return [r["step_time_s"] for r in rows if r["step"] < steps and isinstance(r.get("step_time_s"), float)]
+
+
+class Metrics:
+  """metrics.jsonl, one line per step, appended unbuffered. A line that fails to be written whole (a full disk)
+  is cut off again, so the file keeps only whole lines; the OSError is raised."""
+
+  def __init__(self, f):
+    self.f = f
+
+  def write(self, line: str) -> None:
+    data, pos = line.encode(), self.f.tell()
+    try:
+      while data:
+        data = data[self.f.write(data):]
+    except OSError:
+      try:
+        os.ftruncate(self.f.fileno(), pos)
+      except OSError:
+        pass
+      raise
+
+  def flush(self) -> None:
+    """Nothing buffered: each write reached the file."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.f.close()
+
+
+def open_metrics(out: Path, start: int, main: bool) -> Metrics:
+  """metrics.jsonl for appending, keeping the rows before `start` when resuming into the same run dir (the rows
+  of steps after the restored checkpoint are run again; the kept rows are rewritten atomically, so a failure
+  leaves the old file). A fresh run (start 0) starts an empty file. Processes other than 0 write nowhere."""
   if not main:
-    return open(os.devnull, "w")
+    return Metrics(open(os.devnull, "wb", buffering=0))
   path = out / "metrics.jsonl"
-  kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] < start] if start and path.exists() else []
-  f = open(path, "w")
-  f.writelines(l + "\n" for l in kept)
-  return f
+  kept = [l for l in _rows(path) if json.loads(l)["step"] < start] if start else []
+  write_atomic(path, "".join(l + "\n" for l in kept))
+  return Metrics(open(path, "ab", buffering=0))
 
 
 def record_failure(out_dir, e: BaseException) -> None:
@@ -108,7 +208,10 @@ def record_failure(out_dir, e: BaseException) -> None:
     old = None
   if isinstance(old, dict) and old.get("error") == err:
     return
-  Path(out_dir).mkdir(parents=True, exist_ok=True)
   tb = traceback.format_exc()
-  write_json(path, {"status": "error", "error": err, **({"traceback": tb} if tb.strip() != "NoneType: None" else {})})
+  try:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_json(path, {"status": "error", "error": err, **({"traceback": tb} if tb.strip() != "NoneType: None" else {})})
+  except OSError:   # a full disk (the error line says so): the earlier summary.json, if any, stays whole
+    pass
 

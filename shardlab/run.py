@@ -22,9 +22,12 @@ def _task(dcfg) -> None:
   hc = HydraConfig.get()
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
+  from shardlab.preflight import Finished
   try:
     summary = train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
     print(final_line(out_dir, summary), flush=True)
+  except Finished as e:                   # a requeued job whose run is done: nothing written, exit 0
+    print(f"shardlab: {e}", flush=True)
   except ConfigError as e:
     if _FULL_ERROR:
       raise
@@ -90,9 +93,44 @@ class Preflight(Callback):
       return
     try:
       preflight.check(to_config(config), str(OmegaConf.select(config, "hydra.run.dir")))
+    except preflight.Finished as e:       # a requeued job whose run is done: one line, exit 0, nothing written
+      print(f"shardlab: {e}", flush=True)
+      sys.exit(0)
     except (ConfigError, RunError) as e:
       print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
       sys.exit(2 if isinstance(e, ConfigError) else 1)
+
+
+def _hydra_error(e: BaseException) -> str:
+  """Hydra's or OmegaConf's error in one line: its first line (and its cause's), plus what Hydra put on the
+  lines after it that a fix needs: a missing group option's choices, an override's parse error."""
+  from hydra.errors import MissingConfigException, OverrideParseException
+  msg = ": ".join(str(x).strip().splitlines()[0].rstrip(".") for x in (e, e.__cause__) if x and str(x).strip())
+  lines = [l.strip() for l in str(e).splitlines()]
+  if isinstance(e, MissingConfigException):
+    at = next((i for i, l in enumerate(lines) if l.startswith("Available options in")), None)
+    if at is not None:
+      options = []
+      for l in lines[at + 1:]:
+        if not l or l.startswith("Config search path"):
+          break
+        if not l.endswith("_schema"):       # the structured configs' schemas, not choices
+          options.append(l)
+      msg += f"; choose one of: {', '.join(options)}" if options else ""
+  elif isinstance(e, OverrideParseException):
+    why = next((l for l in lines[1:] if l and not l.startswith("See https")), "")
+    msg += (f" ({why})" if why else "") + "; write each setting as key=value, e.g. train.steps=10"
+  return msg
+
+
+def _unknown_flags(argv: list[str]) -> list[str]:
+  """Command-line flags Hydra's parser does not know (it would print its 8-line usage for them)."""
+  from hydra._internal.utils import get_args_parser
+  try:
+    _, extra = get_args_parser().parse_known_args(argv)
+  except SystemExit:                       # a known flag used wrongly: Hydra's own message
+    return []
+  return [a for a in extra if a.startswith("-")]
 
 
 def cli() -> None:
@@ -100,9 +138,18 @@ def cli() -> None:
   from hydra.errors import HydraException
   from omegaconf.errors import OmegaConfBaseException
   global _FULL_ERROR
+  import logging
   register_configs()
+  # A log handler that cannot write (Hydra's <run dir>/run.log on a full disk) prints "--- Logging error ---"
+  # and a traceback per record; the run reports the full disk itself, in one line.
+  logging.raiseExceptions = False
   asked = os.environ.get("HYDRA_FULL_ERROR")
   _FULL_ERROR = asked == "1"
+  unknown = [] if _FULL_ERROR else _unknown_flags(sys.argv[1:])
+  if unknown:
+    print(f"shardlab: error: unknown option {' '.join(unknown)}: settings are key=value (e.g. train.steps=10); "
+          "`python -m shardlab --help` lists every group, option and setting", file=sys.stderr)
+    sys.exit(2)
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
   try:
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(_task)()
@@ -114,9 +161,8 @@ def cli() -> None:
   except (HydraException, OmegaConfBaseException) as e:
     if _FULL_ERROR:
       raise
-    msg = ": ".join(str(x).strip().splitlines()[0].rstrip(".") for x in (e, e.__cause__) if x and str(x).strip())
-    print(f"shardlab: error: {msg} (`python -m shardlab --help` lists every group, option and setting)",
-          file=sys.stderr)
+    print(f"shardlab: error: {_hydra_error(e)} (`python -m shardlab --help` lists every group, option and "
+          "setting)", file=sys.stderr)
     sys.exit(2)
   finally:
     if asked is None:

@@ -81,25 +81,58 @@ def _fmt(v) -> str:
 
 
 def write(sweep_dir) -> list[dict]:
+  """summary.csv and summary.md, each replaced whole (a failure leaves the earlier version)."""
+  import io
+  from shardlab.outputs import write_atomic
   rows = collect(sweep_dir)
   d = Path(sweep_dir)
   cols = columns(rows)
-  with open(d / "summary.csv", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=cols)
-    w.writeheader()
-    for r in rows:
-      w.writerow({k: r.get(k) for k in cols})
+  buf = io.StringIO(newline="")
+  w = csv.DictWriter(buf, fieldnames=cols)
+  w.writeheader()
+  for r in rows:
+    w.writerow({k: r.get(k) for k in cols})
+  write_atomic(d / "summary.csv", buf.getvalue())
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
   ok = sum(r["status"] == "ok" for r in rows)
-  (d / "summary.md").write_text(f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
+  write_atomic(d / "summary.md", f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
                                 f"machine; predicted_step_s is the cost model's, on `hardware`.\n\n"
                                 + "\n".join(lines) + "\n")
   return rows
 
 
+def check_sweep_dir(sweep_dir, resume: bool) -> None:
+  """A sweep directory belongs to one sweep: a new sweep into one that holds another's jobs or summary would
+  overwrite job 0.. and mix its rows with the old jobs' (ConfigError). With checkpoint.resume=true the same
+  sweep goes on there (a requeued or re-launched sweep: each job resumes its own run dir)."""
+  from shardlab.mesh import ConfigError
+  from shardlab.preflight import check_run_dir
+  check_run_dir(sweep_dir, "hydra.sweep.dir")     # named, not a file, can be made
+  d = Path(str(sweep_dir))
+  if resume or not d.is_dir():
+    return
+  jobs = sorted(p.name for p in d.iterdir() if p.is_dir() and ((p / ".hydra").exists() or (p / "summary.json").exists()))
+  held = jobs or [n for n in ("summary.csv", "summary.md") if (d / n).exists()]
+  if held:
+    what = (f"{len(jobs)} jobs: {', '.join(jobs[:3])}{', ...' if len(jobs) > 3 else ''}" if jobs else
+            " and ".join(held))
+    raise ConfigError(f"hydra.sweep.dir={sweep_dir}: holds another sweep ({what}); a new sweep would overwrite its "
+                      "jobs: choose a new hydra.sweep.dir, or continue that sweep with checkpoint.resume=true")
+
+
 class SweepSummary(Callback):
-  """Hydra callback (conf/config.yaml): writes the sweep summary when a multirun ends."""
+  """Hydra callback (conf/config.yaml): refuses a sweep into another sweep's directory before any job
+  starts, and writes the sweep summary when a multirun ends."""
+
+  def on_multirun_start(self, config, **kwargs) -> None:
+    from omegaconf import OmegaConf
+    from shardlab.mesh import ConfigError
+    try:
+      check_sweep_dir(OmegaConf.select(config, "hydra.sweep.dir"), bool(OmegaConf.select(config, "checkpoint.resume")))
+    except ConfigError as e:
+      print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
 
   def on_multirun_end(self, config, **kwargs) -> None:
     rows = write(config.hydra.sweep.dir)

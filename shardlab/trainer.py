@@ -11,9 +11,11 @@ What a run writes (metrics.jsonl, summary.json, TensorBoard, the profile) goes t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -103,38 +105,75 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
 
 def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None) -> dict:
   """Validate, build, compile, analyze and (unless cfg.dry_run) train; returns the summary, which is also
-  written to out_dir/summary.json."""
-  from shardlab import preflight
+  written to out_dir/summary.json. Raises preflight.Finished, writing nothing, when `checkpoint.resume=true`
+  finds the run already finished."""
+  from shardlab import checkpoint as CK, preflight
   preflight.check(cfg, out_dir)                   # settings, processes, devices, memory, dirs, lock; before compile
   import dataclasses
 
   import jax
   from shardlab import params as PM
   out = Path(out_dir)
+  main = jax.process_index() == 0                 # only process 0 writes the run's files
   try:                                            # the run dir's lock is released however this ends
-    b, compiled, a, analysis = compile_and_analyze(cfg, out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    devs = jax.devices()
-    summary = {
-        "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
-        "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.label,
-        "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
-        "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
-        **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
-    main = jax.process_index() == 0               # only process 0 writes the run's files
-    if not cfg.dry_run:
-      fit(cfg, b, compiled, summary, out, main)
-    if main:
-      O.write_json(out / "summary.json", summary)
+    # SIGTERM/SIGINT from here on stop the run with a line and a summary (while compiling: once XLA returns).
+    with CK.StopOnSignal() as stop:
+      # The analysis's files (timeline.*) are written into a directory beside them and renamed in whole.
+      stage = out / f".analysis-{os.getpid()}"
+      try:
+        b, compiled, a, analysis = compile_and_analyze(cfg, stage)
+        if stage.is_dir():
+          O.move_into(stage, out)
+      except OSError as e:
+        if not O.writing_failed(e, out):
+          raise
+        raise O.cannot_write(out, "the analysis (timeline.json, timeline.png)", "before training") from None
+      except CK.StoppedAtOnce:
+        _compile_interrupted(out, main, "stopped at once by a second signal while compiling")
+        raise
+      finally:
+        if stage.is_dir():                        # what a failed analysis or move left behind
+          shutil.rmtree(stage, ignore_errors=True)
+      signum = stop.requested()                   # agreed by every process
+      if signum:
+        e = CK.Interrupted(signum, None, None)
+        _compile_interrupted(out, main, str(e))
+        raise e
+      out.mkdir(parents=True, exist_ok=True)
+      devs = jax.devices()
+      summary = {
+          "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
+          "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.label,
+          "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
+          "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
+          **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
+      if not cfg.dry_run:
+        fit(cfg, b, compiled, summary, out, main, stop)
+      if main:
+        try:
+          O.write_json(out / "summary.json", summary)
+        except OSError:
+          done = len(summary.get("losses") or [])
+          raise O.cannot_write(out, "summary.json", f"after step {done}", summary.get("checkpoint")) from None
   finally:
     preflight.unlock_run_dir(out)
   return summary
 
 
-def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) -> None:
+def _compile_interrupted(out: Path, main: bool, why: str) -> None:
+  """A signal while compiling: summary.json says so, unless a run before this one (resumed) left one."""
+  if main and not (out / "summary.json").exists():
+    try:
+      O.write_json(out / "summary.json", {"status": "interrupted", "error": why, "losses": []})
+    except OSError:
+      pass
+
+
+def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool, stop=None) -> None:
   """The step loop on the local devices, from a fresh state or the newest checkpoint: metrics.jsonl per step,
   checkpoints every `checkpoint.every` steps, at the end and on SIGTERM/SIGINT; fills in the summary's losses
-  and step times. On an error summary.json says why, with the losses so far, and the error is raised."""
+  and step times. On an error summary.json says why, with the losses so far, and the error is raised. `stop`:
+  the caller's StopOnSignal (one is made here if none)."""
   import jax
   from tqdm import tqdm
 
@@ -157,7 +196,12 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) ->
     tokens = cfg.train.batch_size * cfg.model.seq_len
     times = []
     try:
-      with O.open_metrics(out, start, main) as f, CK.StopOnSignal() as stop, O.Logs(cfg, out, main, start) as logs:
+      try:
+        f = O.open_metrics(out, start, main)
+      except OSError:
+        raise O.cannot_write(out, "metrics.jsonl", f"before step {start}", summary["checkpoint"]) from None
+      with f, (contextlib.nullcontext(stop) if stop else CK.StopOnSignal()) as stop, \
+           O.Logs(cfg, out, main, start) as logs:
         bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
                    disable=not cfg.progress or not main, desc="train")
         for step in bar:
@@ -170,8 +214,10 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) ->
           losses.append(loss)
           times.append(dt)
           rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
-          f.write(json.dumps(O.strict(rec), allow_nan=False) + "\n")   # strict JSON: null for NaN/inf
-          f.flush()
+          try:
+            f.write(json.dumps(O.strict(rec), allow_nan=False) + "\n")   # strict JSON: null for NaN/inf
+          except OSError:
+            raise O.cannot_write(out, "metrics.jsonl", f"at step {step}", summary["checkpoint"]) from None
           logs.after(step, rec)
           bar.set_postfix(loss=f"{loss:.4f}")
           if not (math.isfinite(loss) and math.isfinite(gnorm)):   # this state is never saved
@@ -188,10 +234,15 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool) ->
       summary.update(status="interrupted" if isinstance(e, (CK.Interrupted, CK.StoppedAtOnce)) else "error",
                      error=f"{type(e).__name__}: {e}", losses=losses)
       if main:
-        O.write_json(out / "summary.json", summary)
+        try:
+          O.write_json(out / "summary.json", summary)
+        except OSError:                           # a full disk: the line says so; the earlier version stays
+          pass
       raise
   finally:
     ckpt.close()                                  # bounded wait for a save still being written
+  if not times and main:                          # resumed from the final checkpoint: the steps' times as recorded
+    times = O.step_times(out, cfg.train.steps)
   median = statistics.median(times[1:] or times) if times else None
   summary.update(losses=losses, final_loss=losses[-1], step_time_s_median=median,
                  tokens_per_s_median=tokens / median if median else None)

@@ -34,6 +34,13 @@ def _record(tmp, **settings):
   (meta / "metadata").write_text(json.dumps(rec))
 
 
+def _finished(tmp):
+  """A finished run's files in <tmp>/run: summary.json (ok, 6 steps) and metrics.jsonl."""
+  (tmp / "run").mkdir()
+  (tmp / "run" / "summary.json").write_text(json.dumps({"status": "ok", "losses": [5.5] * 6}))
+  (tmp / "run" / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 5.5}) + "\n" for i in range(6)))
+
+
 def _file(tmp, name):
   (tmp / name).write_text("a file")
   return tmp / name
@@ -143,6 +150,22 @@ BAD = [
     ([], "another run (pid 1 on elsewhere) is writing this directory"),
     (["distributed.auto=true"], "SLURM_PROCID"),
     (["distributed.auto=true"], "SLURM_STEP_NUM_TASKS='two' is not a task count"),
+    (["hydra.run.dir=/proc/shardlab_run", "checkpoint.enabled=false"],
+     "hydra.run.dir=/proc/shardlab_run: cannot make it in /proc"),
+    (["hydra.run.dir=/proc/shardlab_run"], "hydra.run.dir=/proc/shardlab_run: cannot make it in /proc"),
+    (["hydra.run.dir=''"], "hydra.run.dir='': empty"),
+    (["hydra.run.dir"], "Error parsing override 'hydra.run.dir' (missing EQUAL at '<EOF>'); write each setting as key=value"),
+    (["--bogus-flag"], "unknown option --bogus-flag: settings are key=value"),
+    (["xla=nonexistent"], "Could not find 'xla/nonexistent'; choose one of: maxtext_a3, none"),
+    (["model.vocab_size=1", "mesh=8x1"], "data.branching=4 is more than model.vocab_size=1 (each token's successors are "
+     "drawn from the vocabulary); choose data.branching <= 1 or model.vocab_size >= 4"),
+    (["profile.enabled=true", "train.steps=1"], "profile.start_step=3: the run has only train.steps=1 steps"),
+    (["schedule.impl=os:path"], "schedule.impl=os:path: is a module, not a class"),
+    (["schedule.tp=os:path"], "schedule.tp=os:path: is a module, not a class"),
+    (["schedule.impl=shardlab.mesh:ConfigError"], "ConfigError is not a Schedule: it has no honours, bind, "),
+    (["schedule.tp=shardlab.mesh:ConfigError"], "ConfigError is not a TPContraction: it has no honours, columns, "),
+    (["train.seed=1"], "holds another run (summary.json: status ok, 6 steps); a new run would overwrite it"),
+    (["checkpoint.every=2"], "holds checkpoints of another run (6); a fresh run would mix with them"),
 ]
 SETUP = {   # index in BAD -> (make files, environment)
     BAD.index((["checkpoint.dir={tmp}/ck_file"], "is a file")): (lambda t: _file(t, "ck_file"), {}),
@@ -150,6 +173,10 @@ SETUP = {   # index in BAD -> (make files, environment)
     **{i: (_record, {}) for i, (o, _) in enumerate(BAD) if o[:1] == ["checkpoint.resume=true"]},
     BAD.index(([], "another run (pid 1 on elsewhere) is writing this directory")): (_held_lock, {}),
     BAD.index((["distributed.auto=true"], "SLURM_PROCID")): (None, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"}),
+    BAD.index((["train.seed=1"], "holds another run (summary.json: status ok, 6 steps); a new run would overwrite "
+                                 "it")): (_finished, {}),
+    BAD.index((["checkpoint.every=2"], "holds checkpoints of another run (6); a fresh run would mix with them")):
+        (_record, {}),
     BAD.index((["distributed.auto=true"], "SLURM_STEP_NUM_TASKS='two' is not a task count")):
         (None, {"SLURM_STEP_NUM_TASKS": "two"}),
 }
@@ -375,7 +402,8 @@ def test_background_save_failure_is_one_line_not_a_hang(tmp_path):
   broken = float(next(l for l in err.splitlines() if l.startswith("BROKEN")).split()[1])
   assert p.returncode == 1 and time.time() - broken < 30
   line = _one_shardlab_line("\n".join(l for l in err.splitlines() if not l.startswith("BROKEN")))
-  assert f"checkpoint.dir={ck}" in line and "failed" in line
+  assert f"checkpoint.dir={ck}" in line and "saving checkpoint 4 failed" in line
+  assert "deprecated" not in err, err[-3000:]   # orbax's warning for all_steps(read=True) used to precede the line
   s = json.loads((out / "summary.json").read_text())
   assert s["status"] == "error" and s["error"].startswith("RunError") and len(s["losses"]) >= 4
 
@@ -455,3 +483,42 @@ def test_plan_rejects_a_mesh_the_dims_do_not_divide(capsys):
   assert "model.d_model=64 is not divisible by mesh.fsdp=3" in capsys.readouterr().err
   assert main(["hardware.hbm_bandwidth=0"]) == 2
   assert "hardware.hbm_bandwidth=0.0: must be > 0" in capsys.readouterr().err
+
+
+def test_sigterm_while_compiling_is_one_line_and_a_summary(tmp_path):
+  """SIGTERM before the first step (the step still compiling; here compiling takes 3 s longer) used to kill the
+  process with no line and no summary: it now stops once XLA returns, exit 143, one line, summary.json saying
+  interrupted; the same command with checkpoint.resume=true then runs the whole run."""
+  out = tmp_path / "run"
+  code = ("import sys, time, shardlab.trainer as T, shardlab.run as R; c = T.compile_and_analyze\n"
+          "def slow(*a):\n"
+          "  print('COMPILING', file=sys.stderr, flush=True); time.sleep(3); return c(*a)\n"
+          "T.compile_and_analyze = slow; R.cli()")
+  p = subprocess.Popen([sys.executable, "-c", code, "progress=false", "train.steps=2", "tensorboard=false",
+                        f"hydra.run.dir={out}"], cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)
+  assert p.stderr.readline().strip() == "COMPILING"
+  p.send_signal(signal.SIGTERM)
+  t0 = time.monotonic()
+  _, err = p.communicate(timeout=120)
+  assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 30, err[-3000:]
+  line = _one_shardlab_line(err, "shardlab: stopped by SIGTERM while compiling")
+  assert "checkpoint.resume=true" in line
+  assert json.loads((out / "summary.json").read_text()) == {"status": "interrupted", "error": line[len("shardlab: "):],
+                                                            "losses": []}
+  r = subprocess.run([sys.executable, "-m", "shardlab", "progress=false", "train.steps=2", "tensorboard=false",
+                      "checkpoint.resume=true", f"hydra.run.dir={out}"], cwd=ROOT, env=ENV, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+
+
+def test_non_finite_loss_is_the_only_line(tmp_path):
+  """The NaN guard's line used to follow a tensorboardX warning about the NaN scalar: now it is the only line."""
+  out = tmp_path / "run"
+  r = subprocess.run([sys.executable, "-m", "shardlab", "progress=false", "train.steps=3", "train.lr=1e10",
+                      "checkpoint.every=1", f"hydra.run.dir={out}"], cwd=ROOT, env=ENV, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 1 and [l for l in r.stderr.splitlines() if l.strip()] == [
+      f"shardlab: error: non-finite loss nan (grad_norm nan) at step 1; last good checkpoint: checkpoint 1 in "
+      f"{out / 'checkpoints'}"], r.stderr[-3000:]

@@ -10,18 +10,28 @@ by themselves.
 """
 from __future__ import annotations
 
-from shardlab.schedules.loading import load_object
+from shardlab.schedules.loading import check_instance, load_object
+from shardlab.schedules.protocol import Schedule, TPContraction
 from shardlab.schedules.explicit import ExplicitSchedule
 from shardlab.schedules.gspmd import GSPMDSchedule
+from shardlab.schedules.tp import TP
 
 REGISTRY = {"explicit": ExplicitSchedule, "gspmd": GSPMDSchedule}
 
 
 def resolve(impl: str):
-  """The schedule class `schedule.impl` names."""
-  return load_object(impl, "schedule.impl", REGISTRY)
+  """The schedule class `schedule.impl` names, checked against the Schedule protocol."""
+  return load_object(impl, "schedule.impl", REGISTRY, Schedule)
 
 
 def build(cfg, model, compute_dtype, layout=None):
-  """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())."""
-  return resolve(cfg.impl)(cfg, model, compute_dtype, layout)
+  """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout()). A
+  `schedule.tp=module:Class` is checked against the TPContraction protocol before the schedule makes one, and the
+  one it made after (attributes set in __init__)."""
+  loaded_tp = ":" in str(cfg.tp)
+  if loaded_tp:
+    load_object(cfg.tp, "schedule.tp", TP, TPContraction)
+  sched = resolve(cfg.impl)(cfg, model, compute_dtype, layout)
+  if loaded_tp:
+    check_instance(sched.ops, cfg.tp, "schedule.tp", TPContraction)
+  return sched
