@@ -22,6 +22,9 @@ def resolve(impl: str):
   return load_object(impl, "schedule.impl", REGISTRY)
 
 
-def build(cfg, model, compute_dtype, layout=None):
-  """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())."""
-  return resolve(cfg.impl)(cfg, model, compute_dtype, layout)
+def build(cfg, model, compute_dtype, layout=None, context=None):
+  """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())
+  and context-parallel strategy (a ContextConfig; default: all_gather)."""
+  if context is None:
+    return resolve(cfg.impl)(cfg, model, compute_dtype, layout)
+  return resolve(cfg.impl)(cfg, model, compute_dtype, layout, context)
