@@ -54,11 +54,14 @@ def _grouped(q_BLHK, G):
   return q_BLHK.reshape(B, L, G, H // G, K)
 
 
-def plain(q_BLHK, k_BLGK, v_BLGK):
+def plain(q_BLHK, k_BLGK, v_BLGK, causal_LM=None):
+  """causal_LM: which key each query may see (default: keys at or before the query, in index order); queries
+  and keys may differ in number (context parallelism: local queries against the gathered keys)."""
   B, L, H, K = q_BLHK.shape
   q_BLGRK = _grouped(q_BLHK, k_BLGK.shape[2])
   s_BGRLM = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK, preferred_element_type=jnp.float32) / jnp.sqrt(K)
-  causal_LM = jnp.tril(jnp.ones((L, L), bool))
+  if causal_LM is None:
+    causal_LM = jnp.tril(jnp.ones((L, L), bool))
   p_BGRLM = jax.nn.softmax(jnp.where(causal_LM[None, None, None], s_BGRLM, -jnp.inf), axis=-1).astype(v_BLGK.dtype)
   return jnp.einsum("bgrlm,bmgk->blgrk", p_BGRLM, v_BLGK).reshape(B, L, H, K)
 

@@ -121,6 +121,13 @@ class ScheduleConfig:
 
 
 @dataclass
+class ContextConfig:
+  """Context parallelism (`mesh.context=C`): how attention works across the sequence's split (schedules/context.py)."""
+  name: str = "all_gather"
+  impl: str = "all_gather"        # all_gather | package.module:Class
+
+
+@dataclass
 class TrainConfig:
   steps: int = 30
   batch_size: int = 16            # global batch, in sequences
@@ -194,6 +201,7 @@ class Config:
   layout: LayoutConfig = field(default_factory=LayoutConfig)
   model: ModelConfig = field(default_factory=ModelConfig)
   schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+  context: ContextConfig = field(default_factory=ContextConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
   data: DataConfig = field(default_factory=DataConfig)
   precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -85,15 +85,20 @@ class Layout:
     """Every array of the data (inputs, targets, positions [B, L]): B over the batch axes, L over `length`'s."""
     return self.spec(("batch", "length"), axis_names)
 
+  def token_axes(self, axis_names) -> tuple[str, ...]:
+    """The mesh axes the tokens are split over (the batch's, then the sequence's `length`): what the residual
+    stream varies over, the loss is summed over, and a weight used by every token has its gradient summed over."""
+    return self.batch_axes(axis_names) + self.rule("length", axis_names)
+
   def weight_axes(self, axis_names) -> tuple[str, ...]:
     """Mesh axes some weight dim is sharded over."""
     return tuple(dict.fromkeys(a for k, v in self.items if k not in ACTIVATION_DIMS for a in v if a in axis_names))
 
   def replica_axes(self, axis_names) -> tuple[str, ...]:
-    """Batch axes no weight is sharded over (HSDP's `data`): every weight is replicated there, and its gradient
-    is all-reduced over them (after the reduce-scatter over the axes it is sharded on)."""
+    """Token axes no weight is sharded over (HSDP's `data`, `context`): every weight is replicated there, and its
+    gradient is all-reduced over them (after the reduce-scatter over the axes it is sharded on)."""
     w = self.weight_axes(axis_names)
-    return tuple(a for a in self.batch_axes(axis_names) if a not in w)
+    return tuple(a for a in self.token_axes(axis_names) if a not in w)
 
   def check(self, axis_names=None) -> None:
     """One line for a rule that names an undeclared axis, maps a dim onto an axis that may not shard it, or names
@@ -131,8 +136,7 @@ def from_config(cfg) -> Layout:
 # What a rule no schedule honours yet needs (messages).
 NOT_YET = {"layers": "pipeline stages need a pipeline executor, which shardlab does not have yet (docs/pipeline.md); "
                      "use mesh.pipeline=1",
-           "length": "a sequence split over devices needs context-parallel attention, which shardlab does not have "
-                     "yet; use mesh.context=1"}
+           "length": "this schedule does not split the sequence (the explicit ones do); use mesh.context=1"}
 
 
 def honoured(layout: Layout, honours: dict, axis_names, who: str) -> None:

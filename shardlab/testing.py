@@ -106,11 +106,11 @@ def _classic() -> tuple[str, ...]:
 def mesh_id(shape) -> str:
   """(2, 4) or a mesh -> '2x4', (2, 2, 2) -> '2x2x2' (test ids and messages); a mesh or {axis: size} with other
   axes -> 'p2xf2xt2' (axes.label)."""
-  from shardlab.axes import label
+  from shardlab.axes import label, shape_of
   if hasattr(shape, "axis_names"):
     shape = dict(zip(shape.axis_names, shape.devices.shape))
   if isinstance(shape, dict):
-    return label(shape)
+    return label(shape_of(shape))
   return "x".join(str(s) for s in tuple(shape))
 
 

@@ -7,7 +7,7 @@ import math
 
 from shardlab import axes as X
 from shardlab.config import Config, MeshConfig
-from shardlab.layout import from_config, honoured
+from shardlab.layout import from_config
 from shardlab.mesh import ConfigError, describe
 from shardlab.params import check_divisible
 
@@ -32,7 +32,7 @@ def check_layout(cfg: Config, sched=None) -> None:
   check_divisible(cfg.model, layout, shape, cfg.train.batch_size, cfg.schedule.microbatches if sched else 1,
                   seq_parallel=ops is not None and ops.seq_sharded, seq_halves=ops is not None and ops.bidirectional)
   if sched is not None:
-    honoured(layout, sched.honours(tuple(shape)), tuple(shape), f"schedule {cfg.schedule.name}")
+    sched.check_mesh(tuple(shape), f"schedule {cfg.schedule.name}")
 
 
 # The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),
@@ -161,7 +161,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   else:
     _validate_attention(cfg)
   from_config(cfg).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
-  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg))   # checks its own knobs
+  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg), cfg.context)  # its knobs
   check_layout(cfg, sched)
   if t.steps < 1:
     raise ConfigError(f"train.steps={t.steps}: must be >= 1")

@@ -41,7 +41,12 @@ BAD = [
     (["layout.rules.batch=[nowhere]"], "layout rule batch -> nowhere: no mesh axis 'nowhere' is declared"),
     (["layout.rules.mlp=[]"], "layout rule mlp -> none (replicated): schedule baseline cannot honour it"),
     (["mesh.pipeline=2", "mesh.fsdp=2"], "layout rule layers -> pipeline: schedule baseline cannot honour it"),
-    (["mesh.context=2", "mesh.fsdp=2"], "layout rule length -> context: schedule baseline cannot honour it"),
+    (["mesh.context=2", "mesh.fsdp=2", "schedule=gspmd"], "layout rule length -> context: schedule gspmd cannot "
+                                                            "honour it"),
+    (["mesh.context=2", "mesh.fsdp=2", "model.attention=blockwise"], "model.attention=blockwise: context=all_gather "
+                                                                     "runs the plain attention"),
+    (["mesh.context=8", "mesh.fsdp=1", "mesh.tensor=1", "model.seq_len=36"], "model.seq_len=36 is not divisible by "
+                                                                            "mesh.context=8"),
     (["mesh=8x1", "model.d_model=20", "model.n_heads=2"], "model.d_model=20 is not divisible by mesh.fsdp=8 "
                                                           "(layout rule embed -> fsdp: embed dim 1)"),
 ]

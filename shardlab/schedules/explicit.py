@@ -29,14 +29,15 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import model as M
-from shardlab.axes import FSDP, TENSOR
-from shardlab.config import ModelConfig, ScheduleConfig
+from shardlab.axes import CONTEXT, FSDP, TENSOR
+from shardlab.config import ContextConfig, ModelConfig, ScheduleConfig
 from shardlab.data import Batch
 from shardlab.jax_private import dce_used_inputs
 from shardlab.layout import Layout, honoured
 from shardlab.mesh import ConfigError
 from shardlab.params import declare, is_param
-from shardlab.schedules.parallel import Parallel, accumulate, attention, microbatches
+from shardlab.schedules import context as CP
+from shardlab.schedules.parallel import Parallel, accumulate, microbatches
 from shardlab.schedules.tp import MATMUL, TP, make_tp
 
 # remat: what each layer keeps for backward, by checkpoint name (the rest is recomputed in backward).
@@ -268,7 +269,8 @@ class ExplicitSchedule:
 
   shard_mapped = True   # runs inside shard_map (train.py)
 
-  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None):
+  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
+               context: ContextConfig | None = None):
     for knob, allowed in KNOBS.items():
       if knob == "tp":
         continue                                    # a registered contraction or package.module:Class
@@ -287,29 +289,37 @@ class ExplicitSchedule:
     self.ops = make_tp(cfg.tp, self.layout)
     self.decls = declare(model, layout=self.layout)
     self.policy = _remat_policy(cfg.remat)
+    self.cp = CP.make((context or ContextConfig()).impl, model, self.layout)   # attention across `context`
     self.residuals: list | None = None   # a list while recording_residuals() is active
 
   def honours(self, axis_names) -> dict:
     """The layout rules this schedule can honour on a mesh of `axis_names`, derived from its parts: the TP
     contraction's dims over its axis; a weight's `embed` dim over `fsdp` (FSDP / ZeRO-3) or replicated (plain
     data parallelism, gradients all-reduced); the batch over any batch axes that include the axes weights are
-    sharded on (weights are replicated over the others: HSDP); every layer on every device (no `layers` rule)
-    and whole sequences (no `length` rule)."""
+    sharded on (weights are replicated over the others: HSDP); the sequence whole or over `context` (its
+    attention strategy, schedules/context.py, attends across the split); every layer on every device (no
+    `layers` rule)."""
     weights = set(self.layout.rule("embed", axis_names))
     batch = self.layout.batch_axes(axis_names)
-    return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": [()], "length": [()],
+    return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": [()], "length": [(), (CONTEXT,)],
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
+  def check_mesh(self, axis_names, who: str | None = None) -> None:
+    """A layout rule this schedule cannot honour on a mesh of `axis_names`, or a context split its attention
+    strategy cannot run: one line."""
+    honoured(self.layout, self.honours(axis_names), axis_names, who or f"the {type(self).__name__} schedule")
+    self.cp.check(axis_names)
+
   def bind(self, mesh) -> None:
-    """The mesh the step is built for: a layout rule this schedule cannot honour there is one line."""
-    honoured(self.layout, self.honours(mesh.axis_names), mesh.axis_names, f"the {type(self).__name__} schedule")
+    """The mesh the step is built for: checked (check_mesh)."""
+    self.check_mesh(mesh.axis_names)
 
   @property
   def residual_axes(self) -> tuple[str, ...]:
     """Mesh axes the residual stream varies over: the batch axes and, when sequence-parallel, `tensor` (the
     sequence). Read at trace time, inside shard_map, from the mesh being traced."""
     names = jax.sharding.get_abstract_mesh().axis_names
-    return self.layout.batch_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
+    return self.layout.token_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
 
   def gather(self, shard, decl, stacked: bool = False):
     """W[D_fsdp, ..] -> W[D, ..] in the compute dtype. Backward (AD): psum_scatter of the gradient over fsdp,
@@ -391,7 +401,7 @@ class ExplicitSchedule:
     demand through `fetch`, or already gathered) and layer loop, and the model's attention."""
     weight = (lambda name: params[name]) if gathered else (lambda name: self.fetch(params[name], self.decls[name]))
     layers = lambda x, layer_fn: self.layer_loop(x, params["layers"], layer_fn, gathered)
-    return Parallel(self.ops, weight, layers, attention(self.model))
+    return Parallel(self.ops, weight, layers, self.cp.attend)
 
   def loss_and_grads(self, params, batch: Batch, n_tokens: int):
     """Loss and gradients (shaped and sharded like `params`, fully reduced) for this device's batch."""

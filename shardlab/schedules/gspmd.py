@@ -61,7 +61,8 @@ class ConstrainedOps(IdentityOps):
 class GSPMDSchedule:
   shard_mapped = False   # train.py builds a plain jit step for it
 
-  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None):
+  def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
+               context=None):   # context: no sequence split here (honours: length -> none)
     default = ScheduleConfig()
     for knob in ("prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce"):
       if getattr(cfg, knob) != getattr(default, knob):
@@ -89,9 +90,12 @@ class GSPMDSchedule:
     dims = ("heads", "kv_heads", "mlp", "vocab") + (("seq",) if self.ops.seq_parallel else ())
     return {**{d: [(TENSOR,)] for d in dims}, "embed": [(FSDP,), ()], "layers": [()], "length": [()]}
 
+  def check_mesh(self, axis_names, who: str | None = None) -> None:
+    honoured(self.layout, self.honours(axis_names), axis_names, who or "the gspmd schedule")
+
   def bind(self, mesh) -> None:
     """The mesh the activation constraints refer to (set when the step is built); rules checked against it."""
-    honoured(self.layout, self.honours(mesh.axis_names), mesh.axis_names, "the gspmd schedule")
+    self.check_mesh(mesh.axis_names)
     self.ops.mesh = mesh
 
   def loss_and_grads(self, params, batch: Batch, n_tokens: int):

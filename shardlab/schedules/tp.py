@@ -111,8 +111,8 @@ class _TensorParallel(IdentityOps):
     return jax.lax.axis_index(TENSOR) * h_local
 
   def batch_sum(self, x):
-    """Over the mesh axes the batch is split on (the layout's batch rule on the mesh being traced)."""
-    return C.psum(x, self.layout.batch_axes(jax.sharding.get_abstract_mesh().axis_names), name="loss_sum")
+    """Over the mesh axes the tokens are split on (the layout's batch and length rules on the mesh traced)."""
+    return C.psum(x, self.layout.token_axes(jax.sharding.get_abstract_mesh().axis_names), name="loss_sum")
 
   def seq_shard(self, x):
     if not self.seq_sharded:
@@ -121,7 +121,7 @@ class _TensorParallel(IdentityOps):
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(TENSOR) * n, n, SEQ_DIM)
 
   def token_sum(self, x):
-    axes = self.layout.batch_axes(jax.sharding.get_abstract_mesh().axis_names) + ((TENSOR,) if self.seq_sharded else ())
+    axes = self.layout.token_axes(jax.sharding.get_abstract_mesh().axis_names) + ((TENSOR,) if self.seq_sharded else ())
     return C.psum(x, axes, name="loss_sum")
 
 

@@ -1,0 +1,63 @@
+"""Context parallelism: the sequence of every activation split over the `context` mesh axis (the layout rule
+`length -> context`), and attention across the split. Outside attention the axis is one more batch axis: the MLP
+and norms see local tokens, the loss sums over it, and a weight replicated over it has its gradient summed over
+it (the schedule's gather marks the fsdp shard varying there, as for HSDP's replicas).
+
+A strategy is the model's attention hook, `attend(q, k, v, positions)` (schedules/parallel.py), picked by the
+Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:Class`):
+
+  all_gather  K and V (and their positions) all-gathered over `context`; each device's queries attend to the
+              whole sequence's keys with the causal mask built from the positions (the data's: right however
+              the tokens are placed). Backward (AD): the transpose of the gather, dK and dV reduce-scattered
+              over `context`. Bytes per device per layer: (C-1)/C of the gathered K/V forward, the same backward;
+              GQA moves only its G K/V heads. The attention is the plain one (scores [B, H, L/C, L]).
+
+With no `context` axis in the mesh a strategy is the model's own attention (model.attention).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from shardlab import attention as A
+from shardlab import collectives as C
+from shardlab.config import ModelConfig
+from shardlab.layout import Layout
+from shardlab.mesh import ConfigError
+from shardlab.schedules.loading import load_object
+
+SEQ_DIM = 1   # q, k, v are [B, L, heads, K]
+
+
+class AllGatherKV:
+  """K/V all-gathered over the context axes; local queries, the causal mask from positions."""
+
+  def __init__(self, model: ModelConfig, layout: Layout):
+    self.model, self.layout = model, layout
+
+  def check(self, axis_names) -> None:
+    """What this strategy needs on a mesh with a `length` rule: the plain attention (its mask is general)."""
+    if self.layout.rule("length", axis_names) and self.model.attention != "plain":
+      raise ConfigError(f"model.attention={self.model.attention}: context=all_gather runs the plain attention "
+                        f"(a causal mask from the tokens' positions); set model.attention=plain or mesh.context=1")
+
+  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+    axes = self.layout.rule("length", jax.sharding.get_abstract_mesh().axis_names)
+    if not axes:
+      return A.attend(self.model.attention, q_BLHK, k_BLGK, v_BLGK, self.model.attention_block)
+    axis = axes[0] if len(axes) == 1 else axes
+    # k[B, L_ctx, G, K] -> k[B, L, G, K]; backward: dK[B, L, G, K]{U_ctx} -> dK[B, L_ctx, G, K] (reduce-scatter)
+    k_BMGK = C.all_gather(k_BLGK, axis, SEQ_DIM, name="cp_kv_all_gather")
+    v_BMGK = C.all_gather(v_BLGK, axis, SEQ_DIM, name="cp_kv_all_gather")
+    pos_M = C.all_gather(positions_L, axis, 0, name="cp_positions")     # ints: no gradient
+    causal_LM = positions_L[:, None] >= pos_M[None, :]
+    return checkpoint_name(A.plain(q_BLHK, k_BMGK, v_BMGK, causal_LM), A.ATTN_OUT)
+
+
+STRATEGIES = {"all_gather": AllGatherKV}
+
+
+def make(impl: str, model: ModelConfig, layout: Layout):
+  """The strategy `context.impl` names, built for the model and the run's layout."""
+  return load_object(impl, "context.impl", STRATEGIES)(model, layout)

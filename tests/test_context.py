@@ -1,0 +1,49 @@
+"""Context parallelism (mesh.context, schedules/context.py): the sequence of every activation split over
+`context`, K/V all-gathered for attention. The same training as the unsharded reference, loss and every gradient
+in float32, on context meshes of 8 devices; the bytes over `context` against a hand count."""
+import pytest
+
+from conftest import reference_loss_and_grads
+from shardlab import testing
+from shardlab.testing import assert_trees_close
+
+RTOL = ATOL = 2e-5
+MESHES = [{"context": 8}, {"fsdp": 2, "context": 4}, {"fsdp": 2, "context": 2, "tensor": 2}]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=[testing.mesh_id({"fsdp": 1, "tensor": 1, **m}) for m in MESHES])
+def test_all_gather_context_matches_the_reference(shape):
+  shape = {"fsdp": 1, "tensor": 1, **shape}
+  _, (loss, grads) = testing.compile_schedule(None, shape)
+  ref_loss, ref_grads = reference_loss_and_grads()
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"context {testing.mesh_id(shape)}: ")
+
+
+def test_gqa_and_a_prefetching_ring_schedule_under_context():
+  """Grouped-query attention (2 K/V heads) on fsdp 2 x context 2 x tensor 2 with FSDP prefetch and the
+  collective-matmul ring: K/V heads sharded over tensor, gathered over context."""
+  model = {"n_kv_heads": 2}
+  shape = {"fsdp": 2, "context": 2, "tensor": 2}
+  _, (loss, grads) = testing.compile_schedule({"prefetch": 1, "tp": "ring"}, shape, model)
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="GQA, context 2: ")
+
+
+def test_bytes_over_context_are_the_kv_gathers_and_their_transposes():
+  """Per layer and device, forward: K and V [B/fsdp, L, G, K] gathered over context, (C-1)/C of them each;
+  backward: the same bytes reduce-scattered (dK, dV), plus the gradient all-reduce of the weights replicated over
+  context. Tiny model, float32, context 8: hand count of the compiled program's all-gathers."""
+  from shardlab.analysis import hlo
+  shape = {"fsdp": 1, "context": 8, "tensor": 1}
+  compiled, _ = testing.compile_schedule(None, shape)
+  cfg = testing.tiny_config()
+  m, C = cfg.model, 8
+  B, L, G, K, NL = cfg.train.batch_size, m.seq_len, m.kv_heads, m.head_dim, m.n_layers
+  kv_full = 2 * B * L * G * K * 4                     # K and V of the whole sequence, float32
+  led = hlo.ledger(hlo.collectives(compiled.as_text(), testing.mesh_of(shape)))
+  gathered = led["all-gather"]["context"]["bytes"]
+  positions = L * 4 * (C - 1) // C                  # the positions (int32): the same in every layer, so XLA
+  assert gathered == NL * kv_full * (C - 1) // C + positions, led["all-gather"]["context"]   # gathers them once
+  assert led["all-gather"]["context"]["count"] == 2 * NL + 1
+  assert led["reduce-scatter"]["context"]["bytes"] == NL * kv_full * (C - 1) // C, led["reduce-scatter"]
