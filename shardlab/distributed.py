@@ -25,6 +25,7 @@ import threading
 import jax
 import numpy as np
 
+from shardlab import jax_private
 from shardlab.config import DistributedConfig
 from shardlab.mesh import ConfigError
 
@@ -114,7 +115,7 @@ def initialize(d: DistributedConfig) -> None:
   # aborts in C++ within a second (its error callback cannot be replaced from Python). So process 0 starts
   # the same service in a small child process of its own (`_serve`), which outlives it long enough for the
   # survivors to see process 0 missing and name it.
-  from jax._src import distributed as jd
+  jd = jax_private.distributed_module()
   start_service = jd._jax.get_distributed_runtime_service
   jd._jax.get_distributed_runtime_service = _ServiceProcess
   try:
@@ -175,8 +176,7 @@ class _ServiceProcess:
 
 
 def _client():
-  from jax._src.distributed import global_state
-  return global_state.client
+  return jax_private.distributed_module().global_state.client
 
 
 def _key(name: str) -> str:

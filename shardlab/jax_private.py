@@ -1,10 +1,13 @@
 """Every use of JAX's private API (`jax._src`), in one place, for the JAX version it was written for.
 
-Written for jax 0.10.2: dead-code elimination of a jaxpr (`partial_eval.dce_jaxpr`), which has no public
-equivalent. The ledger counts only collectives whose results are used (XLA removes the others), and the memory
-breakdown counts only the residuals a layer's backward reads. Another JAX version: check these still exist and
-behave the same (tests/test_ledger.py and tests/test_target.py's memory tests fail if they do not), then add it
-to TESTED.
+Written for jax 0.10.2:
+- dead-code elimination of a jaxpr (`partial_eval.dce_jaxpr`), which has no public equivalent. The ledger
+  counts only collectives whose results are used (XLA removes the others), and the memory breakdown counts only
+  the residuals a layer's backward reads;
+- the distributed runtime's module and its global state (shardlab/distributed.py: the coordination service
+  hosted in a child process, and the key-value client for barriers and heartbeats).
+Another JAX version: check these still exist and behave the same (tests/test_ledger.py, tests/test_target.py's
+memory tests and tests/test_distributed.py fail if they do not), then add it to TESTED.
 """
 from __future__ import annotations
 
@@ -22,6 +25,12 @@ if jax.__version__ not in TESTED:
 def dce(jaxpr):
   """The jaxpr with dead equations removed, recursively (jit, scan, shard_map, remat, custom calls)."""
   return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def distributed_module():
+  """jax._src.distributed (its `_jax` runtime bindings and `global_state`)."""
+  from jax._src import distributed
+  return distributed
 
 
 def dce_used_inputs(jaxpr) -> list[bool]:
