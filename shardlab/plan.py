@@ -43,14 +43,17 @@ def compose(overrides: list[str]):
 
 
 def _one_line(e: BaseException) -> str:
-  """An exception and its causes, whitespace collapsed onto one line."""
-  name, parts = type(e).__name__, []
+  """An exception and its causes, whitespace collapsed onto one line; OmegaConf's trailer (full_key, reference
+  and object types) left out, a bad override pointed at the list of settings."""
+  name, parts, hydra = type(e).__name__, [], False
   while e is not None:
-    text = " ".join(str(e).split())
-    if text and text not in parts:
+    hydra = hydra or type(e).__module__.split(".")[0] in ("hydra", "omegaconf")
+    text = " ".join(str(e).split("full_key:")[0].split("Config search path:")[0].split())
+    if text and text not in parts and not any(text in p for p in parts):
       parts.append(text)
     e = e.__cause__
-  return " | ".join(parts) or name
+  out = ": ".join(parts) or name
+  return out + (" (`python -m shardlab --help` lists every group, option and setting)" if hydra else "")
 
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.

@@ -285,3 +285,20 @@ def test_requeue_loop_ends_like_the_uninterrupted_run(ref, tmp_path):
   s = json.loads((out / "summary.json").read_text())
   assert s["status"] == "ok" and s["losses"] == ref[1]["losses"], (seed, kills)
   assert [m["loss"] for m in metrics(out)] == ref[1]["losses"], (seed, kills)
+
+
+def test_a_refused_job_keeps_a_finished_runs_summary(tmp_path):
+  """A resumed sweep's job refused for changed settings records its error without replacing the summary.json of
+  the run that finished there (its losses and analysis stay); a job with no finished run gets the error."""
+  import json
+  from shardlab.mesh import ConfigError
+  from shardlab.outputs import record_failure
+  done = tmp_path / "0_baseline_4x2_tiny"
+  done.mkdir()
+  (done / "summary.json").write_text(json.dumps({"status": "ok", "losses": [5.5, 5.4]}))
+  before = (done / "summary.json").read_bytes()
+  record_failure(done, ConfigError("train.seed=1: differs from the checkpoint's"))
+  assert (done / "summary.json").read_bytes() == before
+  fresh = tmp_path / "1_baseline_4x2_tiny"
+  record_failure(fresh, ConfigError("train.seed=1: differs from the checkpoint's"))
+  assert json.loads((fresh / "summary.json").read_text())["status"] == "error"

@@ -440,3 +440,17 @@ def test_plan_of_an_hsdp_mesh_costs_the_gradient_allreduce_over_data():
   assert h["comm_to_math"]["data"] > 0 and {"data", "fsdp", "tensor"} == set(h["comm_to_math"])
   same = next(l for l in planner.search(cfg) if (l["data"], l["fsdp"], l["tensor"]) == (8, 8, 1))
   assert same["step_time_s"] == h["step_time_s"] and same["comm_to_math"] == h["comm_to_math"]
+
+
+def test_cli_bad_override_is_one_readable_line(capsys):
+  """A value of the wrong type or an unknown option: Hydra's sentence, without OmegaConf's key/type trailer or
+  the config search path, and where to find the settings."""
+  from shardlab.plan import main
+  assert main(["mesh.fsdp=abc"]) == 2
+  err = capsys.readouterr().err
+  assert err.strip() == ("shardlab.plan: error: Error merging override mesh.fsdp=abc: Value 'abc' of type 'str' could "
+                         "not be converted to Integer (`python -m shardlab --help` lists every group, option and "
+                         "setting)")
+  assert main(["model=nope"]) == 2
+  err = capsys.readouterr().err
+  assert "Could not find 'model/nope'" in err and "search path" not in err and len(err.strip().splitlines()) == 1
