@@ -63,6 +63,14 @@ def psum(x, axes, name: str = "psum"):
     return jax.lax.psum(x, axes)
 
 
+def all_to_all(x, axis, split_dim: int, concat_dim: int, name: str = "all_to_all"):
+  """x[.., S, .., N, ..] -> x[.., S / n, .., N n, ..]: `split_dim` cut into n blocks, block j sent to device j
+  along `axis`, the blocks received concatenated along `concat_dim` (tiled). Backward: the all_to_all the other
+  way round (split and concat dims swapped)."""
+  with scope(name):
+    return jax.lax.all_to_all(x, axis, split_dim, concat_dim, tiled=True)
+
+
 def pmax(x, axes, name: str = "pmax"):
   """All-reduce (max); only ever applied to values outside the gradient (stop_gradient'd)."""
   with scope(name):

@@ -595,21 +595,22 @@ def _schedule_key(schedule, knobs) -> tuple:
 
 
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
-                     **knobs):
+                     context: str | None = None, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
   **knobs), model, compute_dtype, layout), like the registered ones); knobs override. model: ModelConfig fields
   to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
-  the default layout)."""
+  the default layout). context: the context-parallel strategy (context.impl; None: all_gather)."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
-  return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules)
+  return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
+                           context)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None):
+def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -623,8 +624,10 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None):
   decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
   b = placed_batch(tiny_batch(), mesh, layout)
-  sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout) if cls
-           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout))
+  from shardlab.config import ContextConfig
+  cp = None if context is None else ContextConfig(name=context.rpartition(":")[2], impl=context)
+  sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout, *([cp] if cp else [])) if cls
+           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp))
   PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, cfg.schedule.microbatches,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
   with jax.numpy_dtype_promotion("strict"):

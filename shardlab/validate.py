@@ -32,7 +32,7 @@ def check_layout(cfg: Config, sched=None) -> None:
   check_divisible(cfg.model, layout, shape, cfg.train.batch_size, cfg.schedule.microbatches if sched else 1,
                   seq_parallel=ops is not None and ops.seq_sharded, seq_halves=ops is not None and ops.bidirectional)
   if sched is not None:
-    sched.check_mesh(tuple(shape), f"schedule {cfg.schedule.name}")
+    sched.check_mesh(dict(shape), f"schedule {cfg.schedule.name}")
 
 
 # The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),

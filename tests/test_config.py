@@ -45,6 +45,8 @@ BAD = [
                                                             "honour it"),
     (["mesh.context=2", "mesh.fsdp=2", "model.attention=blockwise"], "model.attention=blockwise: context=all_gather "
                                                                      "runs the plain attention"),
+    (["context=ulysses", "mesh.context=8", "mesh.fsdp=1", "mesh.tensor=1", "model.n_kv_heads=2"],
+     "context=ulysses splits the heads over the context axes"),
     (["mesh.context=8", "mesh.fsdp=1", "mesh.tensor=1", "model.seq_len=36"], "model.seq_len=36 is not divisible by "
                                                                             "mesh.context=8"),
     (["mesh=8x1", "model.d_model=20", "model.n_heads=2"], "model.d_model=20 is not divisible by mesh.fsdp=8 "

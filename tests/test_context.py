@@ -1,6 +1,7 @@
 """Context parallelism (mesh.context, schedules/context.py): the sequence of every activation split over
-`context`, K/V all-gathered for attention. The same training as the unsharded reference, loss and every gradient
-in float32, on context meshes of 8 devices; the bytes over `context` against a hand count."""
+`context`, attention by all-gathered K/V or by Ulysses' all-to-alls. The same training as the unsharded
+reference, loss and every gradient in float32, on context meshes of 8 devices; the bytes over `context` against a
+hand count."""
 import pytest
 
 from conftest import reference_loss_and_grads
@@ -11,10 +12,11 @@ RTOL = ATOL = 2e-5
 MESHES = [{"context": 8}, {"fsdp": 2, "context": 4}, {"fsdp": 2, "context": 2, "tensor": 2}]
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
 @pytest.mark.parametrize("shape", MESHES, ids=[testing.mesh_id({"fsdp": 1, "tensor": 1, **m}) for m in MESHES])
-def test_all_gather_context_matches_the_reference(shape):
+def test_context_strategies_match_the_reference(shape, strategy):
   shape = {"fsdp": 1, "tensor": 1, **shape}
-  _, (loss, grads) = testing.compile_schedule(None, shape)
+  _, (loss, grads) = testing.compile_schedule(None, shape, context=strategy)
   ref_loss, ref_grads = reference_loss_and_grads()
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"context {testing.mesh_id(shape)}: ")
@@ -47,3 +49,35 @@ def test_bytes_over_context_are_the_kv_gathers_and_their_transposes():
   assert gathered == NL * kv_full * (C - 1) // C + positions, led["all-gather"]["context"]   # gathers them once
   assert led["all-gather"]["context"]["count"] == 2 * NL + 1
   assert led["reduce-scatter"]["context"]["bytes"] == NL * kv_full * (C - 1) // C, led["reduce-scatter"]
+
+
+def test_ulysses_with_gqa_and_blockwise_attention():
+  """Ulysses runs the model's own kernel on the whole sequence (blockwise here) with 4 K/V heads for 8 query
+  heads, split 4 ways over context."""
+  model = {"n_kv_heads": 4, "attention": "blockwise", "attention_block": 8}
+  _, (loss, grads) = testing.compile_schedule(None, {"fsdp": 2, "context": 4, "tensor": 1}, model, context="ulysses")
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="ulysses, GQA, blockwise: ")
+
+
+def test_ulysses_bytes_are_four_all_to_alls_per_layer_each_way():
+  """Per layer and device: q, k, v forward and o back ([B, L/C, heads, K] each), (C-1)/C of each; backward the
+  same four the other way. Tiny model, float32, context 8 (the positions gathered once, as for all_gather)."""
+  from shardlab.analysis import hlo
+  shape = {"fsdp": 1, "context": 8, "tensor": 1}
+  compiled, _ = testing.compile_schedule(None, shape, context="ulysses")
+  cfg = testing.tiny_config()
+  m, C = cfg.model, 8
+  B, L, H, G, K, NL = cfg.train.batch_size, m.seq_len, m.n_heads, m.kv_heads, m.head_dim, m.n_layers
+  local = lambda heads: B * (L // C) * heads * K * 4          # one of q, k, v, o on one device, float32
+  per_layer = (local(H) + 2 * local(G) + local(H)) * (C - 1) // C
+  led = hlo.ledger(hlo.collectives(compiled.as_text(), testing.mesh_of(shape)))
+  assert led["all-to-all"]["context"]["bytes"] == 2 * NL * per_layer, led["all-to-all"]
+  assert led["all-to-all"]["context"]["count"] == 2 * NL * 4
+
+
+def test_ulysses_needs_heads_the_context_axis_divides():
+  from shardlab.mesh import ConfigError
+  with pytest.raises(ConfigError, match=r"^context=ulysses splits the heads over the context axes: "
+                                        r"model.n_heads=8 and model.n_kv_heads=2 over tensor=1"):
+    testing.compile_schedule(None, {"fsdp": 1, "context": 8, "tensor": 1}, {"n_kv_heads": 2}, context="ulysses")

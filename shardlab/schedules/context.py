@@ -11,6 +11,11 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               the tokens are placed). Backward (AD): the transpose of the gather, dK and dV reduce-scattered
               over `context`. Bytes per device per layer: (C-1)/C of the gathered K/V forward, the same backward;
               GQA moves only its G K/V heads. The attention is the plain one (scores [B, H, L/C, L]).
+  ulysses     DeepSpeed-Ulysses: Q, K and V all-to-all'd from sequence-sharded to head-sharded ([B, L/C, H, K]
+              -> [B, L, H/C, K]), attention over the whole sequence on H/C heads (the model's own kernel:
+              plain, blockwise or cuDNN's), the output all-to-all'd back. Backward (AD): the same all-to-alls the
+              other way. Bytes per device per layer: (C-1)/C of q, k, v and o each way; needs the heads after
+              tensor parallelism (query and K/V) divisible by C.
 
 With no `context` axis in the mesh a strategy is the model's own attention (model.attention).
 """
@@ -36,9 +41,9 @@ class AllGatherKV:
   def __init__(self, model: ModelConfig, layout: Layout):
     self.model, self.layout = model, layout
 
-  def check(self, axis_names) -> None:
-    """What this strategy needs on a mesh with a `length` rule: the plain attention (its mask is general)."""
-    if self.layout.rule("length", axis_names) and self.model.attention != "plain":
+  def check(self, shape: dict) -> None:
+    """What this strategy needs on a mesh of `shape` with a `length` rule: the plain attention (a general mask)."""
+    if self.layout.rule("length", tuple(shape)) and self.model.attention != "plain":
       raise ConfigError(f"model.attention={self.model.attention}: context=all_gather runs the plain attention "
                         f"(a causal mask from the tokens' positions); set model.attention=plain or mesh.context=1")
 
@@ -55,7 +60,43 @@ class AllGatherKV:
     return checkpoint_name(A.plain(q_BLHK, k_BMGK, v_BMGK, causal_LM), A.ATTN_OUT)
 
 
-STRATEGIES = {"all_gather": AllGatherKV}
+class Ulysses(AllGatherKV):
+  """Sequence-sharded <-> head-sharded by all_to_all around the model's own attention."""
+
+  def check(self, shape: dict) -> None:
+    """The heads each device holds after tensor parallelism, query and K/V, split again over the context axes."""
+    axes = self.layout.rule("length", tuple(shape))
+    if not axes:
+      return
+    c, t = 1, 1
+    for a in axes:
+      c *= shape[a]
+    for a in self.layout.rule("heads", tuple(shape)):
+      t *= shape[a]
+    m = self.model
+    if (m.n_heads // t) % c or m.kv_heads % t or (m.kv_heads // t) % c:
+      raise ConfigError(f"context=ulysses splits the heads over the context axes: model.n_heads={m.n_heads} and "
+                        f"model.n_kv_heads={m.kv_heads} over tensor={t} leave {m.n_heads // t} and "
+                        f"{m.kv_heads // t if m.kv_heads % t == 0 else 'replicated'} per device, not multiples of "
+                        f"context={c}; use context=all_gather or a smaller mesh.context")
+
+  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+    axes = self.layout.rule("length", jax.sharding.get_abstract_mesh().axis_names)
+    if not axes:
+      return A.attend(self.model.attention, q_BLHK, k_BLGK, v_BLGK, self.model.attention_block)
+    axis = axes[0] if len(axes) == 1 else axes
+    # x[B, L_ctx, N, K] -> x[B, L, N_ctx, K]; backward: the all_to_all back
+    heads = lambda x: C.all_to_all(x, axis, 2, SEQ_DIM, name="cp_ulysses")
+    q, k, v = heads(q_BLHK), heads(k_BLGK), heads(v_BLGK)
+    if self.model.attention == "plain":     # the causal mask from the gathered positions
+      pos_M = C.all_gather(positions_L, axis, 0, name="cp_positions")
+      o = checkpoint_name(A.plain(q, k, v, pos_M[:, None] >= pos_M[None, :]), A.ATTN_OUT)
+    else:   # the whole sequence, in order (no reordering of tokens is built): the kernel's own causal mask
+      o = A.attend(self.model.attention, q, k, v, self.model.attention_block)
+    return C.all_to_all(o, axis, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L, H_ctx, K] -> o[B, L_ctx, H, K]
+
+
+STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses}
 
 
 def make(impl: str, model: ModelConfig, layout: Layout):

@@ -304,15 +304,15 @@ class ExplicitSchedule:
     return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": [()], "length": [(), (CONTEXT,)],
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
-  def check_mesh(self, axis_names, who: str | None = None) -> None:
-    """A layout rule this schedule cannot honour on a mesh of `axis_names`, or a context split its attention
-    strategy cannot run: one line."""
-    honoured(self.layout, self.honours(axis_names), axis_names, who or f"the {type(self).__name__} schedule")
-    self.cp.check(axis_names)
+  def check_mesh(self, shape: dict, who: str | None = None) -> None:
+    """A layout rule this schedule cannot honour on a mesh of `shape` ({axis: size}), or a context split its
+    attention strategy cannot run: one line."""
+    honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or f"the {type(self).__name__} schedule")
+    self.cp.check(dict(shape))
 
   def bind(self, mesh) -> None:
     """The mesh the step is built for: checked (check_mesh)."""
-    self.check_mesh(mesh.axis_names)
+    self.check_mesh(dict(mesh.shape))
 
   @property
   def residual_axes(self) -> tuple[str, ...]:

@@ -90,12 +90,12 @@ class GSPMDSchedule:
     dims = ("heads", "kv_heads", "mlp", "vocab") + (("seq",) if self.ops.seq_parallel else ())
     return {**{d: [(TENSOR,)] for d in dims}, "embed": [(FSDP,), ()], "layers": [()], "length": [()]}
 
-  def check_mesh(self, axis_names, who: str | None = None) -> None:
-    honoured(self.layout, self.honours(axis_names), axis_names, who or "the gspmd schedule")
+  def check_mesh(self, shape: dict, who: str | None = None) -> None:
+    honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or "the gspmd schedule")
 
   def bind(self, mesh) -> None:
     """The mesh the activation constraints refer to (set when the step is built); rules checked against it."""
-    self.check_mesh(mesh.axis_names)
+    self.check_mesh(dict(mesh.shape))
     self.ops.mesh = mesh
 
   def loss_and_grads(self, params, batch: Batch, n_tokens: int):

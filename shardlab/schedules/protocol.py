@@ -75,8 +75,8 @@ class Schedule(Protocol):
     [allowed tuples of mesh axes]}; validation rejects any other rule with one line (layout.honoured)."""
     ...
 
-  def check_mesh(self, axis_names, who: str | None = None) -> None:
-    """One ConfigError line for a mesh of `axis_names` it cannot run on (a layout rule it does not honour there:
+  def check_mesh(self, shape: dict, who: str | None = None) -> None:
+    """One ConfigError line for a mesh of `shape` ({axis: size}) it cannot run on (a layout rule it does not honour there:
     layout.honoured; a sequence split its attention cannot take). Validation calls it before anything compiles."""
     ...
 
