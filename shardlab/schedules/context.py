@@ -47,11 +47,19 @@ class AllGatherKV:
       raise ConfigError(f"model.attention={self.model.attention}: context=all_gather runs the plain attention "
                         f"(a causal mask from the tokens' positions); set model.attention=plain or mesh.context=1")
 
-  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+  def context_axis(self):
+    """The mesh axes the sequence is split over on the mesh being traced (a name, or a tuple), None if none."""
     axes = self.layout.rule("length", jax.sharding.get_abstract_mesh().axis_names)
-    if not axes:
-      return A.attend(self.model.attention, q_BLHK, k_BLGK, v_BLGK, self.model.attention_block)
-    axis = axes[0] if len(axes) == 1 else axes
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  def own(self, q_BLHK, k_BLGK, v_BLGK):
+    """The model's own attention (model.attention) over the sequence it is given, causal in index order."""
+    return A.attend(self.model.attention, q_BLHK, k_BLGK, v_BLGK, self.model.attention_block)
+
+  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+    axis = self.context_axis()
+    if axis is None:
+      return self.own(q_BLHK, k_BLGK, v_BLGK)
     # k[B, L_ctx, G, K] -> k[B, L, G, K]; backward: dK[B, L, G, K]{U_ctx} -> dK[B, L_ctx, G, K] (reduce-scatter)
     k_BMGK = C.all_gather(k_BLGK, axis, SEQ_DIM, name="cp_kv_all_gather")
     v_BMGK = C.all_gather(v_BLGK, axis, SEQ_DIM, name="cp_kv_all_gather")
@@ -81,10 +89,9 @@ class Ulysses(AllGatherKV):
                         f"context={c}; use context=all_gather or a smaller mesh.context")
 
   def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
-    axes = self.layout.rule("length", jax.sharding.get_abstract_mesh().axis_names)
-    if not axes:
-      return A.attend(self.model.attention, q_BLHK, k_BLGK, v_BLGK, self.model.attention_block)
-    axis = axes[0] if len(axes) == 1 else axes
+    axis = self.context_axis()
+    if axis is None:
+      return self.own(q_BLHK, k_BLGK, v_BLGK)
     # x[B, L_ctx, N, K] -> x[B, L, N_ctx, K]; backward: the all_to_all back
     heads = lambda x: C.all_to_all(x, axis, 2, SEQ_DIM, name="cp_ulysses")
     q, k, v = heads(q_BLHK), heads(k_BLGK), heads(v_BLGK)
@@ -92,7 +99,7 @@ class Ulysses(AllGatherKV):
       pos_M = C.all_gather(positions_L, axis, 0, name="cp_positions")
       o = checkpoint_name(A.plain(q, k, v, pos_M[:, None] >= pos_M[None, :]), A.ATTN_OUT)
     else:   # the whole sequence, in order (no reordering of tokens is built): the kernel's own causal mask
-      o = A.attend(self.model.attention, q, k, v, self.model.attention_block)
+      o = self.own(q, k, v)
     return C.all_to_all(o, axis, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L, H_ctx, K] -> o[B, L_ctx, H, K]
 
 
