@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from shardlab.data import zigzag
 from shardlab.hardware import HardwareConfig
 from shardlab.layout import LayoutConfig
 
@@ -124,7 +125,12 @@ class ScheduleConfig:
 class ContextConfig:
   """Context parallelism (`mesh.context=C`): how attention works across the sequence's split (schedules/context.py)."""
   name: str = "all_gather"
-  impl: str = "all_gather"        # all_gather | package.module:Class
+  impl: str = "all_gather"        # all_gather | ulysses | package.module:Class
+  load_balance: bool = False      # causal load balancing: each device holds sequence chunks r and 2C-1-r (data.zigzag)
+
+  def order(self, seq_len: int, parts: int):
+    """The order the data holds a sequence's tokens in over `parts` context devices (None: as they come)."""
+    return zigzag(seq_len, parts) if self.load_balance and parts > 1 else None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Batch(NamedTuple):
@@ -32,9 +33,25 @@ class Batch(NamedTuple):
   positions: jax.Array   # each input's position in its sequence (RoPE; the causal order)
 
 
-def split(tokens_BL1) -> Batch:
-  """A chain of L+1 tokens per sequence -> inputs [:, :-1], targets [:, 1:], positions 0..L-1."""
-  return Batch(tokens_BL1[:, :-1], tokens_BL1[:, 1:], jnp.arange(tokens_BL1.shape[1] - 1, dtype=jnp.int32))
+def split(tokens_BL1, order=None) -> Batch:
+  """A chain of L+1 tokens per sequence -> inputs [:, :-1], targets [:, 1:], positions 0..L-1; with `order` (a
+  permutation of 0..L-1, e.g. `zigzag`) all three in that order: each input keeps its target and its position."""
+  b = Batch(tokens_BL1[:, :-1], tokens_BL1[:, 1:], jnp.arange(tokens_BL1.shape[1] - 1, dtype=jnp.int32))
+  if order is None:
+    return b
+  order = jnp.asarray(order)
+  return Batch(b.inputs[:, order], b.targets[:, order], b.positions[order])
+
+
+def zigzag(seq_len: int, parts: int) -> np.ndarray:
+  """Causal load balancing over `parts` devices (MaxText's context_parallel_load_balance, the "zigzag" of
+  zhuzilin/ring-flash-attention): the sequence cut into 2 x parts chunks, device r holding chunks r and
+  2 parts - 1 - r, so every device has as many early (cheap) as late (expensive) queries. Returns the order of
+  the original positions: device r's tokens are order[r L/parts : (r+1) L/parts]."""
+  if seq_len % (2 * parts):
+    raise ValueError(f"zigzag: {seq_len} tokens do not cut into {2 * parts} chunks")
+  chunks = np.arange(seq_len).reshape(2 * parts, seq_len // (2 * parts))
+  return np.concatenate([np.concatenate([chunks[r], chunks[2 * parts - 1 - r]]) for r in range(parts)])
 
 
 def successor_table(seed: int, vocab_size: int, branching: int):
@@ -70,9 +87,10 @@ def token_code(tokens, d: int):
 class MarkovData:
   """batch(step) -> Batch, each field placed with `shardings` (a Batch of them: train.batch_specs on the mesh)."""
 
-  def __init__(self, seed: int, batch_size: int, seq_len: int, vocab_size: int, branching: int, shardings=None):
-    self._fn = jax.jit(lambda step: split(markov_batch(seed, step, batch_size, seq_len, vocab_size, branching)),
-                       out_shardings=shardings)
+  def __init__(self, seed: int, batch_size: int, seq_len: int, vocab_size: int, branching: int, shardings=None,
+               order=None):
+    self._fn = jax.jit(lambda step: split(markov_batch(seed, step, batch_size, seq_len, vocab_size, branching),
+                                          order), out_shardings=shardings)
 
   def batch(self, step: int) -> Batch:
     return self._fn(jnp.int32(step))

@@ -535,16 +535,16 @@ def tiny_batch():
   return markov_batch(0, 0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching)
 
 
-def placed_batch(tokens_BL1, mesh, layout=None):
+def placed_batch(tokens_BL1, mesh, layout=None, order=None):
   """tokens[B, L+1] -> data.Batch (inputs, targets, positions), each field placed by the layout's data spec on
-  `mesh` (default layout: layout.Layout())."""
+  `mesh` (default layout: layout.Layout()), the tokens of each sequence in `order` (a schedule's data_order)."""
   import jax
   from jax.sharding import NamedSharding
   from shardlab.data import split
   from shardlab.layout import Layout
   from shardlab.train import batch_specs
   specs = batch_specs(layout or Layout(), mesh)
-  return jax.device_put(split(tokens_BL1), type(specs)(*(NamedSharding(mesh, s) for s in specs)))
+  return jax.device_put(split(tokens_BL1, order), type(specs)(*(NamedSharding(mesh, s) for s in specs)))
 
 
 def abstract_batch(batch_size: int, seq_len: int, mesh, layout=None):
@@ -595,22 +595,23 @@ def _schedule_key(schedule, knobs) -> tuple:
 
 
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
-                     context: str | None = None, **knobs):
+                     context: str | None = None, load_balance: bool = False, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
   **knobs), model, compute_dtype, layout), like the registered ones); knobs override. model: ModelConfig fields
   to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
-  the default layout). context: the context-parallel strategy (context.impl; None: all_gather)."""
+  the default layout). context: the context-parallel strategy (context.impl; None: all_gather); load_balance:
+  context.load_balance (the data in zigzag order)."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
   return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
-                           context)
+                           context, load_balance)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None):
+def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -623,13 +624,14 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   layout.check(mesh.axis_names)
   decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
-  b = placed_batch(tiny_batch(), mesh, layout)
   from shardlab.config import ContextConfig
-  cp = None if context is None else ContextConfig(name=context.rpartition(":")[2], impl=context)
+  cp = None if context is None and not load_balance else ContextConfig(
+      name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance)
   sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout, *([cp] if cp else [])) if cls
            else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp))
   PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, cfg.schedule.microbatches,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
+  b = placed_batch(tiny_batch(), mesh, layout, sched.data_order(dict(mesh_items)))
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
   return compiled, compiled(params, b)

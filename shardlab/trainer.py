@@ -192,7 +192,8 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool, st
       state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
     summary["checkpoint"] = {"dir": str(ckpt.dir), "resumed_from": ckpt.latest, "saved": ckpt.saved}
     data = MarkovData(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
-                      cfg.data.branching, jax.tree.map(lambda a: a.sharding, b["abstract_batch"]))
+                      cfg.data.branching, jax.tree.map(lambda a: a.sharding, b["abstract_batch"]),
+                      b["schedule"].data_order(dict(mesh.shape)))
     tokens = cfg.train.batch_size * cfg.model.seq_len
     times = []
     try:

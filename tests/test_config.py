@@ -47,6 +47,8 @@ BAD = [
                                                                      "runs the plain attention"),
     (["context=ulysses", "mesh.context=8", "mesh.fsdp=1", "mesh.tensor=1", "model.n_kv_heads=2"],
      "context=ulysses splits the heads over the context axes"),
+    (["mesh.context=4", "mesh.fsdp=2", "mesh.tensor=1", "context.load_balance=true", "model.seq_len=36"],
+     "model.seq_len=36 is not divisible by 2 * mesh.context=8 (context.load_balance=true"),
     (["mesh.context=8", "mesh.fsdp=1", "mesh.tensor=1", "model.seq_len=36"], "model.seq_len=36 is not divisible by "
                                                                             "mesh.context=8"),
     (["mesh=8x1", "model.d_model=20", "model.n_heads=2"], "model.d_model=20 is not divisible by mesh.fsdp=8 "

@@ -81,3 +81,33 @@ def test_ulysses_needs_heads_the_context_axis_divides():
   with pytest.raises(ConfigError, match=r"^context=ulysses splits the heads over the context axes: "
                                         r"model.n_heads=8 and model.n_kv_heads=2 over tensor=1"):
     testing.compile_schedule(None, {"fsdp": 1, "context": 8, "tensor": 1}, {"n_kv_heads": 2}, context="ulysses")
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+@pytest.mark.parametrize("shape", [{"context": 8}, {"fsdp": 2, "context": 2, "tensor": 2}],
+                         ids=["c8", "f2xc2xt2"])
+def test_causal_load_balancing_is_the_same_training(shape, strategy):
+  """context.load_balance=true: each device holds chunks r and 2C-1-r of every sequence (data.zigzag), the
+  positions with them (RoPE and the causal mask read them): loss and every gradient as the reference's."""
+  shape = {"fsdp": 1, "tensor": 1, **shape}
+  _, (loss, grads) = testing.compile_schedule(None, shape, context=strategy, load_balance=True)
+  ref_loss, ref_grads = reference_loss_and_grads()
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{strategy}, balanced: ")
+
+
+def test_ulysses_balanced_runs_its_kernel_in_index_order():
+  """Ulysses with the blockwise kernel and load balancing: the gathered sequence is put back in index order for
+  the kernel's own causal mask, and the output back in the data's order."""
+  model = {"attention": "blockwise", "attention_block": 8}
+  _, (loss, grads) = testing.compile_schedule(None, {"fsdp": 2, "context": 4, "tensor": 1}, model,
+                                              context="ulysses", load_balance=True)
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="ulysses, blockwise, balanced: ")
+
+
+def test_zigzag_order():
+  import numpy as np
+  from shardlab.data import zigzag
+  assert zigzag(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]      # device 0: chunks 0 and 3; device 1: 1 and 2
+  assert sorted(zigzag(32, 4).tolist()) == list(range(32)) and np.asarray(zigzag(32, 1)).tolist() == list(range(32))

@@ -21,13 +21,17 @@ With no `context` axis in the mesh a strategy is the model's own attention (mode
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlab import attention as A
 from shardlab import collectives as C
-from shardlab.config import ModelConfig
+from shardlab.config import ContextConfig, ModelConfig
+from shardlab.data import zigzag
 from shardlab.layout import Layout
 from shardlab.mesh import ConfigError
 from shardlab.schedules.loading import load_object
@@ -38,11 +42,25 @@ SEQ_DIM = 1   # q, k, v are [B, L, heads, K]
 class AllGatherKV:
   """K/V all-gathered over the context axes; local queries, the causal mask from positions."""
 
-  def __init__(self, model: ModelConfig, layout: Layout):
-    self.model, self.layout = model, layout
+  def __init__(self, model: ModelConfig, layout: Layout, cfg: ContextConfig | None = None):
+    self.model, self.layout, self.cfg = model, layout, cfg or ContextConfig()
+
+  def parts(self, shape: dict) -> int:
+    """How many pieces the sequence is split into on a mesh of `shape`."""
+    return math.prod(shape[a] for a in self.layout.rule("length", tuple(shape)))
+
+  def check_balance(self, shape: dict) -> None:
+    """With load balancing, a sequence that cuts into 2 C chunks."""
+    c = self.parts(shape)
+    if self.cfg.load_balance and c > 1 and self.model.seq_len % (2 * c):
+      raise ConfigError(f"model.seq_len={self.model.seq_len} is not divisible by 2 * mesh.context={2 * c} "
+                        f"(context.load_balance=true cuts each sequence into 2 C chunks); choose seq_len a multiple "
+                        f"of {2 * c} or context.load_balance=false")
 
   def check(self, shape: dict) -> None:
-    """What this strategy needs on a mesh of `shape` with a `length` rule: the plain attention (a general mask)."""
+    """What this strategy needs on a mesh of `shape` with a `length` rule: a sequence load balancing can cut
+    into 2 C chunks, and the plain attention (a general mask)."""
+    self.check_balance(shape)
     if self.layout.rule("length", tuple(shape)) and self.model.attention != "plain":
       raise ConfigError(f"model.attention={self.model.attention}: context=all_gather runs the plain attention "
                         f"(a causal mask from the tokens' positions); set model.attention=plain or mesh.context=1")
@@ -82,6 +100,7 @@ class Ulysses(AllGatherKV):
     for a in self.layout.rule("heads", tuple(shape)):
       t *= shape[a]
     m = self.model
+    self.check_balance(shape)
     if (m.n_heads // t) % c or m.kv_heads % t or (m.kv_heads // t) % c:
       raise ConfigError(f"context=ulysses splits the heads over the context axes: model.n_heads={m.n_heads} and "
                         f"model.n_kv_heads={m.kv_heads} over tensor={t} leave {m.n_heads // t} and "
@@ -98,7 +117,11 @@ class Ulysses(AllGatherKV):
     if self.model.attention == "plain":     # the causal mask from the gathered positions
       pos_M = C.all_gather(positions_L, axis, 0, name="cp_positions")
       o = checkpoint_name(A.plain(q, k, v, pos_M[:, None] >= pos_M[None, :]), A.ATTN_OUT)
-    else:   # the whole sequence, in order (no reordering of tokens is built): the kernel's own causal mask
+    elif self.cfg.load_balance:   # the whole sequence in the data's zigzag order: back to index order for the
+      order = zigzag(q.shape[SEQ_DIM], q.shape[SEQ_DIM] // q_BLHK.shape[SEQ_DIM])   # kernel, and back after
+      back = np.argsort(order)
+      o = jnp.take(self.own(*(jnp.take(x, back, axis=SEQ_DIM) for x in (q, k, v))), order, axis=SEQ_DIM)
+    else:   # the whole sequence, in index order: the kernel's own causal mask
       o = self.own(q, k, v)
     return C.all_to_all(o, axis, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L, H_ctx, K] -> o[B, L_ctx, H, K]
 
@@ -106,6 +129,6 @@ class Ulysses(AllGatherKV):
 STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses}
 
 
-def make(impl: str, model: ModelConfig, layout: Layout):
-  """The strategy `context.impl` names, built for the model and the run's layout."""
-  return load_object(impl, "context.impl", STRATEGIES)(model, layout)
+def make(cfg: ContextConfig, model: ModelConfig, layout: Layout):
+  """The strategy `context.impl` names, built for the model, the run's layout and its settings."""
+  return load_object(cfg.impl, "context.impl", STRATEGIES)(model, layout, cfg)

@@ -289,7 +289,7 @@ class ExplicitSchedule:
     self.ops = make_tp(cfg.tp, self.layout)
     self.decls = declare(model, layout=self.layout)
     self.policy = _remat_policy(cfg.remat)
-    self.cp = CP.make((context or ContextConfig()).impl, model, self.layout)   # attention across `context`
+    self.cp = CP.make(context or ContextConfig(), model, self.layout)   # attention across `context`
     self.residuals: list | None = None   # a list while recording_residuals() is active
 
   def honours(self, axis_names) -> dict:
@@ -309,6 +309,11 @@ class ExplicitSchedule:
     attention strategy cannot run: one line."""
     honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or f"the {type(self).__name__} schedule")
     self.cp.check(dict(shape))
+
+  def data_order(self, shape: dict):
+    """The order the data must hold each sequence's tokens in on a mesh of `shape` (context.load_balance: the
+    zigzag of data.zigzag), or None."""
+    return self.cp.cfg.order(self.model.seq_len, self.cp.parts(shape))
 
   def bind(self, mesh) -> None:
     """The mesh the step is built for: checked (check_mesh)."""

@@ -90,6 +90,10 @@ class GSPMDSchedule:
     dims = ("heads", "kv_heads", "mlp", "vocab") + (("seq",) if self.ops.seq_parallel else ())
     return {**{d: [(TENSOR,)] for d in dims}, "embed": [(FSDP,), ()], "layers": [()], "length": [()]}
 
+  def data_order(self, shape: dict):
+    """Sequences as they come (no sequence split)."""
+    return None
+
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
     honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or "the gspmd schedule")
 

@@ -80,6 +80,12 @@ class Schedule(Protocol):
     layout.honoured; a sequence split its attention cannot take). Validation calls it before anything compiles."""
     ...
 
+  def data_order(self, shape: dict):
+    """The order the data holds each sequence's tokens in on a mesh of `shape` (a permutation of 0..L-1, e.g.
+    causal load balancing's zigzag), or None for as they come. The data applies it to inputs, targets and
+    positions alike (data.split)."""
+    ...
+
   def bind(self, mesh) -> None:
     """The mesh the step is built for (called once by train.py, before tracing): check_mesh, then keep it."""
     ...
