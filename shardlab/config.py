@@ -125,7 +125,7 @@ class ScheduleConfig:
 class ContextConfig:
   """Context parallelism (`mesh.context=C`): how attention works across the sequence's split (schedules/context.py)."""
   name: str = "all_gather"
-  impl: str = "all_gather"        # all_gather | ulysses | package.module:Class
+  impl: str = "all_gather"        # all_gather | ring | ulysses | package.module:Class
   load_balance: bool = False      # causal load balancing: each device holds sequence chunks r and 2C-1-r (data.zigzag)
 
   def order(self, seq_len: int, parts: int):

@@ -12,7 +12,7 @@ RTOL = ATOL = 2e-5
 MESHES = [{"context": 8}, {"fsdp": 2, "context": 4}, {"fsdp": 2, "context": 2, "tensor": 2}]
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring", "ulysses"])
 @pytest.mark.parametrize("shape", MESHES, ids=[testing.mesh_id({"fsdp": 1, "tensor": 1, **m}) for m in MESHES])
 def test_context_strategies_match_the_reference(shape, strategy):
   shape = {"fsdp": 1, "tensor": 1, **shape}
@@ -83,7 +83,7 @@ def test_ulysses_needs_heads_the_context_axis_divides():
     testing.compile_schedule(None, {"fsdp": 1, "context": 8, "tensor": 1}, {"n_kv_heads": 2}, context="ulysses")
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring", "ulysses"])
 @pytest.mark.parametrize("shape", [{"context": 8}, {"fsdp": 2, "context": 2, "tensor": 2}],
                          ids=["c8", "f2xc2xt2"])
 def test_causal_load_balancing_is_the_same_training(shape, strategy):
@@ -111,3 +111,25 @@ def test_zigzag_order():
   from shardlab.data import zigzag
   assert zigzag(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]      # device 0: chunks 0 and 3; device 1: 1 and 2
   assert sorted(zigzag(32, 4).tolist()) == list(range(32)) and np.asarray(zigzag(32, 1)).tolist() == list(range(32))
+
+
+def test_ring_moves_kv_blocks_by_ppermute_and_keeps_only_local_residuals():
+  """Per layer and device: forward C-1 shifts of the K, V and positions blocks; backward the same and C shifts of
+  the dK, dV blocks (the last takes them home); no all-gather over context. GQA (2 K/V heads) on context 8."""
+  from shardlab.analysis import hlo
+  model = {"n_kv_heads": 2}
+  shape = {"fsdp": 1, "context": 8, "tensor": 1}
+  compiled, (loss, grads) = testing.compile_schedule(None, shape, model, context="ring")
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="ring, GQA: ")
+  cfg = testing.tiny_config(model)
+  m, C = cfg.model, 8
+  B, L, G, K, NL = cfg.train.batch_size, m.seq_len, m.kv_heads, m.head_dim, m.n_layers
+  kv_block, pos_block = B * (L // C) * G * K * 4, (L // C) * 4
+  colls = hlo.collectives(compiled.as_text(), testing.mesh_of(shape))
+  assert not [c for c in colls if c.kind == "all-gather" and c.axis == "context"]
+  moved = lambda dtype: sum(c.total_bytes for c in colls if c.kind == "collective-permute" and c.axis == "context"
+                            and c.dtype == dtype)
+  assert moved("f32") == NL * (2 * (C - 1) * 2 * kv_block + 2 * C * kv_block)      # K, V both ways; dK, dV
+  # the positions' shifts (int32) are the same in every layer and both passes: XLA keeps fewer of them
+  assert 0 < moved("s32") <= 2 * NL * (C - 1) * pos_block

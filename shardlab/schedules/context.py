@@ -11,6 +11,10 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               the tokens are placed). Backward (AD): the transpose of the gather, dK and dV reduce-scattered
               over `context`. Bytes per device per layer: (C-1)/C of the gathered K/V forward, the same backward;
               GQA moves only its G K/V heads. The attention is the plain one (scores [B, H, L/C, L]).
+  ring        ring attention: K/V blocks rotated by ppermute, an online softmax over them, a custom VJP that
+              rotates K/V again with dK/dV (no other device's K/V kept). Bytes per device per layer: (C-1) blocks
+              of K and V forward, the same and C blocks of dK and dV backward; each step's ppermute depends only
+              on the block received the step before, so a GPU can run it behind that step's attention.
   ulysses     DeepSpeed-Ulysses: Q, K and V all-to-all'd from sequence-sharded to head-sharded ([B, L/C, H, K]
               -> [B, L, H/C, K]), attention over the whole sequence on H/C heads (the model's own kernel:
               plain, blockwise or cuDNN's), the output all-to-all'd back. Backward (AD): the same all-to-alls the
@@ -21,6 +25,7 @@ With no `context` axis in the mesh a strategy is the model's own attention (mode
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -126,7 +131,97 @@ class Ulysses(AllGatherKV):
     return C.all_to_all(o, axis, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L, H_ctx, K] -> o[B, L_ctx, H, K]
 
 
-STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses}
+class Ring(AllGatherKV):
+  """Ring attention (Liu et al. 2023, haoliuhl/ringattention): K/V blocks rotated around the context axis by
+  ppermute, each combined into an online softmax as it arrives; a custom VJP whose backward rotates the K/V
+  blocks again with their dK/dV, so no device keeps another device's K/V as a residual (only its q, k, v, the
+  output and the log-sum-exp)."""
+
+  def check(self, shape: dict) -> None:
+    self.check_balance(shape)
+    axes = self.layout.rule("length", tuple(shape))
+    if len(axes) > 1:
+      raise ConfigError(f"layout rule length -> {' x '.join(axes)}: context=ring rotates over one mesh axis")
+
+  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+    axis = self.context_axis()
+    if axis is None:
+      return self.own(q_BLHK, k_BLGK, v_BLGK)
+    return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis), A.ATTN_OUT)
+
+
+def _ring_scores(q_BLGRK, k_BMGK, pos_L, pos_M):
+  """Scaled scores [B, G, R, L, M] in float32 and the causal mask [L, M] from the positions."""
+  s = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BMGK, preferred_element_type=jnp.float32)
+  return s / np.sqrt(q_BLGRK.shape[-1]), pos_L[:, None] >= pos_M[None, :]
+
+
+def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis):
+  B, L, H, K = q_BLHK.shape
+  G = k_BLGK.shape[2]
+  q = q_BLHK.reshape(B, L, G, H // G, K)
+  n = C.axis_size(axis)
+  acc = C.zeros_like(q.astype(jnp.float32))                          # sum of p v, [B, L, G, R, K]
+  m = C.pvary(jnp.full((B, G, H // G, L), -jnp.inf, jnp.float32), C.varying_axes(acc), name="zeros")   # max
+  l = C.zeros_like(m)                                                  # running sum of p
+  k, v, pos = k_BLGK, v_BLGK, pos_L
+  for step in range(n):      # after `step` shifts this device holds the block of rank r - step
+    s, mask = _ring_scores(q, k, pos_L, pos)
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)             # a row with no visible key yet
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    l = l * corr + jnp.sum(p, axis=-1)
+    acc = acc * corr.transpose(0, 3, 1, 2)[..., None] + jnp.einsum("bgrlm,bmgk->blgrk", p, v.astype(jnp.float32))
+    m = m_new
+    if step < n - 1:
+      k, v, pos = (C.ring_shift(x, axis, +1, name="cp_ring") for x in (k, v, pos))
+  o = acc / l.transpose(0, 3, 1, 2)[..., None]
+  lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(l)
+  return o.reshape(B, L, H, K).astype(q_BLHK.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis):
+  """Causal attention of the local queries against every device's keys along `axis`, K/V rotated by ppermute."""
+  return _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis)[0]
+
+
+def _ring_fwd(q, k, v, pos, axis):
+  o, lse = _ring_forward(q, k, v, pos, axis)
+  return o, (q, k, v, pos, o, lse)        # local blocks only: O(L / C) per device
+
+
+def _ring_bwd(axis, res, do_BLHK):
+  q_BLHK, k_BLGK, v_BLGK, pos_L, o_BLHK, lse = res
+  B, L, H, K = q_BLHK.shape
+  G = k_BLGK.shape[2]
+  grouped = lambda x: x.reshape(B, L, G, H // G, K).astype(jnp.float32)
+  q, do, o = grouped(q_BLHK), grouped(do_BLHK), grouped(o_BLHK)
+  D = jnp.sum(do * o, axis=-1).transpose(0, 2, 3, 1)                   # [B, G, R, L]
+  n = C.axis_size(axis)
+  dq = C.zeros_like(q)
+  k, v, pos = k_BLGK, v_BLGK, pos_L
+  dk, dv = C.zeros_like(k.astype(jnp.float32)), C.zeros_like(v.astype(jnp.float32))
+  for step in range(n):      # the blocks travel as in forward, each with its dK/dV accumulating on the way
+    s, mask = _ring_scores(q, k, pos_L, pos)
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+    dv = dv + jnp.einsum("bgrlm,blgrk->bmgk", p, do)
+    ds = p * (jnp.einsum("blgrk,bmgk->bgrlm", do, v.astype(jnp.float32)) - D[..., None]) / np.sqrt(K)
+    dq = dq + jnp.einsum("bgrlm,bmgk->blgrk", ds, k.astype(jnp.float32))
+    dk = dk + jnp.einsum("bgrlm,blgrk->bmgk", ds, q)
+    if step < n - 1:
+      k, v, pos = (C.ring_shift(x, axis, +1, name="cp_ring") for x in (k, v, pos))
+    dk, dv = (C.ring_shift(x, axis, +1, name="cp_ring_grad") for x in (dk, dv))   # the last shift: home
+  zero_pos = np.zeros(pos_L.shape, jax.dtypes.float0)
+  return dq.reshape(B, L, H, K).astype(q_BLHK.dtype), dk.astype(k_BLGK.dtype), dv.astype(v_BLGK.dtype), zero_pos
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses, "ring": Ring}
 
 
 def make(cfg: ContextConfig, model: ModelConfig, layout: Layout):
