@@ -162,7 +162,7 @@ BAD = [
     (["profile.enabled=true", "train.steps=1"], "profile.start_step=3: the run has only train.steps=1 steps"),
     (["schedule.impl=os:path"], "schedule.impl=os:path: is a module, not a class"),
     (["schedule.tp=os:path"], "schedule.tp=os:path: is a module, not a class"),
-    (["schedule.impl=shardlab.mesh:ConfigError"], "ConfigError is not a Schedule: it has no honours, bind, "),
+    (["schedule.impl=shardlab.mesh:ConfigError"], "ConfigError is not a Schedule: it has no honours, "),
     (["schedule.tp=shardlab.mesh:ConfigError"], "ConfigError is not a TPContraction: it has no honours, columns, "),
     (["train.seed=1"], "holds another run (summary.json: status ok, 6 steps); a new run would overwrite it"),
     (["checkpoint.every=2"], "holds checkpoints of another run (6); a fresh run would mix with them"),
