@@ -287,11 +287,11 @@ def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   text = compiled.as_text()
   assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text and "__cudnn$fmhaSoftmaxBackward" in text
   from shardlab.analysis import hlo
-  from shardlab.analysis.timeline import _attention_call_flops
+  from shardlab.analysis.hlo import attention_call_flops
   comps, _ = hlo.parse(text)
   fwd = [i for c in comps.values() for i in c if hlo.is_attention_call(i) and "Backward" not in i.attrs]
   b, h, l, k = 16 // 4, 4 // 2, 256, 64          # per device: batch over fsdp, heads over tensor
-  assert [_attention_call_flops(i) for i in fwd] == [4 * b * h * l * l * k / 2]
+  assert [attention_call_flops(i) for i in fwd] == [4 * b * h * l * l * k / 2]
 
 
 # ------------------------------------------------------------------------------ the planner, confirmed on the target

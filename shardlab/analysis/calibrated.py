@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from shardlab.analysis import hlo
 from shardlab.analysis.program import _FREE, flops_fn
-from shardlab.analysis.timeline import dims
+from shardlab.analysis.hlo import dims
 
 
 @dataclass

@@ -381,3 +381,67 @@ def overlap_rows(comps: dict) -> list[OverlapRow]:
       rows.append(OverlapRow(comp, c.name, c.opcode.removesuffix("-start"), scope_of(c.op_name), independent,
                              len(is_mm), comp in bodies))
   return rows
+
+
+# ---- matmul FLOPs of an instruction (the cost model, the timeline and the program read them) ----
+
+
+def dims(shape: str) -> list[int]:
+  """'f32[8,32,64]{2,1,0}' -> [8, 32, 64] (the first array of a tuple)."""
+  m = re.search(r"\[([\d,]*)\]", shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def dot_flops(ins: Instr, shapes: dict) -> float:
+  """2 x (result elements) x (contracted elements): each output is a dot product of that length."""
+  lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+  contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
+  return 2.0 * math.prod(dims(ins.shape)) * contracted
+
+
+def gemm_call_flops(ins: Instr, shapes: dict) -> float:
+  """A cuBLAS custom call: its backend_config holds the dot's dimension numbers; the result is the tuple's first
+  array (a workspace follows)."""
+  lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+  m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+  contracted = math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1))) if m and lhs else 1
+  return 2.0 * math.prod(dims(ins.shape)) * contracted
+
+
+def attention_call_flops(ins: Instr) -> float:
+  """A cuDNN fused attention call: 4 B H Lq Lk K for the forward's two matmuls (scores, then probabilities x
+  values), 2.5 times that for the backward's five (FlashAttention-2's count, arXiv:2307.08691), half of it under a
+  causal mask (the masked blocks are skipped). B H Lq Lk: the backend config's intermediate_tensor_shape; K: the
+  output's last dimension."""
+  m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*"dimensions":\s*\[([^\]]*)\]', ins.attrs)
+  if not m:
+    return 0.0
+  bhqk = [int(d) for d in re.findall(r"\d+", m.group(1))]
+  k = dims(ins.shape)[-1]
+  f = 4.0 * math.prod(bhqk) * k * (2.5 if "Backward" in ins.attrs else 1.0)
+  return f / 2 if re.search(r'"mask_type":\s*"[A-Z_]*CAUSAL', ins.attrs) else f
+
+
+def flops_fn(comps: dict):
+  """flops(instruction, computation) -> matmul FLOPs it performs (dots, inside fusions too)."""
+  memo = {}
+
+  def of_comp(c):
+    if c not in memo:
+      memo[c] = 0.0
+      shapes = {i.name: i.shape for i in comps.get(c, [])}
+      memo[c] = sum(of_ins(i, shapes) for i in comps.get(c, []))
+    return memo[c]
+
+  def of_ins(ins, shapes):
+    if ins.opcode == "dot":
+      return dot_flops(ins, shapes)
+    if is_gemm_call(ins):
+      return gemm_call_flops(ins, shapes)
+    if is_attention_call(ins):
+      return attention_call_flops(ins)
+    if ins.opcode in ("fusion", "custom-call"):
+      return sum(of_comp(c) for c in re.findall(r"calls=%?([\w.\-]+)", ins.attrs))
+    return 0.0
+  return of_ins

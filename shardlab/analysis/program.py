@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from shardlab.analysis import hlo
+from shardlab.analysis.hlo import flops_fn  # noqa: F401  (re-exported: calibrated.py reads it here)
 
 # Instructions that launch no kernel (bookkeeping); anything else between a collective's start and done is work.
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
@@ -136,12 +137,6 @@ class Program:
                        "count": p.coll.count, "in_loop": p.in_loop, "matmuls_between": p.gemms,
                        "kernels_between": p.kernels, "wraps_loop": p.wraps, "is_sync": p.is_sync}
                       for p in pairs]}
-
-
-def flops_fn(comps: dict):
-  """flops(instruction, shapes) -> matmul FLOPs it performs (a dot, or a fusion or custom call wrapping one)."""
-  from shardlab.analysis.timeline import _flops_fn
-  return _flops_fn(comps)
 
 
 def memory(compiled) -> dict:

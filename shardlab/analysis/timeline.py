@@ -38,67 +38,6 @@ class Task:
   iteration: tuple = ()           # the loop iteration it runs in, outermost first (() outside loops)
 
 
-def dims(shape: str) -> list[int]:
-  """'f32[8,32,64]{2,1,0}' -> [8, 32, 64] (the first array of a tuple)."""
-  m = re.search(r"\[([\d,]*)\]", shape)
-  return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _dot_flops(ins: hlo.Instr, shapes: dict) -> float:
-  """2 x (result elements) x (contracted elements): each output is a dot product of that length."""
-  lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
-  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-  contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
-  return 2.0 * math.prod(dims(ins.shape)) * contracted
-
-
-def _gemm_call_flops(ins: hlo.Instr, shapes: dict) -> float:
-  """A cuBLAS custom call: its backend_config holds the dot's dimension numbers; the result is the tuple's first
-  array (a workspace follows)."""
-  lhs = dims(shapes.get(ins.operands[0], "")) if ins.operands else []
-  m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
-  contracted = math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1))) if m and lhs else 1
-  return 2.0 * math.prod(dims(ins.shape)) * contracted
-
-
-def _attention_call_flops(ins: hlo.Instr) -> float:
-  """A cuDNN fused attention call: 4 B H Lq Lk K for the forward's two matmuls (scores, then probabilities x
-  values), 2.5 times that for the backward's five (FlashAttention-2's count, arXiv:2307.08691), half of it under a
-  causal mask (the masked blocks are skipped). B H Lq Lk: the backend config's intermediate_tensor_shape; K: the
-  output's last dimension."""
-  m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*"dimensions":\s*\[([^\]]*)\]', ins.attrs)
-  if not m:
-    return 0.0
-  bhqk = [int(d) for d in re.findall(r"\d+", m.group(1))]
-  k = dims(ins.shape)[-1]
-  f = 4.0 * math.prod(bhqk) * k * (2.5 if "Backward" in ins.attrs else 1.0)
-  return f / 2 if re.search(r'"mask_type":\s*"[A-Z_]*CAUSAL', ins.attrs) else f
-
-
-def _flops_fn(comps: dict):
-  """flops(instruction, computation) -> matmul FLOPs it performs (dots, inside fusions too)."""
-  memo = {}
-
-  def of_comp(c):
-    if c not in memo:
-      memo[c] = 0.0
-      shapes = {i.name: i.shape for i in comps.get(c, [])}
-      memo[c] = sum(of_ins(i, shapes) for i in comps.get(c, []))
-    return memo[c]
-
-  def of_ins(ins, shapes):
-    if ins.opcode == "dot":
-      return _dot_flops(ins, shapes)
-    if hlo.is_gemm_call(ins):
-      return _gemm_call_flops(ins, shapes)
-    if hlo.is_attention_call(ins):
-      return _attention_call_flops(ins)
-    if ins.opcode in ("fusion", "custom-call"):
-      return sum(of_comp(c) for c in re.findall(r"calls=%?([\w.\-]+)", ins.attrs))
-    return 0.0
-  return of_ins
-
-
 def _direction(pairs, device_ids: np.ndarray, axis_names: tuple, axis: str) -> str:
   """'+' if a collective-permute sends each device to the next along `axis`, '-' if to the previous."""
   if "+" in axis or axis not in axis_names:
@@ -111,16 +50,12 @@ def _direction(pairs, device_ids: np.ndarray, axis_names: tuple, axis: str) -> s
   return "-" if n > 2 and (pos[t] - pos[s]) % n == n - 1 else "+"
 
 
-def build(prog, device_ids=None, axis_names=None) -> list[Task]:
+def build(prog) -> list[Task]:
   """The step's dependency graph, while loops unrolled; tasks are in a topological order (deps first).
-  `prog`: an analysis.program.Program (or HLO text, parsed here, with the mesh's device_ids and axis names)."""
-  if isinstance(prog, str):
-    from shardlab.analysis.program import Program
-    device_ids, axis_names = hlo.mesh_ids(device_ids, axis_names)
-    prog = Program(prog, device_ids, axis_names)
+  `prog`: an analysis.program.Program (the compiled program, parsed once)."""
   comps, entry, device_ids, axis_names = prog.comps, prog.entry, prog.device_ids, prog.axis_names
   colls = {(c.computation, c.name): c for c in prog.collectives}
-  flops = _flops_fn(comps)
+  flops = hlo.flops_fn(comps)
   tasks: list[Task] = []
 
   def add(t: Task) -> int:
