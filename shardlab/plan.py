@@ -31,6 +31,7 @@ import sys
 
 from shardlab.axes import DATA, FSDP, TENSOR
 from shardlab.config import CONF_DIR
+from shardlab.trainer import build
 
 
 def compose(overrides: list[str]):
@@ -112,14 +113,14 @@ def run(argv: list[str]) -> dict:
   chosen = None
   if opts["confirm_batch"]:
     from shardlab.analysis.confirm import confirm_batch_window
-    result["batch_window"]["target"] = confirm_batch_window(cfg)
+    result["batch_window"]["target"] = confirm_batch_window(cfg, build)
   if opts["search"]:
     layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
     result["search"] = {"devices": opts["devices"] or cfg.mesh.n_devices, "considered": len(layouts),
                         "qualifying": sum(not l["rejected_because"] for l in layouts)}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
     if opts["confirm"]:
-      confirmed = planner.confirm_on_target(layouts, cfg, opts["top"] or 3)
+      confirmed = planner.confirm_on_target(layouts, cfg, opts["top"] or 3, build)
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = layouts[:opts["top"] or 3]
     if opts["plot_layouts"]:

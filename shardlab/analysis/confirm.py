@@ -24,16 +24,16 @@ def start_jax(cfg) -> None:
     pass
 
 
-def compile_on_target(cfg) -> dict[str, Any]:
+def compile_on_target(cfg, build) -> dict[str, Any]:
   """Compile cfg's train step (cfg.mesh.fsdp x cfg.mesh.tensor, train.batch_size sequences) for cfg.hardware's
   target. Returns `memory` (the target compiler's memory_analysis per device: argument, output, temp, alias,
   peak), `memory_analytic` (memory_model.breakdown of the same config), `fits` and `headroom_bytes` against
   hardware.hbm_bytes, `prediction` (the calibrated replay: t_overlapped_s, mfu, ...), `target` and
-  `compile_time_s`. Raises ConfigError when the extra or the topology is missing."""
+  `compile_time_s`. Raises ConfigError when the extra or the topology is missing. `build(cfg, devices)`: the
+  application's step builder (shardlab.trainer.build), passed in so that analysis/ imports nothing above it."""
   from shardlab import params as PM, target as TG
   from shardlab.analysis import costmodel, memory_model
   from shardlab.analysis.program import Program
-  from shardlab.run import build
   hw, n = cfg.hardware, cfg.mesh.n_devices
   topo = TG.check(hw, n)
   start_jax(cfg)
@@ -73,7 +73,7 @@ def layout_config(cfg, layout: dict) -> tuple[Any, str | None]:
   return sub, None
 
 
-def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str, Any]]:
+def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[dict[str, Any]]:
   """The best k layouts, each with `target`: the compiled memory and calibrated step time beside the closed
   forms (`memory_closed_form_bytes` = the layout's memory_per_device_bytes, `step_time_closed_form_s` = its
   step_time_s), or `compiled: false` and `why` for a layout the train step cannot express. A layout that fails
@@ -89,7 +89,7 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str
       out.append({**layout, "target": {"compiled": False, "why": why}})
       continue
     try:
-      r = compile_on_target(sub)
+      r = compile_on_target(sub, build)
     except Exception as e:   # a layout the target cannot take (topology, compiler error): said, not fatal
       out.append({**layout, "target": {"compiled": False, "why": f"{type(e).__name__}: {' '.join(str(e).split())}"}})
       continue
@@ -105,7 +105,7 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str
   return out
 
 
-def confirm_batch_window(cfg, samples: tuple[int, int] = (1, 4)) -> dict[str, Any]:
+def confirm_batch_window(cfg, build, samples: tuple[int, int] = (1, 4)) -> dict[str, Any]:
   """The largest batch of cfg's mesh that fits hardware.hbm_bytes by the target compiler's memory report, found
   by compiling (nothing runs): compile the train step at `samples` sequences per fsdp shard, take the line
   through the two peaks (fixed bytes plus bytes per sequence) as the first guess
@@ -119,7 +119,8 @@ def confirm_batch_window(cfg, samples: tuple[int, int] = (1, 4)) -> dict[str, An
 
   def peak(seqs: int) -> float:            # seqs per fsdp shard -> the target's compiled peak bytes per device
     if seqs not in cache:
-      cache[seqs] = compile_on_target(planner.override(cfg, train={"batch_size": seqs * x, "global_batch_tokens": 0}))
+      cache[seqs] = compile_on_target(planner.override(cfg, train={"batch_size": seqs * x, "global_batch_tokens": 0}),
+                                      build)
     return cache[seqs]["memory"]["peak"]
 
   samples = tuple(max(mb, s - s % mb) for s in samples)

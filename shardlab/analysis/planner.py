@@ -568,12 +568,12 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
   return out
 
 
-def confirm_on_target(layouts: list[dict[str, Any]], cfg, k: int) -> list[dict[str, Any]]:
+def confirm_on_target(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[dict[str, Any]]:
   """The best k layouts compiled for the target (cfg.hardware's own compiler, shardlab/target.py), each with
   `target`: the compiled memory per device and the calibrated step time beside these closed forms
   (analysis/confirm.py; imports JAX, unlike the rest of this module)."""
   from shardlab.analysis.confirm import confirm_layouts
-  return confirm_layouts(layouts, cfg, k)
+  return confirm_layouts(layouts, cfg, k, build)   # build: the application's step builder (trainer.build)
 
 
 # ------------------------------------------------------------------------------------------------------ the plan
