@@ -31,6 +31,7 @@ import sys
 
 from shardlab.axes import DATA, FSDP, TENSOR
 from shardlab.config import CONF_DIR
+from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
 from shardlab.trainer import build
 
 
@@ -112,7 +113,6 @@ def run(argv: list[str]) -> dict:
   result = planner.plan(cfg)
   chosen = None
   if opts["confirm_batch"]:
-    from shardlab.analysis.confirm import confirm_batch_window
     result["batch_window"]["target"] = confirm_batch_window(cfg, build)
   if opts["search"]:
     layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
@@ -120,7 +120,7 @@ def run(argv: list[str]) -> dict:
                         "qualifying": sum(not l["rejected_because"] for l in layouts)}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
     if opts["confirm"]:
-      confirmed = planner.confirm_on_target(layouts, cfg, opts["top"] or 3, build)
+      confirmed = confirm_layouts(layouts, cfg, opts["top"] or 3, build)
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = layouts[:opts["top"] or 3]
     if opts["plot_layouts"]:

@@ -14,6 +14,7 @@ pytest.importorskip("jax_cuda12_plugin", reason="target compilation needs the cu
 from conftest import load_preset, preset_names, tiny_config  # noqa: E402
 from shardlab.testing import abstract_batch  # noqa: E402
 from shardlab.trainer import build  # noqa: E402
+from shardlab.analysis.confirm import confirm_layouts  # noqa: E402
 
 H100 = None
 
@@ -333,11 +334,11 @@ def test_plan_top_k_compiles_hsdp_and_says_why_a_layout_is_not_compiled(monkeypa
   from shardlab.plan import compose, main
   cfg = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2"])
   hsdp = next(l for l in planner.search(cfg) if (l["data"], l["fsdp"], l["tensor"]) == (2, 2, 2))
-  out = planner.confirm_on_target([hsdp], cfg, 1, build)[0]["target"]
+  out = confirm_layouts([hsdp], cfg, 1, build)[0]["target"]
   assert out["compiled"] is True and out["memory_compiled_bytes"] > 0, out
   small = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "train.batch_size=4"])
   odd = next(l for l in planner.search(small) if (l["data"], l["fsdp"], l["tensor"]) == (2, 4, 1))
-  out = planner.confirm_on_target([odd], small, 1, build)[0]["target"]
+  out = confirm_layouts([odd], small, 1, build)[0]["target"]
   assert out == {"compiled": False, "why": out["why"]} and "not a whole number" in out["why"]
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",

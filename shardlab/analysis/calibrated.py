@@ -43,6 +43,16 @@ class Replayed:
   events: list                 # timeline events (the format of timeline.events)
 
 
+def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
+  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus). On a
+  switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
+  (HSDP's data axis, typically) gets the nodes' NICs, not NVLink; an axis made of several takes the slowest."""
+  over = ici_axes.get("bytes_per_s")
+  if over:
+    return min(over.get(a, hw.ici_bandwidth) for a in axis.split("+"))
+  return hw.axis_bandwidth(sum(ici_axes.get(a, 1) for a in axis.split("+")))
+
+
 def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:
   """A matmul kernel: compute at the shape's achieved rate, or its bytes at HBM rate, whichever is longer."""
   q = 1.0
@@ -55,7 +65,6 @@ def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:
 
 def collective_seconds(c: hlo.Collective, hw, ici_axes: dict, nbytes: float | None = None) -> float:
   """One collective at achieved bus bandwidth (module doc); on a torus the axis' links add up (costmodel)."""
-  from shardlab.analysis.costmodel import axis_bandwidth
   b = c.bytes_moved if nbytes is None else nbytes
   if c.group_size <= 1 or b <= 0:
     return 0.0

@@ -4,7 +4,7 @@ same train step a run builds (run.build). What comes back is the target compiler
 calibrated step-time prediction of its scheduled program (analysis/costmodel.py): a compile and a MODEL
 PREDICTION, not a measurement.
 
-  python -m shardlab.plan search=true top=3 ...      # planner.confirm_on_target: the best 3 layouts
+  python -m shardlab.plan search=true top=3 ...      # confirm_layouts: the best 3 layouts
 """
 from __future__ import annotations
 

@@ -33,17 +33,8 @@ import json
 from pathlib import Path
 
 from shardlab.analysis import hlo, ledger, timeline as TL
+from shardlab.analysis.calibrated import axis_bandwidth
 from shardlab.axes import FSDP, TENSOR
-
-
-def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
-  """Bytes/s of a mesh axis (FSDP, TENSOR, or 'fsdp+tensor': the physical axes add up on a torus). On a
-  switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
-  (HSDP's data axis, typically) gets the nodes' NICs, not NVLink; an axis made of several takes the slowest."""
-  over = ici_axes.get("bytes_per_s")
-  if over:
-    return min(over.get(a, hw.ici_bandwidth) for a in axis.split("+"))
-  return hw.axis_bandwidth(sum(ici_axes.get(a, 1) for a in axis.split("+")))
 
 
 def link_axes(cfg) -> dict:

@@ -568,16 +568,6 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
   return out
 
 
-def confirm_on_target(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[dict[str, Any]]:
-  """The best k layouts compiled for the target (cfg.hardware's own compiler, shardlab/target.py), each with
-  `target`: the compiled memory per device and the calibrated step time beside these closed forms
-  (analysis/confirm.py; imports JAX, unlike the rest of this module)."""
-  from shardlab.analysis.confirm import confirm_layouts
-  return confirm_layouts(layouts, cfg, k, build)   # build: the application's step builder (trainer.build)
-
-
-# ------------------------------------------------------------------------------------------------------ the plan
-
 def check(cfg) -> None:
   """Raise ValueError on values the formulas cannot use (the CLI turns it into one line and exit 2)."""
   m, mesh, t, hw = cfg.model, cfg.mesh, cfg.train, cfg.hardware
@@ -619,6 +609,8 @@ def this_layout(cfg) -> dict[str, Any]:
   ici, bws = mesh_links(cfg)
   return evaluate_layout(cfg, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, bws, ici)
 
+
+# ------------------------------------------------------------------------------------------------------ the plan
 
 def plan(cfg) -> dict[str, Any]:
   """Everything the planner predicts for one `Config`, as a JSON-ready dict (see shardlab/plan.py). With
