@@ -95,6 +95,13 @@ def ring_shift(x, axis: str, shift: int = 1, name: str = "ring_shift"):
     return jax.lax.ppermute(x, axis, perm=[(i, (i + shift) % n) for i in range(n)])
 
 
+def ppermute(x, axis: str, pairs, name: str = "ppermute"):
+  """Send x from device i to device j along `axis` for each (i, j) in `pairs`; a device no pair sends to
+  receives zeros. Backward: the same pairs reversed."""
+  with scope(name):
+    return jax.lax.ppermute(x, axis, perm=list(pairs))
+
+
 # ---- ring collective matmuls (Scaling Book jax-stuff.md; JAX shard_map notebook, "collective matmul") ----
 #
 # `f` maps a block of tokens to its matmul output, block-wise along `dim` (any per-token contraction).

@@ -134,6 +134,21 @@ class ContextConfig:
 
 
 @dataclass
+class PipelineConfig:
+  """Pipeline parallelism (`mesh.pipeline=P`): the layer stack split into P stages, run by a schedule table
+  (schedules/pipeline.py, docs/pipeline.md)."""
+  name: str = "none"
+  impl: str = "none"              # none | gpipe | 1f1b | interleaved | zb_h1 | package.module:Class
+  microbatches: int = 0           # M; 0: one per stage (M = mesh.pipeline), the fewest every schedule runs with
+  virtual_stages: int = 1         # V: model chunks per stage (impl=interleaved)
+  gather: str = "microbatch"      # FSDP weights of a stage: gathered in every F and B (microbatch) or once (step)
+
+  def count(self, pipeline: int) -> int:
+    """M on a pipeline of `pipeline` stages."""
+    return self.microbatches or pipeline
+
+
+@dataclass
 class TrainConfig:
   steps: int = 30
   batch_size: int = 16            # global batch, in sequences
@@ -208,6 +223,7 @@ class Config:
   model: ModelConfig = field(default_factory=ModelConfig)
   schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
   context: ContextConfig = field(default_factory=ContextConfig)
+  pipeline: PipelineConfig = field(default_factory=PipelineConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
   data: DataConfig = field(default_factory=DataConfig)
   precision: PrecisionConfig = field(default_factory=PrecisionConfig)

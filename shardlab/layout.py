@@ -134,8 +134,8 @@ def from_config(cfg) -> Layout:
 
 
 # What a rule no schedule honours yet needs (messages).
-NOT_YET = {"layers": "pipeline stages need a pipeline executor, which shardlab does not have yet (docs/pipeline.md); "
-                     "use mesh.pipeline=1",
+NOT_YET = {"layers": "pipeline stages need a pipeline schedule: pipeline=gpipe, 1f1b, interleaved or zb_h1 "
+                     "(docs/pipeline.md), or mesh.pipeline=1",
            "length": "this schedule does not split the sequence (the explicit ones do); use mesh.context=1"}
 
 

@@ -118,25 +118,37 @@ def ffn_layer(ops, x_BLD, w):
   return x_BLD + ops.row(jax.nn.relu(h_BLF), w["wd"], "blf,fd->bld").astype(x_BLD.dtype)
 
 
-def ffn_loss(ctx, m: ModelConfig, batch, n_tokens: int):
-  """The FFN-only model: the blocks map each token's code (data.token_code) towards the next token's; the loss
-  is the squared error per code dimension, this device's share of the mean over every token."""
-  ops = ctx.tp
-  x_BLD = ops.seq_shard(token_code(batch.inputs, m.d_model))
-  x_BLD = ctx.layers(x_BLD, lambda x, lw: ffn_layer(ops, x, lw))
-  err_BLD = x_BLD - ops.seq_shard(token_code(batch.targets, m.d_model))
-  return ops.token_sum(jnp.sum(err_BLD * err_BLD)) / (n_tokens * m.d_model)
-
-
-def loss(ctx, m: ModelConfig, batch, n_tokens: int):
-  """Sum of this device's token losses over the global token count: summed over devices (and over
-  microbatches) it is the global mean. `batch`: data.Batch (inputs and targets [B, L], positions [L])."""
+def embed_in(ctx, m: ModelConfig, batch):
+  """The residual stream's input: the vocabulary-parallel embedding of the inputs (the FFN-only model: their
+  codes, data.token_code)."""
   if m.kind == "ffn":
-    return ffn_loss(ctx, m, batch, n_tokens)
+    return ctx.tp.seq_shard(token_code(batch.inputs, m.d_model))
+  return embed(ctx.tp, batch.inputs, ctx.weight("embed"))
+
+
+def block(ctx, m: ModelConfig, batch):
+  """layer_fn(x, layer_weights) of one block, for the layer loop (ctx.layers)."""
+  if m.kind == "ffn":
+    return lambda x, lw: ffn_layer(ctx.tp, x, lw)
+  return lambda x, lw: layer(ctx, m, x, lw, batch.positions)
+
+
+def head_loss(ctx, m: ModelConfig, x_BLD, batch, n_tokens: int):
+  """The loss of the residual stream after the last layer: final norm, vocabulary-parallel logits and cross-
+  entropy, this device's tokens' sum over the global token count (the FFN-only model: the squared error of each
+  code dimension against the next token's code, data.token_code)."""
   ops = ctx.tp
-  x_BLD = embed(ops, batch.inputs, ctx.weight("embed"))
-  x_BLD = ctx.layers(x_BLD, lambda x, lw: layer(ctx, m, x, lw, batch.positions))
+  if m.kind == "ffn":
+    err_BLD = x_BLD - ops.seq_shard(token_code(batch.targets, m.d_model))
+    return ops.token_sum(jnp.sum(err_BLD * err_BLD)) / (n_tokens * m.d_model)
   x_BLD = rms_norm(x_BLD, ctx.weight("final_norm"), m.norm_eps)
   logits_BLV = ops.column(x_BLD, ctx.weight("unembed"), "bld,dv->blv")
   nll_BL = cross_entropy(ops, logits_BLV, batch.targets)
   return ops.batch_sum(jnp.sum(nll_BL)) / n_tokens
+
+
+def loss(ctx, m: ModelConfig, batch, n_tokens: int):
+  """Sum of this device's token losses over the global token count: summed over devices (and over
+  microbatches) it is the global mean. `batch`: data.Batch (inputs and targets [B, L], positions [L]). The three
+  parts (embed_in, the layers of `block`, head_loss) are what a pipeline runs on different stages."""
+  return head_loss(ctx, m, ctx.layers(embed_in(ctx, m, batch), block(ctx, m, batch)), batch, n_tokens)

@@ -159,7 +159,8 @@ class Need(NamedTuple):
 
 
 def requirements(model, layout: Layout, shape: dict, batch_size: int | None = None, microbatches: int = 1,
-                 seq_parallel: bool = False, seq_halves: bool = False) -> list[Need]:
+                 seq_parallel: bool = False, seq_halves: bool = False,
+                 microbatch_setting: str = "schedule.microbatches") -> list[Need]:
   """Every divisibility of the model's dims and the batch by the axes they are sharded over on a mesh of
   `shape` ({axis: size}): weights from the declarations (params.declare x layout), the batch over its axes (and
   its microbatches), the sequence over `length`'s axes and, when sequence-parallel, `seq`'s too (twice over
@@ -180,7 +181,7 @@ def requirements(model, layout: Layout, shape: dict, batch_size: int | None = No
     axs = layout.batch_axes(names)
     out.append(Need("train.batch_size", batch_size, axs, size(axs), f"layout rule batch -> {' x '.join(axs)}"))
     if microbatches > 1:
-      out.append(Need("train.batch_size", batch_size, axs + ("schedule.microbatches",), size(axs) * microbatches,
+      out.append(Need("train.batch_size", batch_size, axs + (microbatch_setting,), size(axs) * microbatches,
                       "each device splits its batch into microbatches"))
   length = layout.rule("length", names)
   if length:

@@ -561,22 +561,29 @@ def abstract_batch(batch_size: int, seq_len: int, mesh, layout=None):
                  for shape, s in zip(shapes, batch_specs(layout or Layout(), mesh))))
 
 
-def reference_loss_and_grads(model: dict | None = None):
+def reference_loss_and_grads(model: dict | None = None, depth_order=None):
   """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
-  `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored."""
+  `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored.
+  depth_order: the stored layer that runs at each depth (an interleaved pipeline's, pipeline.depth_order); the
+  gradients come back in stored order."""
   model = {k: v for k, v in (model or {}).items() if k not in ("attention", "attention_block")}
-  return _reference_loss_and_grads(tuple(sorted(model.items())))
+  return _reference_loss_and_grads(tuple(sorted(model.items())), None if depth_order is None else tuple(depth_order))
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_loss_and_grads(model_items: tuple):
+def _reference_loss_and_grads(model_items: tuple, depth_order=None):
   import jax
+  import numpy as np
   from shardlab import params as PM, reference as R
   cfg = tiny_config(dict(model_items))
   p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
   b = tiny_batch()
+  order = np.arange(cfg.model.n_layers) if depth_order is None else np.asarray(depth_order)
+
+  def loss(p):   # the layers run in depth order: stored layer order[d] at depth d
+    return R.loss({**p, "layers": jax.tree.map(lambda a: a[order], p["layers"])}, b[:, :-1], b[:, 1:], cfg)
   with jax.numpy_dtype_promotion("strict"):
-    return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg)))(p)
+    return jax.jit(jax.value_and_grad(loss))(p)
 
 
 def _schedule_key(schedule, knobs) -> tuple:
@@ -595,23 +602,26 @@ def _schedule_key(schedule, knobs) -> tuple:
 
 
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
-                     context: str | None = None, load_balance: bool = False, **knobs):
+                     context: str | None = None, load_balance: bool = False, pipeline: dict | None = None, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
   **knobs), model, compute_dtype, layout), like the registered ones); knobs override. model: ModelConfig fields
   to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
   the default layout). context: the context-parallel strategy (context.impl; None: all_gather); load_balance:
-  context.load_balance (the data in zigzag order)."""
+  context.load_balance (the data in zigzag order). pipeline: PipelineConfig fields ({"impl": "1f1b",
+  "microbatches": 4}; None: no pipeline); compare with `reference_loss_and_grads(model, pipeline=..)`, which runs
+  the layers in the pipeline's depth order."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
   return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
-                           context, load_balance)
+                           context, load_balance, tuple(sorted((pipeline or {}).items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False):
+def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False,
+                      pipe_items=()):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -627,9 +637,12 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   from shardlab.config import ContextConfig
   cp = None if context is None and not load_balance else ContextConfig(
       name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance)
+  from shardlab.config import PipelineConfig
+  pipe = PipelineConfig(**{"name": dict(pipe_items).get("impl", "none"), **dict(pipe_items)}) if pipe_items else None
   sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout, *([cp] if cp else [])) if cls
-           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp))
-  PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, cfg.schedule.microbatches,
+           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp, pipe))
+  micro = getattr(sched, "microbatches_on", lambda shape: cfg.schedule.microbatches)(dict(mesh_items))
+  PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, micro,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
   b = placed_batch(tiny_batch(), mesh, layout, sched.data_order(dict(mesh_items)))
   with jax.numpy_dtype_promotion("strict"):

@@ -43,7 +43,8 @@ def build(cfg: Config, devices=None):
   mesh = make_mesh(cfg.mesh.shape, devices=devices)
   layout = from_config(cfg)
   decls = PM.declare(cfg.model, cfg.mesh.tensor, layout, mesh.axis_names)
-  sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype], layout, cfg.context)
+  sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype], layout, cfg.context,
+                          cfg.pipeline)
   opt = T.make_optimizer(cfg, decls)
   step_fn = T.make_train_step(cfg, sched, decls, opt, mesh)
   specs = T.state_specs(opt, decls)

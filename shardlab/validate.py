@@ -29,10 +29,21 @@ def check_layout(cfg: Config, sched=None) -> None:
   layout, shape = from_config(cfg), cfg.mesh.shape
   layout.check(tuple(shape))
   ops = None if sched is None else sched.ops
-  check_divisible(cfg.model, layout, shape, cfg.train.batch_size, cfg.schedule.microbatches if sched else 1,
+  micro, setting = microbatches(cfg, sched)
+  check_divisible(cfg.model, layout, shape, cfg.train.batch_size, micro, microbatch_setting=setting,
                   seq_parallel=ops is not None and ops.seq_sharded, seq_halves=ops is not None and ops.bidirectional)
   if sched is not None:
     sched.check_mesh(dict(shape), f"schedule {cfg.schedule.name}")
+
+
+def microbatches(cfg: Config, sched=None) -> tuple[int, str]:
+  """(microbatches each device splits its batch into, the setting that says so): the pipeline's when it runs one,
+  else schedule.microbatches."""
+  if sched is None:
+    return 1, "schedule.microbatches"
+  on = getattr(sched, "microbatches_on", None)
+  n = on(dict(cfg.mesh.shape)) if on else cfg.schedule.microbatches
+  return n, "pipeline.microbatches" if cfg.pipeline.impl != "none" else "schedule.microbatches"
 
 
 # The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),
@@ -54,6 +65,8 @@ RANGES = [
     ("model.norm_eps", [0], None, "RMSNorm epsilon: 0 divides by zero on a zero row"),
     ("schedule.prefetch", 0, None, "FSDP prefetch depth"),
     ("schedule.microbatches", 1, None, "microbatches per step"),
+    ("pipeline.microbatches", 0, None, "microbatches per step through the pipeline (0: one per stage)"),
+    ("pipeline.virtual_stages", 1, None, "model chunks per pipeline stage"),
     ("train.steps", 1, None, "optimizer steps"),
     ("train.batch_size", 1, None, "global batch in sequences"),
     ("train.seed", 0, 2**32 - 1, "JAX keys take 32 bits"),
@@ -161,7 +174,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   else:
     _validate_attention(cfg)
   from_config(cfg).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
-  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg), cfg.context)  # its knobs
+  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg), cfg.context,
+                          cfg.pipeline)  # its knobs
   check_layout(cfg, sched)
   if t.steps < 1:
     raise ConfigError(f"train.steps={t.steps}: must be >= 1")

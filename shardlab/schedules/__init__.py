@@ -24,16 +24,19 @@ def resolve(impl: str):
   return load_object(impl, "schedule.impl", REGISTRY, Schedule)
 
 
-def build(cfg, model, compute_dtype, layout=None, context=None):
+def build(cfg, model, compute_dtype, layout=None, context=None, pipeline=None):
   """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())
-  and context-parallel strategy (a ContextConfig; default: all_gather). A `schedule.tp=module:Class` is checked
+  and context-parallel strategy (a ContextConfig; default: all_gather) and pipeline schedule (a PipelineConfig;
+  default: none). A `schedule.tp=module:Class` is checked
   against the TPContraction protocol before the schedule makes one, and the one it made after (attributes set in
   __init__)."""
   loaded_tp = ":" in str(cfg.tp)
   if loaded_tp:
     load_object(cfg.tp, "schedule.tp", TP, TPContraction)
   cls = resolve(cfg.impl)
-  sched = cls(cfg, model, compute_dtype, layout) if context is None else cls(cfg, model, compute_dtype, layout, context)
+  extra = (context, pipeline) if pipeline is not None and getattr(pipeline, "impl", "none") != "none" else \
+      (context,) if context is not None else ()
+  sched = cls(cfg, model, compute_dtype, layout, *extra)
   if loaded_tp:
     check_instance(sched.ops, cfg.tp, "schedule.tp", TPContraction)
   return sched

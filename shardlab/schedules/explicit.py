@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import model as M
-from shardlab.axes import CONTEXT, FSDP, TENSOR
-from shardlab.config import ContextConfig, ModelConfig, ScheduleConfig
+from shardlab.axes import CONTEXT, FSDP, PIPELINE, TENSOR
+from shardlab.config import ContextConfig, ModelConfig, PipelineConfig, ScheduleConfig
 from shardlab.data import Batch
 from shardlab.jax_private import dce_used_inputs
 from shardlab.layout import Layout, honoured
@@ -209,11 +209,17 @@ class Stage:
     y, bufs = prefetched_loop(n, self.depth, False, self._fetch(stacked), body, x, bufs)
     return y, (bufs, stacked)
 
-  def backward(self, residuals, dy):
-    """(dx, dW), dW shaped like `stacked`: each layer's gradient reduced (its shard)."""
+  def backward(self, residuals, dy, part: str = "both"):
+    """(dx, dW), dW shaped like `stacked`: each layer's gradient reduced (its shard).
+
+    part="input": (dx, dys), the input gradient alone (the weight-gradient work is dead and XLA drops it) and
+    each layer's output gradient dys [n, ..] (zero-bubble's B); part="weight": dW from those dys (`dy` is the
+    dys), the input-gradient work dead (zero-bubble's W). Between them they re-run a layer's backward chain
+    inside the layer (JAX's vjp does not split), which the compiled times of each count."""
     bufs, stacked = residuals
     n = jax.tree.leaves(stacked)[0].shape[0]
     where_w, treedef = self.meta["where_w"], self.meta["treedef"]
+    dys = dy if part == "weight" else None
 
     def regather(l, dx):
       # XLA:CPU drops optimization barriers before its last CSE pass, which would then merge a re-gather
@@ -222,20 +228,34 @@ class Stage:
       probe = jax.tree.leaves(dx)[0].reshape(-1)[0]
       l = jnp.where(probe == probe, l, n)   # n: out of range (clamped), so never equal to l
       return self.gather(_take(stacked, l))
-    grads = jax.tree.map(C.zeros_like, stacked)
 
     def settle(l, dw, grads):
       return _put(grads, self.reduce(dw, _take(stacked, l)), l)   # W_l's gradient reduce-scattered, in backward
 
-    def body(l, dx, w, grads):
+    def vjp(l, w):
       saved = iter(_take(bufs, l))
       w_leaves = jax.tree.leaves(w) if w is not None else []
-      leaves = [next(saved) if i < 0 else w_leaves[i] for i in where_w]
-      dx, dw = jax.tree.unflatten(treedef, leaves)(dx)
+      return jax.tree.unflatten(treedef, [next(saved) if i < 0 else w_leaves[i] for i in where_w])
+
+    if part == "input":
+      def body(l, dx, w, out):
+        return vjp(l, w)(dx)[0], _put(out, dx, l)
+      out = C.pvary(jnp.zeros((n, *dy.shape), dy.dtype), C.varying_axes(dy), name="zeros")
+      return prefetched_loop(n, self.depth, True, None if self.keep else regather, body, dy, out)
+
+    grads = jax.tree.map(C.zeros_like, stacked)
+
+    def body(l, dx, w, grads):
+      if part == "weight":
+        dw = vjp(l, w)(_take(dys, l))[1]
+      else:
+        dx, dw = vjp(l, w)(dx)
       return (dx, grads, dw) if self.late else (dx, settle(l, dw, grads))
 
-    return prefetched_loop(n, self.depth, True, None if self.keep else regather, body, dy, grads,
-                           settle if self.late else None)
+    carry = _take(dys, n - 1) if part == "weight" else dy
+    dx, grads = prefetched_loop(n, self.depth, True, None if self.keep else regather, body, carry, grads,
+                                settle if self.late else None)
+    return grads if part == "weight" else (dx, grads)
 
   def residual_bytes(self, x, stacked) -> dict:
     """One layer's residual bytes per device (one microbatch), from abstract traces that emit nothing: {"saved":
@@ -270,7 +290,7 @@ class ExplicitSchedule:
   shard_mapped = True   # runs inside shard_map (train.py)
 
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
-               context: ContextConfig | None = None):
+               context: ContextConfig | None = None, pipeline: PipelineConfig | None = None):
     for knob, allowed in KNOBS.items():
       if knob == "tp":
         continue                                    # a registered contraction or package.module:Class
@@ -291,17 +311,35 @@ class ExplicitSchedule:
     self.policy = _remat_policy(cfg.remat)
     self.cp = CP.make(context or ContextConfig(), model, self.layout)   # attention across `context`
     self.residuals: list | None = None   # a list while recording_residuals() is active
+    self.pipe = pipeline or PipelineConfig()   # the pipeline schedule (schedules/pipeline.py) when mesh.pipeline > 1
+    if self.pipe.impl != "none" and (cfg.microbatches != 1 or cfg.grad_reduce == "deferred"):
+      raise ConfigError(f"pipeline={self.pipe.name} splits the batch into pipeline.microbatches and gathers "
+                        f"weights per pipeline.gather; set schedule.microbatches=1 and a grad_reduce other than "
+                        f"deferred (pipeline.gather=step gathers once per step)")
+
+  def pipeline(self, P: int):
+    """The pipeline executor on P stages (schedules/pipeline.py: Pipeline), or None without one."""
+    if self.pipe.impl == "none":
+      return None
+    from shardlab.schedules.pipeline import Pipeline
+    return Pipeline(self, self.pipe, P)
+
+  def microbatches_on(self, shape: dict) -> int:
+    """How many microbatches this schedule splits each device's batch into on a mesh of `shape`."""
+    pipe = self.pipeline(shape.get(PIPELINE, 1))
+    return pipe.M if pipe else self.cfg.microbatches
 
   def honours(self, axis_names) -> dict:
     """The layout rules this schedule can honour on a mesh of `axis_names`, derived from its parts: the TP
     contraction's dims over its axis; a weight's `embed` dim over `fsdp` (FSDP / ZeRO-3) or replicated (plain
     data parallelism, gradients all-reduced); the batch over any batch axes that include the axes weights are
     sharded on (weights are replicated over the others: HSDP); the sequence whole or over `context` (its
-    attention strategy, schedules/context.py, attends across the split); every layer on every device (no
-    `layers` rule)."""
+    attention strategy, schedules/context.py, attends across the split); the layers whole or, with a pipeline
+    schedule (the `pipeline` group), split into stages over `pipeline`."""
     weights = set(self.layout.rule("embed", axis_names))
     batch = self.layout.batch_axes(axis_names)
-    return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": [()], "length": [(), (CONTEXT,)],
+    layers = [(PIPELINE,)] if self.pipe.impl != "none" and PIPELINE in axis_names else [()]
+    return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": layers, "length": [(), (CONTEXT,)],
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
@@ -309,6 +347,9 @@ class ExplicitSchedule:
     attention strategy cannot run: one line."""
     honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or f"the {type(self).__name__} schedule")
     self.cp.check(dict(shape))
+    pipe = self.pipeline(shape.get(PIPELINE, 1))
+    if pipe is not None:
+      pipe.check(self.model.n_layers)
 
   def data_order(self, shape: dict):
     """The order the data must hold each sequence's tokens in on a mesh of `shape` (context.load_balance: the
@@ -410,6 +451,10 @@ class ExplicitSchedule:
 
   def loss_and_grads(self, params, batch: Batch, n_tokens: int):
     """Loss and gradients (shaped and sharded like `params`, fully reduced) for this device's batch."""
+    names = jax.sharding.get_abstract_mesh().axis_names
+    pipe = self.pipeline(jax.sharding.get_abstract_mesh().shape[PIPELINE] if PIPELINE in names else 1)
+    if pipe is not None:
+      return pipe.loss_and_grads(params, batch, n_tokens)
     batches = microbatches(batch, self.cfg.microbatches)
     if self.cfg.grad_reduce == "deferred":
       gathered = self.gather_all(params)                          # one all-gather per parameter per step

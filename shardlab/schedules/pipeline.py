@@ -28,6 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardlab import collectives as C
+from shardlab.axes import PIPELINE
 from shardlab.mesh import ConfigError
 
 KINDS = ("F", "B", "W")
@@ -105,8 +111,11 @@ def check_shape(name: str, P: int, M: int, V: int) -> None:
 
 # ------------------------------------------------------------------------------------------ dependencies, ticks
 
-def _needs(a: Action, stage: int, P: int, V: int, split: bool) -> list[tuple[int, Action]]:
-  """(stage, action) pairs that must be done (and sent) before `a` runs on `stage`."""
+SLOT = {"F": 0, "B": 1, "W": 2}   # the order of a tick's slots on one stage
+
+
+def _needs(a: Action, stage: int, P: int, V: int) -> list[tuple[int, Action]]:
+  """(stage, action) pairs that must be done (and, from another stage, sent) before `a` runs on `stage`."""
   v, last = vstage(stage, a.chunk, P), V * P - 1
   if a.kind == "F":
     if v == 0:
@@ -122,36 +131,45 @@ def _needs(a: Action, stage: int, P: int, V: int, split: bool) -> list[tuple[int
   return [(stage, Action("B", a.mb, a.chunk))]   # W after its own B
 
 
-def table(orders_: list[list[Action]], V: int = 1) -> list[list[Action | None]]:
-  """The static table [tick][stage] of per-stage orders: each stage runs its next action at the first tick its
-  inputs are there (one from another stage: sent the tick it was made, there the tick after). A W (split
-  weight gradient) may be run later than listed: it fills the first tick where the stage's next action must
-  wait. Orders that can never finish deadlock: one line naming the stuck stages."""
+def _ready(a: Action, s: int, t: int, cell, done: dict, P: int, V: int) -> bool:
+  """`a` can run on stage s in tick t after the actions already in `cell`: an input from another stage was made
+  in an earlier tick (it is sent at the end of that tick), one from this stage earlier, or earlier in this tick."""
+  return all((n in done and done[n] < t) or (n[0] == s and n[1] in cell) for n in _needs(a, s, P, V))
+
+
+def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ...]]]:
+  """The static table [tick][stage] -> the actions that stage runs in that tick, in slot order: at most one
+  forward, then one backward, then one weight gradient (what one executor tick does; a 1F1B steady state runs
+  one F and one B per tick). Each stage takes the next action of its order at the first tick its inputs are
+  there (one from another stage: sent at the end of the tick it was made). A W (split weight gradient) may run
+  later than listed: in a tick where the stage runs nothing else, or when more are waiting than the stage's
+  order holds forwards before its first backward (each waiting W holds its microbatch's residuals and output
+  gradients). Orders that can never finish deadlock: one line naming the stuck stages."""
   P = len(orders_)
-  split = any(a.kind == "W" for o in orders_ for a in o)
   done: dict[tuple[int, Action], int] = {}
   pending = [list(o) for o in orders_]
   deferred: list[list[Action]] = [[] for _ in range(P)]
-  # A split table keeps no more weight gradients waiting than the forwards its order runs before its first
-  # backward (P - s for 1f1b's order): each waiting W holds its microbatch's layer inputs and output gradients.
   cap = [next((i for i, a in enumerate(a for a in o if a.kind != "W") if a.kind == "B"), len(o)) for o in orders_]
   ticks, t = [], 0
   limit = 4 * sum(len(o) for o in orders_) + 4
   while any(pending) or any(deferred):
-    row: list[Action | None] = [None] * P
+    row = []
     for s in range(P):
-      ready = lambda a: all(n in done and done[n] < t for n in _needs(a, s, P, V, split))
-      while pending[s] and pending[s][0].kind == "W":     # W's wait in the stage's deferred queue
+      cell: list[Action] = []
+      for kind in ("F", "B"):
+        while pending[s] and pending[s][0].kind == "W":    # W's wait in the stage's deferred queue
+          deferred[s].append(pending[s].pop(0))
+        if pending[s] and pending[s][0].kind == kind and _ready(pending[s][0], s, t, cell, done, P, V):
+          cell.append(pending[s].pop(0))
+      while pending[s] and pending[s][0].kind == "W":
         deferred[s].append(pending[s].pop(0))
-      over = len(deferred[s]) > cap[s]
-      if pending[s] and ready(pending[s][0]) and not (over and ready(deferred[s][0])):
-        row[s] = pending[s].pop(0)
-      elif deferred[s] and ready(deferred[s][0]):
-        row[s] = deferred[s].pop(0)
-    for s, a in enumerate(row):
-      if a is not None:
+      if deferred[s] and (not cell or len(deferred[s]) > cap[s]) and _ready(deferred[s][0], s, t, cell, done, P, V):
+        cell.append(deferred[s].pop(0))
+      row.append(tuple(cell))
+    for s, cell in enumerate(row):
+      for a in cell:
         done[(s, a)] = t
-    if all(a is None for a in row):
+    if not any(row):
       stuck = "; ".join(f"stage {s} waits to run {(pending[s] or deferred[s])[0]}" for s in range(P)
                         if pending[s] or deferred[s])
       raise ConfigError(f"pipeline table deadlocks at tick {t}: {stuck}")
@@ -162,19 +180,27 @@ def table(orders_: list[list[Action]], V: int = 1) -> list[list[Action | None]]:
   return ticks
 
 
-def check(ticks: list[list[Action | None]], M: int, V: int = 1) -> None:
-  """A table [tick][stage] runs: every stage runs F and B (and W, if any B is split) of every microbatch and
-  chunk exactly once, and nothing before its inputs were sent (one tick for a transfer). One line otherwise."""
-  P = len(ticks[0]) if ticks else 0
-  split = any(a is not None and a.kind == "W" for row in ticks for a in row)
-  when: dict[tuple[int, Action], int] = {}
+def check(ticks, M: int, V: int = 1) -> None:
+  """A table [tick][stage] -> (actions) runs: each cell holds at most one F, B and W, in that order; every
+  stage runs F and B (and W, if any B is split) of every microbatch and chunk exactly once, and nothing before
+  its inputs were sent (the end of an earlier tick, for an input from another stage). One line otherwise."""
+  if not ticks or not ticks[0]:
+    raise ConfigError("pipeline table: it has no ticks or no stages")
+  P = len(ticks[0])
+  split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+  when: dict[tuple[int, Action], tuple[int, int]] = {}
   for t, row in enumerate(ticks):
-    for s, a in enumerate(row):
-      if a is None:
-        continue
-      if (s, a) in when:
-        raise ConfigError(f"pipeline table: stage {s} runs {a} twice (ticks {when[(s, a)]} and {t})")
-      when[(s, a)] = t
+    if len(row) != P:
+      raise ConfigError(f"pipeline table: tick {t} has {len(row)} stages, tick 0 has {P}")
+    for s, cell in enumerate(row):
+      kinds = [a.kind for a in cell]
+      if kinds != sorted(kinds, key=SLOT.get) or len(set(kinds)) < len(kinds):
+        raise ConfigError(f"pipeline table: stage {s} at tick {t} runs {', '.join(map(str, cell))}; a tick "
+                          f"holds at most one forward, then one backward, then one weight gradient")
+      for i, a in enumerate(cell):
+        if (s, a) in when:
+          raise ConfigError(f"pipeline table: stage {s} runs {a} twice (ticks {when[(s, a)][0]} and {t})")
+        when[(s, a)] = (t, i)
   want = {(s, Action(k, m, c)) for s in range(P) for m in range(M) for c in range(V)
           for k in (("F", "B", "W") if split else ("F", "B"))}
   missing = sorted(want - set(when), key=lambda x: (x[1].kind != "B", x))
@@ -186,15 +212,16 @@ def check(ticks: list[list[Action | None]], M: int, V: int = 1) -> None:
   if extra:
     s, a = extra[0]
     raise ConfigError(f"pipeline table: stage {s} runs {a}, which is not an action of {M} microbatches x {V} chunks")
-  for (s, a), t in sorted(when.items(), key=lambda x: x[1]):
-    for n in _needs(a, s, P, V, split):
-      if n not in when or when[n] >= t:
-        src = "never" if n not in when else f"at tick {when[n]}"
+  for (s, a), (t, i) in sorted(when.items(), key=lambda x: x[1]):
+    for n in _needs(a, s, P, V):
+      ok = n in when and (when[n][0] < t or (n[0] == s and when[n] < (t, i)))
+      if not ok:
+        src = "never" if n not in when else f"at tick {when[n][0]}"
         raise ConfigError(f"pipeline table: stage {s} runs {a} at tick {t}, but its input {n[1]} from stage "
                           f"{n[0]} is made {src}: it reads an activation before it was sent")
 
 
-def build(name: str, P: int, M: int, V: int = 1) -> list[list[Action | None]]:
+def build(name: str, P: int, M: int, V: int = 1) -> list[list[tuple[Action, ...]]]:
   """The checked table of a named schedule."""
   ticks = table(orders(name, P, M, V), V)
   check(ticks, M, V)
@@ -204,17 +231,15 @@ def build(name: str, P: int, M: int, V: int = 1) -> list[list[Action | None]]:
 def in_flight(ticks, until: str = "B") -> list[int]:
   """Per stage, the most microbatch-chunks whose activations it holds at once, from each F until its B (the
   residuals the backward reads): M for gpipe, at most P - s for 1f1b and zb_h1 on stage s. until="W": until the
-  weight gradient of a split table (the layer inputs and output gradients a waiting W still holds)."""
+  weight gradient of a split table (the residuals and output gradients a waiting W still holds)."""
   P = len(ticks[0])
   out = []
   for s in range(P):
     live = peak = 0
     for row in ticks:
-      a = row[s]
-      if a is None:
-        continue
-      live += 1 if a.kind == "F" else -1 if a.kind == until else 0
-      peak = max(peak, live)
+      for a in row[s]:
+        live += 1 if a.kind == "F" else -1 if a.kind == until else 0
+        peak = max(peak, live)
     out.append(peak)
   return out
 
@@ -229,28 +254,45 @@ class Slot:
   end: float
 
 
-def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0) -> dict:
-  """Times of the table on real links: each stage runs its actions in the table's order, each as soon as the
-  stage is free and its inputs have arrived (t_comm after the producing action ends, across stages). Times are
-  per microbatch and per chunk (an interleaved chunk holds 1/V of a stage's layers: pass its own times): F takes
-  t_f, B t_b (plus t_w unless the table splits W off), W t_w.
+def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0, sync: bool = True) -> dict:
+  """Times of the table on real links. Times are per microbatch and chunk (an interleaved chunk holds 1/V of a
+  stage's layers: pass its own times): F takes t_f, B t_b (plus t_w unless the table splits W off), W t_w.
+
+  sync=True: as the executor (`Pipeline`) runs it: each tick, a stage runs its slots back to back, then sends
+  its forward output and its input gradient (t_comm, both ways at once); it starts the next tick when it and the
+  stages it receives from (s-1 and s+1; around the ring with V chunks) have ended this one: ticks synchronised
+  between neighbours by the sends. sync=False: each action as soon as its stage is free and its inputs arrived
+  (t_comm after the producing action, across stages), an asynchronous runtime's ideal.
   Returns {"slots", "step_s", "busy_s" (per stage), "bubble": idle fraction of the step, averaged over stages}."""
   P = len(ticks[0])
-  split = any(a is not None and a.kind == "W" for row in ticks for a in row)
-  V = 1 + max(a.chunk for row in ticks for a in row if a is not None)
+  split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+  V = 1 + max(a.chunk for row in ticks for cell in row for a in cell)
   dur = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}
-  end: dict[tuple[int, Action], float] = {}
-  free = [0.0] * P
   slots = []
-  for row in ticks:
-    for s, a in enumerate(row):
-      if a is None:
-        continue
-      ready = max([end[n] + (t_comm if n[0] != s else 0.0) for n in _needs(a, s, P, V, split)], default=0.0)
-      start = max(free[s], ready)
-      free[s] = end[(s, a)] = start + dur[a.kind]
-      slots.append(Slot(s, a, start, free[s]))
-  step = max(free)
+  if sync:
+    near = [sorted({s, (s - 1) % P, (s + 1) % P} if V > 1 else {max(s - 1, 0), s, min(s + 1, P - 1)})
+            for s in range(P)]
+    ended = [0.0] * P            # when each stage's previous tick ended (its sends arrived)
+    for row in ticks:
+      begin = [max(ended[n] for n in near[s]) for s in range(P)]
+      for s, cell in enumerate(row):
+        at = begin[s]
+        for a in cell:
+          slots.append(Slot(s, a, at, at + dur[a.kind]))
+          at += dur[a.kind]
+        ended[s] = at + t_comm
+    step = max(ended) - t_comm
+  else:
+    end: dict[tuple[int, Action], float] = {}
+    free = [0.0] * P
+    for row in ticks:
+      for s, cell in enumerate(row):
+        for a in cell:
+          ready = max([end[n] + (t_comm if n[0] != s else 0.0) for n in _needs(a, s, P, V)], default=0.0)
+          start = max(free[s], ready)
+          free[s] = end[(s, a)] = start + dur[a.kind]
+          slots.append(Slot(s, a, start, free[s]))
+    step = max(free)
   busy = [sum(x.end - x.start for x in slots if x.stage == s) for s in range(P)]
   return {"slots": slots, "step_s": step, "busy_s": busy, "bubble": 1 - sum(busy) / (P * step) if step else 0.0}
 
@@ -292,3 +334,293 @@ def draw(result: dict, path, title: str = "", unit: str = "s") -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------- the executor
+#
+# One program runs every stage (SPMD). Each tick, a stage runs its F slot, its B slot and its W slot (each a
+# lax.cond: skipped when the table leaves it empty), then sends its forward output to the next stage and its
+# input gradient to the previous one (two ppermutes over `pipeline`, every tick, whatever was computed). What a
+# stage holds between slots lives in buffers of static slots, allocated here from the table (`Plan`), so a stage
+# holds no more microbatches than its table has in flight: P for 1f1b, M for gpipe.
+
+PHASE = {"F": 0, "B": 1, "W": 2, "recv": 3}   # order of the parts of a tick
+
+
+def _allocate(intervals: dict) -> tuple[dict, int]:
+  """{key: (first, last)} use of a buffer, each a (tick, phase) -> ({key: slot}, slots): the fewest slots such
+  that no two keys whose uses overlap share one (interval colouring, by start)."""
+  ends: list = []
+  out = {}
+  for key, (first, last) in sorted(intervals.items(), key=lambda kv: kv[1]):
+    slot = next((i for i, e in enumerate(ends) if e < first), len(ends))
+    if slot == len(ends):
+      ends.append(last)
+    ends[slot] = last
+    out[key] = slot
+  return out, len(ends)
+
+
+class Plan:
+  """The static arrays the executor reads, per tick and stage, from a checked table: which slots run, on which
+  microbatch and chunk, and which buffer slot each input is read from and each result written to. A buffer
+  slot index equal to the buffer's size is the trash slot (written, never read)."""
+
+  FIELDS = ("f_on", "f_mb", "f_chunk", "f_first", "f_last", "f_in", "f_res", "f_dy",
+            "b_on", "b_mb", "b_chunk", "b_first", "b_res", "b_dy", "b_w",
+            "w_on", "w_chunk", "w_res", "w_w", "r_in", "r_dy")
+
+  def __init__(self, ticks, M: int, V: int):
+    P, T = len(ticks[0]), len(ticks)
+    last = V * P - 1
+    self.P, self.M, self.V, self.T = P, M, V, T
+    self.split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+    at = {(s, a): t for t, row in enumerate(ticks) for s, cell in enumerate(row) for a in cell}
+    use = {"in": {}, "res": {}, "dy": {}, "w": {}}
+    for (s, a), t in at.items():
+      v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
+      if a.kind == "F":
+        if v > 0:                      # its input arrives at the end of the tick its producer ran
+          src = _where(v - 1, P)
+          use["in"][key] = ((at[(src[0], Action("F", a.mb, src[1]))], PHASE["recv"]), (t, PHASE["F"]))
+        end = at[(s, Action("W" if self.split else "B", a.mb, a.chunk))]
+        use["res"][key] = ((t, PHASE["F"]), (end, PHASE["W" if self.split else "B"]))
+      elif a.kind == "B":
+        if v == last:                  # the head wrote it in this stage's F slot
+          made = (at[(s, Action("F", a.mb, a.chunk))], PHASE["F"])
+        else:
+          src = _where(v + 1, P)
+          made = (at[(src[0], Action("B", a.mb, src[1]))], PHASE["recv"])
+        use["dy"][key] = (made, (t, PHASE["B"]))
+        if self.split:
+          use["w"][key] = ((t, PHASE["B"]), (at[(s, Action("W", a.mb, a.chunk))], PHASE["W"]))
+    per_stage = {k: [_allocate({key: u for key, u in d.items() if key[0] == s}) for s in range(P)]
+                 for k, d in use.items()}
+    self.slots = {k: max([n for _, n in v] + [1 if k != "w" or self.split else 0]) for k, v in per_stage.items()}
+    slot = lambda k, s, key: per_stage[k][s][0][key]
+    trash = self.slots
+    arr = {f: np.zeros((T, P), np.int32) for f in self.FIELDS}
+    for f in ("f_in", "f_res", "f_dy", "b_res", "b_dy", "b_w", "w_res", "w_w", "r_in", "r_dy"):
+      arr[f][:] = trash[{"f_in": "in", "r_in": "in", "f_res": "res", "b_res": "res", "w_res": "res",
+                          "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]
+    for (s, a), t in at.items():
+      v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
+      if a.kind == "F":
+        arr["f_on"][t, s], arr["f_mb"][t, s], arr["f_chunk"][t, s] = 1, a.mb, a.chunk
+        arr["f_first"][t, s], arr["f_last"][t, s] = v == 0, v == last
+        arr["f_res"][t, s] = slot("res", s, key)
+        if v > 0:
+          arr["f_in"][t, s] = slot("in", s, key)
+        if v == last:
+          arr["f_dy"][t, s] = slot("dy", s, key)
+        else:                          # sent at the end of tick t: the next virtual stage files it
+          ns, nc = _where(v + 1, P)
+          arr["r_in"][t, ns] = slot("in", ns, (ns, a.mb, nc))
+      elif a.kind == "B":
+        arr["b_on"][t, s], arr["b_mb"][t, s], arr["b_chunk"][t, s], arr["b_first"][t, s] = 1, a.mb, a.chunk, v == 0
+        arr["b_res"][t, s], arr["b_dy"][t, s] = slot("res", s, key), slot("dy", s, key)
+        if self.split:
+          arr["b_w"][t, s] = slot("w", s, key)
+        if v > 0:
+          ps, pc = _where(v - 1, P)
+          arr["r_dy"][t, ps] = slot("dy", ps, (ps, a.mb, pc))
+      else:
+        arr["w_on"][t, s], arr["w_chunk"][t, s] = 1, a.chunk
+        arr["w_res"][t, s], arr["w_w"][t, s] = slot("res", s, key), slot("w", s, key)
+    self.arrays = arr
+
+  def sends(self) -> tuple[list, list]:
+    """The ppermute pairs over `pipeline`: forward (s -> s+1) and backward (s -> s-1), around the ring when
+    chunks wrap from the last stage to the first (V > 1)."""
+    P = self.P
+    if self.V > 1:
+      return [(s, (s + 1) % P) for s in range(P)], [(s, (s - 1) % P) for s in range(P)]
+    return [(s, s + 1) for s in range(P - 1)], [(s + 1, s) for s in range(P - 1)]
+
+
+def runs(n: int, of: int) -> str:
+  """The named scope that declares a lax.cond's branch runs n times in `of` executions of its context (each
+  device of the busiest stage): the static count the ledger and the HLO analysis (analysis/hlo.py:
+  RUNS) read, since a conditional's count is not in the program."""
+  return f"pipeline_runs_{n}_of_{of}"
+
+
+def _zeros(aval, n: int | None = None, extra=()):
+  """Zeros shaped like `aval` (with a leading dim n, if given), varying over its axes and `extra`."""
+  shape = aval.shape if n is None else (n, *aval.shape)
+  return C.pvary(jnp.zeros(shape, aval.dtype), tuple(aval.manual_axis_type.varying) + tuple(extra), name="zeros")
+
+
+def _take(tree, i):
+  return jax.tree.map(lambda a: a[i], tree)
+
+
+def _set(tree, values, i):
+  return jax.tree.map(lambda a, v: a.at[i].set(v), tree, values)
+
+
+def load_table(impl: str, P: int, M: int, V: int):
+  """The table of `pipeline.impl`: a named schedule, or `module:Name` in the user's own file, either a function
+  or a class with a method `orders(P, M, V)` (per stage, its list of Actions: placed on ticks by `table`) or
+  `table(P, M, V)` (the ticks themselves). Checked either way (`check`): one line if it cannot run."""
+  if ":" not in impl:
+    return build(impl, P, M, V)
+  from shardlab.schedules.loading import load_object
+  obj = load_object(impl, "pipeline.impl", {}, None)
+  obj = obj() if isinstance(obj, type) else obj
+  if hasattr(obj, "table"):
+    ticks = [[tuple(c) if isinstance(c, (tuple, list)) else (() if c is None else (c,)) for c in row]
+             for row in obj.table(P, M, V)]
+  elif hasattr(obj, "orders"):
+    ticks = table(obj.orders(P, M, V), V)
+  else:
+    raise ConfigError(f"pipeline.impl={impl}: has neither orders(P, M, V) nor table(P, M, V)")
+  if ticks and len(ticks[0]) != P:
+    raise ConfigError(f"pipeline.impl={impl}: its table has {len(ticks[0])} stages, mesh.pipeline={P}")
+  check(ticks, M, V)
+  return ticks
+
+
+class Pipeline:
+  """The layer stack of an ExplicitSchedule run as pipeline stages, by a table (`pipeline` config group).
+
+  Stage s holds layers [s NL/P, (s+1) NL/P) (the `layers` rule: stacked weights sharded over `pipeline`), as V
+  chunks of NL/(P V): chunk c is model stage c P + s (Megatron's interleaved assignment). With V = 1 the stages
+  run the layers in their order; with V > 1 the stored layer i of stage s, chunk c runs at depth (c P + s) k + j
+  (k = NL/(P V), i = s V k + c k + j): `depth_order`. Inside a stage: the schedule's own stage unit (FSDP
+  gathers with prefetch, TP, remat, the gradient reduce-scatter in each layer's backward).
+
+  Outside the layers: the embedding, final norm and unembedding are replicated over `pipeline`, gathered once
+  per step (their gradients reduce-scattered once, and summed over `pipeline`). Every stage embeds every
+  microbatch at the start of the step (one vocabulary-parallel lookup per microbatch; stage 0 uses them), and
+  the embedding's backward runs once at the end on the input gradients stage 0 kept. The head (norm, logits,
+  loss) runs on the last stage, in the F slot of the last virtual stage, forward and backward at once: its
+  output gradient is there for that stage's B slot.
+  """
+
+  def __init__(self, sched, cfg, P: int):
+    self.sched, self.cfg, self.P = sched, cfg, P
+    self.M, self.V = cfg.count(P), cfg.virtual_stages
+
+  def ticks(self):
+    return load_table(self.cfg.impl, self.P, self.M, self.V)
+
+  def check(self, n_layers: int) -> None:
+    """One line for what this pipeline cannot run: layers that P x V does not divide, a table that cannot run."""
+    if self.cfg.gather not in ("microbatch", "step"):
+      raise ConfigError(f"pipeline.gather={self.cfg.gather}: choose microbatch (a stage's weights gathered in "
+                        f"every forward and backward) or step (once per step)")
+    if self.M < 1 or self.V < 1:
+      raise ConfigError(f"pipeline.microbatches={self.cfg.microbatches} pipeline.virtual_stages={self.V}: "
+                        f"microbatches must be >= 0 (0: one per stage) and virtual_stages >= 1")
+    if n_layers % (self.P * self.V):
+      raise ConfigError(f"model.n_layers={n_layers} is not divisible by mesh.pipeline x pipeline.virtual_stages"
+                        f"={self.P} x {self.V} (each stage holds {self.V} chunk(s) of equal layers); choose "
+                        f"n_layers a multiple of {self.P * self.V}")
+    self.ticks()
+
+  def loss_and_grads(self, params, batch, n_tokens):
+    from shardlab import model as MD
+    from shardlab.data import Batch
+    from shardlab.schedules.parallel import Parallel, microbatches
+    sched, m = self.sched, self.sched.model
+    P, M, V = self.P, self.M, self.V
+    plan = Plan(self.ticks(), M, V)
+    T = plan.T
+    me = jax.lax.axis_index(PIPELINE)
+    rows = {f: jnp.asarray(a)[:, me] if P > 1 else jnp.asarray(a)[:, 0] for f, a in plan.arrays.items()}
+    batches = microbatches(batch, M)
+    ctx = lambda w: Parallel(sched.ops, w.__getitem__, None, sched.cp.attend)
+
+    # The weights outside the layers: gathered once per step, replicated over pipeline (gradients summed there).
+    outer = {k: v for k, v in params.items() if k != "layers"}
+    hw, outer_vjp = jax.vjp(lambda o: {k: sched.gather(C.pvary(v, PIPELINE), sched.decls[k]) for k, v in o.items()},
+                            outer)
+    embed_all = lambda w: C.pvary(jax.lax.map(lambda b: MD.embed_in(ctx(w), m, Batch(*b)), tuple(batches)), PIPELINE)
+    x0, embed_vjp = jax.vjp(embed_all, hw)
+    layer_fn = MD.block(ctx(hw), m, Batch(batch.inputs, batch.targets, batch.positions))
+
+    layers = params["layers"]
+    step_gather = self.cfg.gather == "step"
+    if step_gather:    # a stage's weights gathered once per step, their gradients reduce-scattered once
+      layers, layers_vjp = jax.vjp(lambda L: {k: sched.gather(v, sched.decls["layers"][k].per_layer(), stacked=True)
+                                              for k, v in L.items()}, layers)
+    stage = sched.stage(layer_fn, gathered=step_gather)
+    k = jax.tree.leaves(layers)[0].shape[0] // V
+    chunk = lambda c: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k, 0), layers)
+
+    def add_chunk(g, dw, c):
+      return jax.tree.map(lambda G, d: jax.lax.dynamic_update_slice_in_dim(
+          G, jax.lax.dynamic_slice_in_dim(G, c * k, k, 0) + d, c * k, 0), g, dw)
+
+    # Buffers of static slots (Plan); slot index = size is the trash slot.
+    x_aval = jax.typeof(x0[0])
+    res_avals = jax.make_jaxpr(lambda x, w: stage.forward(x, w)[1][0])(x0[0], chunk(0)).out_avals
+    n_slots = plan.slots
+    head = lambda y, w, b: MD.head_loss(ctx(w), m, y, b, n_tokens)
+    loss_aval = jax.make_jaxpr(head)(x0[0], hw, Batch(*_take(tuple(batches), 0))).out_avals[0]
+    st = {"inb": _zeros(x_aval, n_slots["in"] + 1), "dyb": _zeros(x_aval, n_slots["dy"] + 1),
+          "res": [_zeros(a, n_slots["res"] + 1) for a in res_avals],
+          "fsend": _zeros(x_aval), "bsend": _zeros(x_aval), "dx0": _zeros(x_aval, M + 1),
+          "g": jax.tree.map(C.zeros_like, layers), "gh": jax.tree.map(C.zeros_like, hw),
+          "loss": _zeros(loss_aval, extra=(PIPELINE,))}
+    if plan.split:
+      st["wb"] = C.pvary(jnp.zeros((n_slots["w"] + 1, k, *x_aval.shape), x_aval.dtype),
+                         tuple(x_aval.manual_axis_type.varying), name="zeros")   # each layer's output gradient
+
+    def run_head(st, y, r):
+      b = Batch(*_take(tuple(batches), r["f_mb"]))
+      loss, vjp = jax.vjp(lambda y, w: head(y, w, b), y, hw)
+      dy, dhw = vjp(jnp.ones_like(loss))
+      return {**st, "dyb": st["dyb"].at[r["f_dy"]].set(dy), "gh": jax.tree.map(jnp.add, st["gh"], dhw),
+              "loss": st["loss"] + loss}
+
+    def f_slot(st, r):
+      x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
+      y, (bufs, _) = stage.forward(x, chunk(r["f_chunk"]))
+      st = {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
+      with jax.named_scope(runs(M, M * V)):      # the last stage's last chunk: once per microbatch
+        return jax.lax.cond(r["f_last"] == 1, lambda st: run_head(st, y, r), lambda st: st, st)
+
+    def b_slot(st, r):
+      res, w = (_take(st["res"], r["b_res"]), chunk(r["b_chunk"])), st["dyb"][r["b_dy"]]
+      if plan.split:
+        dx, dys = stage.backward(res, w, part="input")
+        st = {**st, "wb": st["wb"].at[r["b_w"]].set(dys)}
+      else:
+        dx, dw = stage.backward(res, w)
+        st = {**st, "g": add_chunk(st["g"], dw, r["b_chunk"])}
+      first = jnp.where(r["b_first"] == 1, r["b_mb"], M)
+      return {**st, "bsend": dx, "dx0": st["dx0"].at[first].set(dx)}
+
+    def w_slot(st, r):
+      dw = stage.backward((_take(st["res"], r["w_res"]), chunk(r["w_chunk"])), st["wb"][r["w_w"]], part="weight")
+      return {**st, "g": add_chunk(st["g"], dw, r["w_chunk"])}
+
+    fwd, bwd = plan.sends()
+
+    def tick(st, r):
+      with jax.named_scope(runs(M * V, T)):      # each slot runs once per microbatch and chunk, on every stage
+        st = jax.lax.cond(r["f_on"] == 1, f_slot, lambda st, r: st, st, r)
+        st = jax.lax.cond(r["b_on"] == 1, b_slot, lambda st, r: st, st, r)
+        if plan.split:
+          st = jax.lax.cond(r["w_on"] == 1, w_slot, lambda st, r: st, st, r)
+      if P > 1:
+        got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
+        got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
+        st = {**st, "inb": st["inb"].at[r["r_in"]].set(got_f), "dyb": st["dyb"].at[r["r_dy"]].set(got_b)}
+      return st, None
+
+    st, _ = jax.lax.scan(tick, st, rows)
+    loss = C.psum(st["loss"], PIPELINE, name="pipeline_loss")
+    g_hw = jax.tree.map(jnp.add, st["gh"], embed_vjp(st["dx0"][:M])[0])
+    grads = dict(outer_vjp(g_hw)[0])
+    grads["layers"] = layers_vjp(st["g"])[0] if step_gather else st["g"]
+    return loss, grads
+
+
+def depth_order(n_layers: int, P: int, V: int) -> list[int]:
+  """The stored layer index (0 .. n_layers-1, as `params` holds them) that runs at each depth on a pipeline of P
+  stages with V chunks each: the identity for V = 1; Megatron's interleaved assignment for V > 1 (see Pipeline)."""
+  k = n_layers // (P * V)
+  return [s * V * k + c * k + j for v in range(P * V) for s, c in [(v % P, v // P)] for j in range(k)]
