@@ -647,7 +647,7 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   b = placed_batch(tiny_batch(), mesh, layout, sched.data_order(dict(mesh_items)))
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
-  return compiled, compiled(params, b)
+  return compiled, jax.block_until_ready(compiled(params, b))
 
 
 def _check_claims(ledger, base, comm, label) -> None:

@@ -120,6 +120,8 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
   def coll_time(c):
     return collective_seconds(c, hw, ici_axes, c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0))
 
+  seen: dict = {}
+
   def run(comp: str, it: tuple):
     instrs = comps[comp]
     shapes = {i.name: i.shape for i in instrs}
@@ -132,8 +134,9 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
           run(body, it + (k,))
       elif op == "call":
         run(re.search(r"to_apply=%?([\w.\-]+)", ins.attrs).group(1), it)
-      elif op == "conditional":
-        raise ValueError(f"conditional {ins.name}: no static schedule to replay")
+      elif op == "conditional":              # a pipeline slot: its branch, as often as declared (hlo.spread)
+        for c in hlo.spread(ins, seen):
+          run(c, it)
       elif (comp, ins.name) in colls:              # a collective: async start, or synchronous
         c = colls[(comp, ins.name)]
         d = coll_time(c)

@@ -99,6 +99,42 @@ def parse(text: str) -> tuple[dict, str]:
   return comps, entry
 
 
+RUNS = re.compile(r"pipeline_(\w+?)_runs_(\d+)_of_(\d+)")
+
+
+def declared_runs(op_name: str):
+  """(slot, n, of) of the innermost pipeline slot scope in an op_name or name stack (schedules/pipeline.py: runs):
+  the conditional there runs its branch n times in `of` executions of its context; None if it declares none."""
+  found = RUNS.findall(op_name)
+  return (found[-1][0], int(found[-1][1]), int(found[-1][2])) if found else None
+
+
+def branch_times(times: int, op_name: str, what: str) -> int:
+  """How often a conditional's branch runs, `times` being how often the conditional does: its declared count
+  (declared_runs); one line if it declares none (a conditional's count is not in the program)."""
+  got = declared_runs(op_name)
+  if got is None:
+    raise ValueError(f"{what}: collectives under a branch have no static count")
+  _, n, of = got
+  if (times * n) % of:
+    raise ValueError(f"{what}: declared to run {n} of {of} times, which is no whole count of its {times} runs")
+  return times * n // of
+
+
+def spread(ins, seen: dict) -> list[str]:
+  """The branch computations of conditional `ins` to replay at this execution of it (a walk of the program,
+  execution by execution): all of them (the declared branch and the empty one) on n of every `of` executions
+  (declared_runs), spread evenly; none on the others. `seen` counts executions per conditional."""
+  got = declared_runs(ins.op_name)
+  if got is None:
+    raise ValueError(f"conditional {ins.name}: no static schedule to replay")
+  _, n, of = got
+  k = seen[ins.name] = seen.get(ins.name, 0) + 1
+  if k * n // of == (k - 1) * n // of:
+    return []
+  return re.findall(r"%?([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1))
+
+
 def multiplicities(comps: dict, entry: str) -> dict:
   """How many times each computation runs per program execution (while bodies x known_trip_count)."""
   mult = defaultdict(int)
@@ -114,8 +150,10 @@ def multiplicities(comps: dict, entry: str) -> dict:
         for c in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", ins.attrs):
           visit(c, times)
         b = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
-        if b:
-          raise ValueError(f"conditional {ins.name}: collectives under a branch have no static count")
+        if b:     # each branch counted as often as the declared branch runs; the other branch is empty
+          n = branch_times(times, ins.op_name, f"conditional {ins.name}")
+          for c in re.findall(r"%?([\w.\-]+)", b.group(1)):
+            visit(c, n)
   visit(entry, 1)
   return dict(mult)
 

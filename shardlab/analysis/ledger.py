@@ -80,8 +80,13 @@ def from_program(closed_jaxpr, axis_order=None) -> list[Row]:
       if name in PRIMITIVES:
         rows.append(_row(eqn, name, times, sizes, where, axis_order or tuple(sizes)))
       inner = [j for j in jaxprs_in_params(eqn.params)]
-      if name in ("while", "cond") and any(_has_collective(j) for j in inner):
+      if name == "while" and any(_has_collective(j) for j in inner):
         raise ValueError(f"{name} at {where}: collectives under it have no static count")
+      if name == "cond" and any(_has_collective(j) for j in inner):   # a declared pipeline slot
+        n = hlo.branch_times(times, where, f"cond at {where}")
+        for sub in inner:
+          walk(sub, n, sizes, where)
+        continue
       for sub in inner:
         walk(sub, times * (eqn.params["length"] if name == "scan" else 1), sizes, where)
 

@@ -62,6 +62,8 @@ def build(prog) -> list[Task]:
     tasks.append(t)
     return len(tasks) - 1
 
+  seen: dict = {}
+
   def emit(comp: str, args: list, it: tuple = ()) -> int:
     local, shapes = {}, {i.name: i.shape for i in comps[comp]}
     for ins in comps[comp]:
@@ -81,8 +83,10 @@ def build(prog) -> list[Task]:
           pairs = [(int(a), int(b)) for a, b in pairs]
           d = _direction(pairs, device_ids, axis_names, c.axis)
         i = add(Task("comm", deps, f"{c.kind} {c.axis} ({c.scope})", coll=c, direction=d, backward=bwd, iteration=it))
-      elif op == "conditional":
-        raise ValueError(f"conditional {ins.name}: no static schedule to replay")
+      elif op == "conditional":              # a pipeline slot: its branch, as often as declared (hlo.spread)
+        i = add(Task("", deps))
+        for c in hlo.spread(ins, seen):
+          i = emit(c, [i], it)
       elif op == "call":
         i = emit(re.search(r"to_apply=%?([\w.\-]+)", ins.attrs).group(1), deps, it)
       elif (f := flops(ins, shapes)) > 0:

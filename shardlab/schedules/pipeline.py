@@ -438,11 +438,11 @@ class Plan:
     return [(s, s + 1) for s in range(P - 1)], [(s + 1, s) for s in range(P - 1)]
 
 
-def runs(n: int, of: int) -> str:
-  """The named scope that declares a lax.cond's branch runs n times in `of` executions of its context (each
-  device of the busiest stage): the static count the ledger and the HLO analysis (analysis/hlo.py:
-  RUNS) read, since a conditional's count is not in the program."""
-  return f"pipeline_runs_{n}_of_{of}"
+def runs(slot: str, n: int, of: int) -> str:
+  """The named scope that declares that a lax.cond (a pipeline slot: F, B, W or head) runs its branch n times
+  in `of` executions of its context (on each device of the busiest stage): the static count the ledger and the
+  HLO analysis read (analysis/hlo.py: declared_runs), since a conditional's count is not in the program."""
+  return f"pipeline_{slot}_runs_{n}_of_{of}"
 
 
 def _zeros(aval, n: int | None = None, extra=()):
@@ -513,6 +513,14 @@ class Pipeline:
     if self.M < 1 or self.V < 1:
       raise ConfigError(f"pipeline.microbatches={self.cfg.microbatches} pipeline.virtual_stages={self.V}: "
                         f"microbatches must be >= 0 (0: one per stage) and virtual_stages >= 1")
+    from shardlab.schedules.tp import RingTP
+    rings = [f"schedule.tp={self.sched.cfg.tp}"] if isinstance(self.sched.ops, RingTP) else []
+    rings += [f"context={self.sched.cp.cfg.impl}"] if self.sched.cp.cfg.impl == "ring" else []
+    if rings:   # a ppermute only the stages running a slot reach would meet another stage's pipeline send
+      raise ConfigError(f"pipeline={self.cfg.name} with {' and '.join(rings)}: a ring's ppermutes inside a pipeline "
+                        f"slot, which only some stages run in a tick, would be matched with other stages' "
+                        f"pipeline sends (one program; collectives pair up in program order); use schedule.tp="
+                        f"allgather or allreduce and context=all_gather or ulysses")
     if n_layers % (self.P * self.V):
       raise ConfigError(f"model.n_layers={n_layers} is not divisible by mesh.pipeline x pipeline.virtual_stages"
                         f"={self.P} x {self.V} (each stage holds {self.V} chunk(s) of equal layers); choose "
@@ -579,7 +587,7 @@ class Pipeline:
       x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
       y, (bufs, _) = stage.forward(x, chunk(r["f_chunk"]))
       st = {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
-      with jax.named_scope(runs(M, M * V)):      # the last stage's last chunk: once per microbatch
+      with jax.named_scope(runs("head", M, M * V)):      # the last stage's last chunk: once per microbatch
         return jax.lax.cond(r["f_last"] == 1, lambda st: run_head(st, y, r), lambda st: st, st)
 
     def b_slot(st, r):
@@ -600,11 +608,9 @@ class Pipeline:
     fwd, bwd = plan.sends()
 
     def tick(st, r):
-      with jax.named_scope(runs(M * V, T)):      # each slot runs once per microbatch and chunk, on every stage
-        st = jax.lax.cond(r["f_on"] == 1, f_slot, lambda st, r: st, st, r)
-        st = jax.lax.cond(r["b_on"] == 1, b_slot, lambda st, r: st, st, r)
-        if plan.split:
-          st = jax.lax.cond(r["w_on"] == 1, w_slot, lambda st, r: st, st, r)
+      for name, fn in (("F", f_slot), ("B", b_slot), ("W", w_slot))[:3 if plan.split else 2]:
+        with jax.named_scope(runs(name, M * V, T)):   # each slot runs once per microbatch and chunk, every stage
+          st = jax.lax.cond(r[name.lower() + "_on"] == 1, fn, lambda st, r: st, st, r)
       if P > 1:
         got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
         got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
