@@ -133,3 +133,72 @@ def test_ring_moves_kv_blocks_by_ppermute_and_keeps_only_local_residuals():
   assert moved("f32") == NL * (2 * (C - 1) * 2 * kv_block + 2 * C * kv_block)      # K, V both ways; dK, dV
   # the positions' shifts (int32) are the same in every layer and both passes: XLA keeps fewer of them
   assert 0 < moved("s32") <= 2 * NL * (C - 1) * pos_block
+
+
+# ---- analysis: shardlab/analysis/context_cost.py and the memory model under context ----
+
+
+def _config(*overrides):
+  from hydra import compose, initialize_config_dir
+  from shardlab.config import CONF_DIR, register_configs, to_config
+  register_configs()
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    return to_config(compose("config", overrides=list(overrides)))
+
+
+def test_causal_work_contiguous_is_about_twice_the_average_and_zigzag_is_even():
+  """A block-skipping kernel: contiguous chunks give the last device C - 1/2 blocks against an average of C/2;
+  zigzag gives every device C/2, and the same half block at every ring step. A ring with free transfers then
+  takes C - 1/2 blocks (plain) against C/2 (zigzag): 8/15 of ideal at C = 8."""
+  from shardlab.analysis import context_cost as CC
+  for C in (2, 4, 8):
+    assert CC.imbalance(C, False) == pytest.approx((2 * C - 1) / C)
+    assert CC.imbalance(C, True) == pytest.approx(1.0)
+    assert all(w == pytest.approx(0.5) for row in CC.causal_work(C, True) for w in row)
+  assert CC.ring_makespan(CC.causal_work(8, False), 0.0) == pytest.approx(7.5)
+  assert CC.ring_makespan(CC.causal_work(8, True), 0.0) == pytest.approx(4.0)
+  # a transfer longer than a step's work shows: each of the C-1 shifts waits for the one before
+  assert CC.ring_makespan(CC.causal_work(8, True), 2.0) == pytest.approx(7 * 2.0 + 0.5)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring", "ulysses"])
+def test_bytes_per_layer_model_is_the_compiled_ledger(strategy):
+  """context_cost.bytes_per_layer (the cost model's hand count), forward + backward, x layers, equals what the
+  compiled program moves over `context` for each strategy (tiny model, float32, context 8, GQA where it can;
+  the positions' int32 moves left out, as the model leaves them out)."""
+  from shardlab.analysis import context_cost as CC, hlo
+  model = {} if strategy == "ulysses" else {"n_kv_heads": 2}    # ulysses at context 8: 8 K/V heads
+  shape = {"fsdp": 1, "context": 8, "tensor": 1}
+  compiled, _ = testing.compile_schedule(None, shape, model, context=strategy)
+  m = testing.tiny_config(model).model
+  a = CC.attn_of(m, testing.tiny_config(model).train.batch_size, 8, 1, e=4)
+  want = m.n_layers * sum(CC.bytes_per_layer(strategy, a).values())
+  colls = [c for c in hlo.collectives(compiled.as_text(), testing.mesh_of(shape))
+           if c.axis == "context" and c.dtype == "f32" and c.kind != "all-reduce"]   # all-reduce: weight gradients
+  assert sum(c.total_bytes for c in colls) == want, {(c.kind, c.scope): c.total_bytes for c in colls}
+
+
+def test_activations_per_device_fall_as_one_over_context():
+  """memory_model.breakdown: at a fixed global sequence, activations per device (the logits included) at
+  context 4 are a quarter of context 1's; the training state is the same when weights stay sharded over fsdp."""
+  from shardlab.analysis import memory_model as MM
+  base = ["model=llama3_8b", "model.n_layers=2", "model.seq_len=32768", "train.batch_size=2", "mesh.fsdp=2",
+          "mesh.tensor=1", "precision=bf16", "model.attention=dot_product", "context=ulysses"]
+  one, four = (MM.breakdown(_config(*base, f"mesh.context={c}")) for c in (1, 4))
+  assert one["activations"] == 4 * four["activations"]
+  assert one["master_params"] == four["master_params"] and MM.local_tokens(_config(*base, "mesh.context=4")) == 8192
+
+
+def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():
+  """context_cost.choose on 8 H100s, llama3_8b at 32K tokens: with shardlab's kernels Ulysses (cuDNN inside,
+  masked blocks skipped) beats the ring and all_gather (whole blocks under a mask); with 12 query heads Ulysses
+  cannot split them 8 ways and is excluded with that reason, and the choice flips."""
+  from shardlab.analysis import context_cost as CC
+  base = ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.tensor=1", "precision=bf16",
+          "model.attention=dot_product", "schedule.remat=save_qkv_attn_out", "hardware=h100",
+          "context.load_balance=true"]
+  got = CC.choose(_config(*base), devices=8)
+  assert got["best"]["label"] == "ulysses C=8" and got["reason"].startswith("ulysses C=8: predicted step")
+  flipped = CC.choose(_config(*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"), devices=8)
+  assert flipped["excluded"]["ulysses C=8"].startswith("ulysses splits the heads: 12 query and 4 K/V heads")
+  assert flipped["best"]["strategy"] != "ulysses"

@@ -205,7 +205,8 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   if program is not None:
     led.update(program=ledger.nested(program), differences=ledger.compare(program, rows))
     audit = reconcile_audit(audit, program, rows, prog)
-  if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product":
+  own_kernel = cfg.mesh.context == 1 or cfg.context.impl == "ulysses"   # a ring or all_gather runs its own
+  if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product" and own_kernel:
     residuals = None   # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records
   mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals)}
   mem["compiled_by"] = prog.platform

@@ -10,8 +10,19 @@ residuals read off the traced step (run.lower, schedules.explicit.Stage.residual
 on a device), n_layers x the saved set + one layer's set without remat (held while that layer's backward runs);
 without a trace (the planner, the preflight check), the planner's per-token estimate
 (planner.activation_elements_per_token), divided over `tensor` except, under the all-reduce (Megatron)
-contraction, the residual stream it keeps whole (`_replicated_per_token`). The loss holds the float32 logits and
-their float32 cotangent at once where the backward starts: 8 bytes per local logit.
+contraction, the residual stream it keeps whole (`_replicated_per_token`). The loss holds the logits in the
+compute dtype and their float32 softmax (then cotangent) where the backward starts: 8 bytes per local logit in
+float32, 6 in bfloat16 (the H100 compiler's figure for llama3_8b's 128256-word vocabulary at 8K-32K tokens per
+device: 6.1 bytes per logit, experiments/context/README.md).
+
+Context parallelism (mesh.context=C, schedules/context.py) splits every activation's sequence: a device holds
+L/C tokens of each of its sequences, so every activation term, the logits' included, is per local token and
+falls as 1/C (the traced residuals are the local shapes already). What attention keeps per local token depends on
+the strategy: all_gather's plain attention its scores against the whole sequence ([B, H, L/C, L]: 4 H L per
+local token, as the plain formula counts with T = L), Ulysses the model's own kernel on H/C heads over the whole
+sequence (the same per local token as without context), the ring its custom VJP's local q, k, v, output and
+log-sum-exp (the blockwise kernel's set). Weights a layout shards over `context` too (`embed -> [fsdp, context]`,
+torchtitan's dp_shard_cp) are counted on their shard.
 
 What it leaves out (experiments/validate/README.md measures it against the compilers' `memory_analysis()`: within
 10% on every explicit preset, for the transformer and the FFN-only model, with the trace; 20-38% short without it
@@ -23,11 +34,15 @@ float32 partial products (4 x the output at [512, 1024]); the model presets' wei
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import jax
 
 from shardlab import params as PM
 from shardlab.analysis.planner import activation_elements_per_token, dtype_bytes
-from shardlab.mesh import FSDP, TENSOR
+from shardlab.layout import from_config
+from shardlab.mesh import TENSOR
 
 
 def breakdown(cfg, residuals: dict | None = None) -> dict:
@@ -40,12 +55,15 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   what a GPU target with model.attention=dot_product gets: the trace sees XLA's attention, the GPU runs cuDNN's
   fused kernel, which keeps only its output and log-sum-exp)."""
   m, s = cfg.model, cfg.schedule
-  sizes = {FSDP: cfg.mesh.fsdp, TENSOR: cfg.mesh.tensor}
-  decls = PM.declare(m, cfg.mesh.tensor)
+  sizes = cfg.mesh.sizes
+  layout = from_config(cfg)
+  names = tuple(cfg.mesh.shape)
+  decls = PM.declare(m, cfg.mesh.tensor, layout, names)
   leaves = _leaves(decls)
+  weight = layout.rule("embed", names)           # the axes a layer's weights are gathered over
 
-  def local(d, gathered=False):      # elements of one device's shard (gathered: the fsdp dim whole)
-    return math.prod(d.shape) // math.prod(sizes[a] for a in d.mesh_axes() if not (gathered and a == FSDP))
+  def local(d, gathered=False):      # elements of one device's shard (gathered: the embed dim whole)
+    return math.prod(d.shape) // math.prod(sizes[a] for a in d.mesh_axes() if not (gathered and a in weight))
 
   pb, cb = dtype_bytes(cfg.precision.param_dtype), dtype_bytes(cfg.precision.compute_dtype)
   shard = sum(local(d) for d in leaves)
@@ -53,16 +71,16 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   top = sum(local(d, True) for k, d in decls.items() if k != "layers")
   deferred = s.grad_reduce == "deferred"
   live = m.n_layers if deferred or not s.reshard_after_forward else min(m.n_layers, s.prefetch + 1)
-  tokens = cfg.train.batch_size // (cfg.mesh.data * cfg.mesh.fsdp) // s.microbatches * m.seq_len   # per device
+  tokens = local_tokens(cfg)
   t = cfg.mesh.tensor
-  per_token = activation_elements_per_token(m, s.remat)
+  per_token = activation_elements_per_token(_attention_kept(cfg), s.remat)
   rep = _replicated_per_token(m, s.remat) if s.tp == "allreduce" else 0
   if residuals:
     acts = m.n_layers * residuals["saved"] + residuals["unremat"]
   else:
     acts = tokens * m.n_layers * ((per_token - rep) // t + rep) * cb
   if m.kind != "ffn":                              # (the FFN-only model has no logits: its loss is on [B, L, D])
-    acts += tokens * m.vocab_size // t * 8         # fp32 logits and their fp32 cotangent, live at once
+    acts += tokens * m.vocab_size // t * (cb + 4)  # the logits in the compute dtype and their float32 softmax
   accum = 0 if s.microbatches == 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
   out = {
       "master_params": shard * pb,
@@ -80,6 +98,26 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   }
   out["total"] = sum(out.values())
   return out
+
+
+def local_tokens(cfg) -> int:
+  """Tokens per device of one microbatch: the sequences its batch axes leave it, x the L/C tokens of each that
+  its sequence (`length`) axes leave it."""
+  return (cfg.train.batch_size // split(cfg, "batch") // cfg.schedule.microbatches
+          * (cfg.model.seq_len // split(cfg, "length")))
+
+
+def split(cfg, logical: str) -> int:
+  """How many pieces cfg's mesh splits a logical dim into (its layout rule's axes' sizes multiplied)."""
+  return math.prod(cfg.mesh.sizes[a] for a in from_config(cfg).rule(logical, tuple(cfg.mesh.shape)))
+
+
+def _attention_kept(cfg):
+  """The model as its attention keeps residuals under context parallelism (module doc): a ring keeps the
+  blockwise kernel's set (its local q, k, v, output and log-sum-exp) whatever model.attention says."""
+  if cfg.mesh.context > 1 and cfg.context.impl == "ring" and cfg.model.kind != "ffn":
+    return dataclasses.replace(cfg.model, attention="blockwise")
+  return cfg.model
 
 
 def ring_steps(tp: str, tensor: int) -> int:
@@ -103,7 +141,6 @@ def _replicated_per_token(model, remat: str) -> int:
 
 
 def _leaves(tree) -> list:
-  import jax
   return jax.tree.leaves(tree, is_leaf=PM.is_param)
 
 
@@ -114,7 +151,8 @@ def compare(cfg, compiled: dict, residuals: dict | None = None) -> dict:
   gradients, gathered weights, saved activations, the logits) and `peak`."""
   a = breakdown(cfg, residuals)
   state = a["master_params"] + a["optimizer"]
-  batch = cfg.train.batch_size // (cfg.mesh.data * cfg.mesh.fsdp) * (cfg.model.seq_len + 1) * 4   # int32 tokens per device
+  seq = cfg.model.seq_len // split(cfg, "length")
+  batch = (2 * cfg.train.batch_size // split(cfg, "batch") * seq + seq) * 4   # int32 inputs, targets, positions
   parts = {"state": (state, compiled["argument"] - batch), "working": (a["total"] - state, compiled["temp"]),
            "peak": (a["total"], compiled["peak"])}
   return {"analytic": a, "activations_from": "traced residuals" if residuals else "per-token estimate",

@@ -1,0 +1,85 @@
+"""Context-parallel strategies side by side on llama3_8b at 32K-128K tokens per sequence over 8-32 H100s, and the
+load-balanced causal ring against the plain one at C = 8. Every time and byte count here is a MODEL PREDICTION
+(shardlab/analysis/context_cost.py: `predict`, `choose`), not a measurement.
+
+  python experiments/context/study.py        # analytic, seconds: writes results.md and results.json
+
+Each configuration: devices / 8 sequences (fsdp = devices / C must divide them), bf16, remat save_qkv_attn_out, cuDNN's flash attention
+(model.attention=dot_product) where a strategy runs the model's kernel; the context axis innermost after tensor
+(NVLink inside an 8-GPU node, the nodes' NICs beyond: hardware=h100_multinode past 8), every weight sharded over
+(fsdp, context). Two inner kernels: shardlab's (all_gather: the plain attention; ring: a whole-block einsum per
+step; Ulysses: cuDNN's, which skips masked blocks) and a flash kernel in all three (what TransformerEngine and
+ring-flash-attention run).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from shardlab.analysis import context_cost as CC
+
+HERE = Path(__file__).parent
+BASE = ["model=llama3_8b", "mesh.tensor=1", "precision=bf16", "model.attention=dot_product",
+        "schedule.remat=save_qkv_attn_out", "context.load_balance=true"]
+CASES = [(32768, 8), (65536, 16), (131072, 32), (131072, 8)]   # (tokens per sequence, H100s)
+
+
+def config(overrides: list[str]):
+  from hydra import compose, initialize_config_dir
+  from shardlab.config import CONF_DIR, register_configs, to_config
+  register_configs()
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    return to_config(compose("config", overrides=overrides))
+
+
+def balance_at_8() -> list[dict]:
+  """The ring with a flash kernel at C = 8 on one node, llama3_8b at 64K tokens (8K per GPU): plain against zigzag."""
+  cfg = config(BASE + ["model.seq_len=65536", "train.batch_size=1", "hardware=h100"])
+  out = []
+  for balanced in (False, True):
+    p = CC.predict(CC.with_context(cfg, 8, "ring", balanced=balanced, fsdp=1), skips_masked=True)
+    out.append({**p, "imbalance": CC.imbalance(8, balanced)})
+  return out
+
+
+def main() -> None:
+  rows = []
+  for seq, n in CASES:
+    hw = "h100" if n <= 8 else "h100_multinode"
+    cfg = config(BASE + [f"model.seq_len={seq}", f"train.batch_size={max(1, n // 8)}", f"hardware={hw}"])
+    for kernel, skips in (("shardlab's", None), ("flash", True)):
+      r = CC.choose(cfg, devices=n, degrees=tuple(c for c in (2, 4, 8, 16, 32) if c <= n), skips_masked=skips)
+      rows.append({"seq": seq, "devices": n, "hardware": hw, "kernel": kernel, "best": r["best"] and r["best"]["label"],
+                   "reason": r["reason"], "excluded": r["excluded"],
+                   "candidates": [{k: v for k, v in p.items() if k != "note"} for p in r["candidates"]]})
+  bal = balance_at_8()
+  (HERE / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command":
+                                                  "python experiments/context/study.py", "rows": rows,
+                                                  "balance_at_8": bal}, indent=1, default=str))
+  lines = [f"Written by `python experiments/context/study.py` ({time.strftime('%Y-%m-%d')}). MODEL PREDICTIONS.", "",
+           "| tokens | H100s | kernel | strategy, C | predicted step (s) | attention (s) | exposed context comm (s) |"
+           " context bytes/step (GB) | fsdp bytes/step (GB) | memory/device (GB) |", "|" + "---|" * 10]
+  for r in rows:
+    for p in r["candidates"]:
+      lines.append(f"| {r['seq'] // 1024}K | {r['devices']} | {r['kernel']} | {p['label']} | {p['t_step_s']:.2f} | "
+                   f"{p['t_attention_s']:.2f} | {p['exposed_comm_s']:.3f} | {p['bytes_per_step']['context'] / 1e9:.1f} | "
+                   f"{p['bytes_per_step']['fsdp'] / 1e9:.1f} | {p['memory_bytes'] / 1e9:.0f} |")
+    for label, why in r["excluded"].items():
+      if "does not divide the batch" not in why:
+        lines.append(f"| {r['seq'] // 1024}K | {r['devices']} | {r['kernel']} | {label} | excluded: {why} | | | | | |")
+  lines += ["", "Choices (`context_cost.choose`):", ""]
+  lines += [f"- {r['seq'] // 1024}K tokens, {r['devices']} H100s, {r['kernel']} kernel: {r['reason']}" for r in rows]
+  plain, zig = bal
+  lines += ["", "Load-balanced causal ring against the plain one, C = 8, one node of H100s, llama3_8b at 64K tokens "
+            "(8K per GPU), flash inner kernel:", "",
+            f"- plain: predicted step {plain['t_step_s']:.3f} s (attention {plain['t_attention_s']:.3f} s, busiest device "
+            f"{plain['imbalance']:.3f} x the average causal work); zigzag: {zig['t_step_s']:.3f} s (attention "
+            f"{zig['t_attention_s']:.3f} s, {zig['imbalance']:.3f} x). Predicted speedup of the step "
+            f"{plain['t_step_s'] / zig['t_step_s']:.2f}x, of the attention {plain['t_attention_s'] / zig['t_attention_s']:.2f}x."]
+  (HERE / "results.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()

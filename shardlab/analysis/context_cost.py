@@ -1,0 +1,328 @@
+"""Context parallelism, analysed: bytes per device per layer of each strategy (schedules/context.py), the causal
+work each device does (balanced or not), a ring's makespan, a predicted step time per strategy, and the choice
+among strategies and degrees for a model, a sequence and a cluster. Every time here is a MODEL PREDICTION.
+
+Notation (one layer, one device): b sequences per device, L the whole sequence, C = mesh.context, H query heads
+and G K/V heads after tensor parallelism, K the head dim, e bytes per element; a block is one device's queries
+against one device's keys, [L/C, L/C].
+
+Bytes each device sends (hand counts, checked against the compiled ledger in tests/test_context.py):
+  all_gather  forward  K, V gathered:                 (C-1)/C x 2 b L G K e
+              backward dK, dV reduce-scattered:        the same
+  ring        forward  C-1 shifts of the K, V block:   (C-1) x 2 b (L/C) G K e
+              backward the same, and C shifts of dK, dV (float32, the custom VJP accumulates them in float32):
+                                                       + C x 2 b (L/C) G K 4
+  ulysses     forward  q, k, v to head-sharded, o back: (C-1)/C x b (L/C) (2 H + 2 G) K e
+              backward the same four the other way
+(the positions, int32 and the same in every layer, move too: XLA gathers them once; left out here).
+
+Causal work (`causal_work`): under a causal mask a kernel that skips masked blocks (flash attention, cuDNN's)
+does, for queries of chunk a against keys of chunk b, a full block if b < a, half one if b = a, none if b > a.
+Contiguous chunks (context.load_balance=false): device r does r + 1/2 blocks, the last C - 1/2, about twice the
+average C/2. Zigzag (load_balance=true, data.zigzag: chunks r and 2C-1-r of 2C): every device C/2, and in a ring
+every step does the same half block on every device. A ring runs at its busiest device's pace (`ring_makespan`):
+a plain causal ring at C = 8 is at best 8/15 = 53% of ideal, a zigzag one 100% less its merges and exposed
+transfers. shardlab's own ring (schedules/context.py) computes every block whole under a mask (no skipping), so
+this balance term is what a block-skipping inner kernel gains (ring-flash-attention, TransformerEngine); the
+ring's per-step work is then the same on every device whatever the order (`skips_masked`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from shardlab.analysis import planner as PL
+from shardlab.axes import CONTEXT, FSDP, TENSOR
+
+STRATEGIES = ("all_gather", "ring", "ulysses")
+BWD_OVER_FWD = 2.5     # flash attention's backward FLOPs over its forward (FlashAttention-2, Dao 2023, sec. 3.1:
+                       # 5 matmuls of the block against the forward's 2)
+
+
+@dataclass(frozen=True)
+class Attn:
+  """One layer's attention on one device: b sequences, the whole sequence L split C ways, H and G heads after
+  tensor parallelism, head dim K, e bytes per element."""
+  b: int
+  L: int
+  C: int
+  H: int
+  G: int
+  K: int
+  e: int = 2
+
+  @property
+  def block(self) -> int:
+    """Elements of one K (or V) block: b (L/C) G K."""
+    return self.b * (self.L // self.C) * self.G * self.K
+
+  def block_flops(self) -> float:
+    """Forward FLOPs of one full block (QK^T and PV): 4 b (L/C)^2 H K."""
+    return 4.0 * self.b * (self.L / self.C) ** 2 * self.H * self.K
+
+
+def attn_of(model, batch_per_device: int, C: int, tensor: int = 1, e: int = 2) -> Attn:
+  """The Attn of a ModelConfig on a mesh with `tensor` and `C` (K/V heads replicated over tensor when it does not
+  divide them, as params.declare does)."""
+  g = model.kv_heads // tensor if model.kv_heads % tensor == 0 else model.kv_heads
+  return Attn(batch_per_device, model.seq_len, C, model.n_heads // tensor, g, model.head_dim, e)
+
+
+def bytes_per_layer(strategy: str, a: Attn) -> dict:
+  """{"forward", "backward"}: bytes one device sends over `context` per layer (module doc's hand count)."""
+  C = a.C
+  if C == 1:
+    return {"forward": 0, "backward": 0}
+  if strategy == "all_gather":
+    f = (C - 1) * 2 * a.b * a.L * a.G * a.K * a.e // C
+    return {"forward": f, "backward": f}
+  if strategy == "ring":
+    f = (C - 1) * 2 * a.block * a.e
+    return {"forward": f, "backward": f + C * 2 * a.block * 4}
+  if strategy == "ulysses":
+    f = (C - 1) * a.b * (a.L // C) * (2 * a.H + 2 * a.G) * a.K * a.e // C
+    return {"forward": f, "backward": f}
+  raise ValueError(f"unknown context strategy {strategy!r}; expected {' | '.join(STRATEGIES)}")
+
+
+# ---------------------------------------------------------------------------------------------- causal work
+
+
+def chunks(C: int, balanced: bool) -> list[list[int]]:
+  """The sequence chunks each device holds: [r] of C (contiguous), or [r, 2C-1-r] of 2C (zigzag)."""
+  return [[r, 2 * C - 1 - r] if balanced else [r] for r in range(C)]
+
+
+def pair_work(q_chunks: list[int], k_chunks: list[int], per_device: int) -> float:
+  """Causal work of one device's queries (their chunks) against one device's keys, in full blocks, when masked
+  work is skipped: a chunk pair is a whole sub-block below the diagonal, half one on it, none above."""
+  w = sum(1.0 if b < a else 0.5 if a == b else 0.0 for a in q_chunks for b in k_chunks)
+  return w / per_device ** 2
+
+
+def causal_work(C: int, balanced: bool) -> list[list[float]]:
+  """work[s][r]: full blocks device r computes at ring step s (it holds the keys of device r - s)."""
+  ch = chunks(C, balanced)
+  n = len(ch[0])
+  return [[pair_work(ch[r], ch[(r - s) % C], n) for r in range(C)] for s in range(C)]
+
+
+def imbalance(C: int, balanced: bool) -> float:
+  """The busiest device's causal work over the average (1: balanced; (2C-1)/C contiguous)."""
+  per = [sum(w[r] for w in causal_work(C, balanced)) for r in range(C)]
+  return max(per) / (sum(per) / C)
+
+
+def ring_makespan(work_s: list[list[float]], comm_s: float) -> float:
+  """Seconds until every device has finished a ring whose step s costs device r work_s[s][r]: each device sends
+  its block on at the start of a step (the ppermute that the next step needs) and starts step s when it has
+  finished step s-1 and the block from r-1 has arrived (r-1 started step s-1, plus one transfer)."""
+  C = len(work_s[0])
+  start = [0.0] * C
+  end = [work_s[0][r] for r in range(C)]
+  for s in range(1, len(work_s)):
+    start, end = ([max(end[r], start[(r - 1) % C] + comm_s) for r in range(C)],
+                  [max(end[r], start[(r - 1) % C] + comm_s) + work_s[s][r] for r in range(C)])
+  return max(end)
+
+
+# ------------------------------------------------------------------------------------------ time per layer
+
+
+@dataclass
+class LayerTime:
+  """One layer's attention on one device, forward + backward (seconds), and what it sends over `context`."""
+  attention_s: float            # the attention kernels (and a ring's merges) of the busiest device
+  comm_s: float                 # every context transfer, one after another
+  exposed_s: float              # the wait the attention cannot hide: layer time = attention_s + exposed_s
+  bytes: dict = field(default_factory=dict)
+
+
+def merge_bytes(a: Attn) -> tuple[float, float]:
+  """HBM bytes of one ring step's online-softmax merge outside the attention kernel, (forward, backward): the
+  float32 running output read and written and the block's output read (4 + 4 + e per element of o); backward
+  the float32 dQ and dK, dV accumulators, each += its block's."""
+  out = a.b * (a.L // a.C) * a.H * a.K
+  return out * (8 + a.e), (out + 2 * a.block) * (8 + a.e)
+
+
+def collective_s(nbytes: float, bandwidth: float, hw, hops: int = 1) -> float:
+  """One NCCL transfer at achieved bus bandwidth, in the calibrated model's form (calibrated.collective_seconds:
+  a launch latency, a hop floor, a ramp of bandwidth with message size)."""
+  if nbytes <= 0:
+    return 0.0
+  ramp = nbytes / (nbytes + hw.link_half_bytes) if hw.link_half_bytes else 1.0
+  return hw.collective_latency_s + max(hw.hop_latency_s * hops, nbytes / (bandwidth * hw.link_efficiency * ramp))
+
+
+def ring_pass(work: list[list[float]], kernel_s: float, merge_s: float, comm_s: float) -> tuple[float, float]:
+  """(makespan, busiest device's compute) of one ring pass: step s costs device r work[s][r] x kernel_s, plus
+  merge_s at every step after the first that has work."""
+  secs = [[w * kernel_s + (merge_s if s and w else 0.0) for w in row] for s, row in enumerate(work)]
+  return ring_makespan(secs, comm_s), max(sum(row[r] for row in secs) for r in range(len(work[0])))
+
+
+def layer_time(strategy: str, a: Attn, hw, bandwidth: float, balanced: bool, skips_masked: bool = True,
+               merge: bool = True) -> LayerTime:
+  """A prediction of one layer's attention, forward and backward, on the busiest device (module doc).
+  `skips_masked`: the inner kernel skips masked blocks (flash, cuDNN); False: every block computed whole
+  (shardlab's ring, the plain kernel under all_gather). `merge`: count a ring's online-softmax merges at HBM
+  rate (kernels outside the attention kernel, as ring-flash-attention runs them)."""
+  rate = hw.peak_flops * hw.attention_efficiency
+  hbm = hw.hbm_bandwidth * hw.hbm_efficiency
+  fwd, bwd = a.block_flops() / rate, a.block_flops() * BWD_OVER_FWD / rate     # one full block
+  C = a.C
+  by = bytes_per_layer(strategy, a)
+  if C == 1:
+    return LayerTime((fwd + bwd) * (0.5 if skips_masked else 1.0), 0.0, 0.0, by)
+  work = causal_work(C, balanced) if skips_masked else [[1.0] * C for _ in range(C)]
+  if strategy == "ring":
+    mf, mb = merge_bytes(a) if merge else (0.0, 0.0)
+    launch = hw.kernel_launch_s if merge else 0.0
+    kv = collective_s(2 * a.block * a.e, bandwidth, hw)                       # one shift of K and V
+    kv_dkv = collective_s(2 * a.block * a.e + 2 * a.block * 4, bandwidth, hw)  # backward: with dK, dV
+    tf, cf = ring_pass(work, fwd, mf / hbm + launch, kv)
+    tb, cb = ring_pass(work, bwd, mb / hbm + launch, kv_dkv)
+    home = collective_s(2 * a.block * 4, bandwidth, hw)                      # dK, dV's last shift home
+    return LayerTime(cf + cb, (C - 1) * (kv + kv_dkv) + home, tf + tb + home - cf - cb, by)
+  if strategy == "all_gather":         # each device its queries against every key: the busiest device paces
+    busiest = max(sum(row[r] for row in work) for r in range(C))
+    comm = 2 * collective_s(by["forward"], bandwidth, hw, C // 2)   # gathered before, scattered after: exposed
+    return LayerTime(busiest * (fwd + bwd), comm, comm, by)
+  if strategy == "ulysses":            # every device the whole sequence on H/C heads: balanced in any order
+    comm = 2 * 4 * collective_s(by["forward"] / 4, bandwidth, hw, C // 2)   # q, k, v, o: on the critical path
+    return LayerTime(C * (0.5 if skips_masked else 1.0) * (fwd + bwd), comm, comm, by)
+  raise ValueError(f"unknown context strategy {strategy!r}; expected {' | '.join(STRATEGIES)}")
+
+
+# ------------------------------------------------------------------------------------------ a step, a choice
+
+# What shardlab's strategies run inside (schedules/context.py): all_gather the plain attention under a mask and
+# the ring a whole-block einsum per step (every block computed, masked or not); Ulysses the model's own kernel,
+# which skips masked blocks unless it is the plain one.
+def shardlab_skips(strategy: str, model) -> bool:
+  return strategy == "ulysses" and model.attention != "plain"
+
+
+def with_context(cfg, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
+                 shard_weights: bool = True):
+  """cfg with mesh.context=C (and mesh.fsdp=fsdp), context.impl=strategy, load balancing as given (None: kept);
+  `shard_weights`: every weight's embed dim over (fsdp, context) as well (torchtitan's dp_shard_cp), so that the
+  training state is split over every device."""
+  ctx = dataclasses.replace(cfg.context, impl=strategy, name=strategy,
+                            load_balance=cfg.context.load_balance if balanced is None else balanced)
+  mesh = dataclasses.replace(cfg.mesh, context=C, **({} if fsdp is None else {"fsdp": fsdp}))
+  layout = cfg.layout
+  if shard_weights and C > 1:
+    embed = list(dict.fromkeys([*layout.rules.get("embed", []), FSDP, CONTEXT]))
+    layout = dataclasses.replace(layout, name=f"{layout.name}+embed_context", rules={**layout.rules, "embed": embed})
+  return dataclasses.replace(cfg, mesh=mesh, context=ctx, layout=layout)
+
+
+def predict(cfg, skips_masked: bool | None = None) -> dict:
+  """A prediction of one training step per device for cfg's mesh and context strategy (cfg.context.impl,
+  load_balance): the matmuls of every layer at the preset's GEMM rate, each layer's attention and its context
+  transfers (layer_time), bytes per mesh axis, memory (memory_model.breakdown). `skips_masked`: the inner
+  kernel skips masked blocks (None: what shardlab's strategy runs, `shardlab_skips`).
+
+  Left out, the same for every strategy at one mesh: FSDP's gathers and reduce-scatters and the gradient
+  all-reduce over `context` (their bytes are reported; a prefetching schedule runs them behind the matmuls),
+  recomputation under remat, tensor parallelism's own collectives. Memory adds to the breakdown the scores an
+  attention without a flash kernel holds while it runs (attention_transient_bytes)."""
+  from shardlab.analysis import memory_model as MM
+  m, hw, mesh, s = cfg.model, cfg.hardware, cfg.mesh, cfg.schedule
+  strategy = cfg.context.impl
+  C, T, X = mesh.context, mesh.tensor, mesh.fsdp
+  skips = shardlab_skips(strategy, m) if skips_masked is None else skips_masked
+  e = PL.dtype_bytes(cfg.precision.compute_dtype)
+  tokens = MM.local_tokens(cfg)
+  a = attn_of(m, tokens // (m.seq_len // C), C, T, e)
+  bw = PL.mesh_links(cfg)[1].get(CONTEXT, hw.ici_bandwidth)
+  lt = layer_time(strategy, a, hw, bw, cfg.context.load_balance, skips)
+  dense = 6.0 * tokens * (m.n_layers * PL.layer_params(m) + m.vocab_size * m.d_model) / T
+  t_dense = dense / (hw.peak_flops * hw.gemm_efficiency)
+  t_attn = m.n_layers * lt.attention_s
+  exposed = m.n_layers * lt.exposed_s
+  gb = PL.dtype_bytes(cfg.precision.param_dtype if s.gather_dtype == "param" else cfg.precision.compute_dtype)
+  layer_w = PL.layer_params(m) / T
+  mem = MM.breakdown(cfg)
+  transient = attention_transient_bytes(strategy if C > 1 else "none", a, m)
+  return {
+      "strategy": strategy, "context": C, "fsdp": X, "tensor": T, "load_balance": cfg.context.load_balance,
+      "skips_masked": skips, "tokens_per_device": tokens,
+      "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
+      "exposed_comm_s": exposed, "context_comm_s": m.n_layers * lt.comm_s,
+      "bytes_per_step": {CONTEXT: m.n_layers * (lt.bytes["forward"] + lt.bytes["backward"]),
+                         FSDP: m.n_layers * 3 * (X - 1) / X * layer_w * gb,
+                         f"{CONTEXT} (gradient all-reduce)": 2 * (C - 1) / C * PL.param_count(m) / (X * T) * 4},
+      "bytes_per_layer": lt.bytes, "context_bandwidth": bw,
+      "memory_bytes": mem["total"] + transient, "activation_bytes": mem["activations"],
+      "attention_transient_bytes": transient, "fits": mem["total"] + transient <= hw.hbm_bytes,
+      "note": "model prediction, not a measurement"}
+
+
+def attention_transient_bytes(strategy: str, a: Attn, model) -> float:
+  """Float32 scores and probabilities one layer's attention holds while it runs, beyond the memory model's
+  residuals: all_gather's plain attention [b, H, L/C, L] (and a plain kernel anywhere: [b, H/C, L, L] under
+  Ulysses), the ring's block [b, H, L/C, L/C] per step; none for a flash kernel (blockwise, cuDNN)."""
+  local = a.L // a.C
+  if strategy == "all_gather" or (model.attention == "plain" and strategy in ("ulysses", "none")):
+    return 2 * 4.0 * a.b * a.H * local * a.L
+  if strategy == "ring":
+    return 2 * 4.0 * a.b * a.H * local * local
+  return 0.0
+
+
+def why_not(cfg, C: int, strategy: str) -> str | None:
+  """Why shardlab cannot run `strategy` at context C for cfg (one line), or None."""
+  m, T = cfg.model, cfg.mesh.tensor
+  if m.seq_len % (2 * C if cfg.context.load_balance else C):
+    return f"the sequence ({m.seq_len}) does not cut into {2 * C if cfg.context.load_balance else C} chunks"
+  if strategy == "ulysses" and C > 1 and ((m.n_heads // T) % C or m.kv_heads % T or (m.kv_heads // T) % C):
+    return f"ulysses splits the heads: {m.n_heads // T} query and {m.kv_heads // T} K/V heads per device do not divide by {C}"
+  return None
+
+
+def choose(cfg, devices: int | None = None, degrees: tuple[int, ...] | None = None, skips_masked: bool | None = None,
+           strategies: tuple[str, ...] = STRATEGIES) -> dict:
+  """The fastest predicted (strategy, context degree) that fits in HBM on `devices` (default: cfg's mesh),
+  tensor as configured and fsdp the rest (it must divide the batch): {"best", "reason", "candidates",
+  "excluded": {label: why}}. Load balancing is kept as cfg says. MODEL PREDICTIONS."""
+  T = cfg.mesh.tensor
+  devices = devices or cfg.mesh.n_devices
+  degrees = degrees or tuple(c for c in range(1, devices // T + 1) if (devices // T) % c == 0)
+  cands, excluded = [], {}
+  for C in degrees:
+    X = devices // (T * C)
+    for strategy in (strategies if C > 1 else ("all_gather",)):
+      label = f"{strategy} C={C}" if C > 1 else "no context (C=1)"
+      if X * T * C != devices or cfg.train.batch_size % X:
+        excluded[label] = f"fsdp {X} does not divide the batch of {cfg.train.batch_size} sequences"
+        continue
+      if (why := why_not(cfg, C, strategy)):
+        excluded[label] = why
+        continue
+      p = predict(with_context(cfg, C, strategy, fsdp=X), skips_masked)
+      if not p["fits"]:
+        excluded[label] = f"{p['memory_bytes'] / 1e9:.0f} GB per device does not fit {cfg.hardware.hbm_bytes / 1e9:.0f} GB"
+        continue
+      cands.append({**p, "label": label})
+  if not cands:
+    return {"best": None, "reason": "nothing fits: " + "; ".join(f"{k}: {v}" for k, v in excluded.items()),
+            "candidates": [], "excluded": excluded}
+  cands.sort(key=lambda p: p["t_step_s"])
+  return {"best": cands[0], "reason": reason(cands), "candidates": cands, "excluded": excluded}
+
+
+def reason(cands: list[dict]) -> str:
+  """Why the first of `cands` (sorted by predicted step) beats the first of another strategy or degree."""
+  best = cands[0]
+  other = next((p for p in cands[1:] if p["strategy"] != best["strategy"] or p["context"] != best["context"]), None)
+  say = lambda p: (f"{p['label']}: predicted step {p['t_step_s'] * 1e3:.0f} ms (attention {p['t_attention_s'] * 1e3:.0f}, "
+                   f"exposed context comm {p['exposed_comm_s'] * 1e3:.0f}; {p['bytes_per_layer']['forward'] / 1e6:.1f} MB"
+                   f" per layer forward over context)")
+  if other is None:
+    return say(best) + "; the only candidate"
+  return (f"{say(best)}, {other['t_step_s'] / best['t_step_s'] - 1:.0%} faster than {say(other)}; "
+          f"memory {best['memory_bytes'] / 1e9:.0f} GB vs {other['memory_bytes'] / 1e9:.0f} GB per device")
