@@ -1,0 +1,79 @@
+"""The pipeline's prediction: the run's schedule table replayed (schedules/pipeline.py: replay) with each slot's
+time read off the compiled program, and the picture of it (pipeline.png).
+
+A slot (F, B, W, and the head inside the last stage's F) is a conditional in the tick loop, its branch a
+computation of the compiled program (analysis/hlo.py: declared_runs). Its time here: the branch's matmul FLOPs
+at the preset's achieved GEMM rate, plus its collectives' bytes on the links of their axes, one after the other
+(no overlap inside a slot: an upper bound). A tick ends with the two sends over `pipeline` (its link: the nodes'
+NICs on a multi-node preset). The executor's ticks are synchronised between neighbouring stages by those sends
+(replay(sync=True)); the table's own ideal, an asynchronous runtime's, is replay(sync=False). Both are
+predictions, not measurements.
+"""
+from __future__ import annotations
+
+import re
+
+from shardlab.analysis import hlo
+from shardlab.analysis.calibrated import axis_bandwidth
+
+
+def slot_seconds(prog, hw, ici: dict) -> dict:
+  """{"F", "B", "W", "head", "send"}: seconds of one run of each pipeline slot's branch (0 if absent) and of one
+  tick's sends over `pipeline`."""
+  comps, flops = prog.comps, hlo.flops_fn(prog.comps)
+  by_comp: dict = {}
+  for c in prog.collectives:
+    by_comp.setdefault(c.computation, []).append(c)
+
+  def seconds(entry: str) -> float:
+    mult = hlo.multiplicities(comps, entry)
+    t = 0.0
+    for comp, times in mult.items():
+      shapes = {i.name: i.shape for i in comps.get(comp, [])}
+      t += times * sum(flops(i, shapes) for i in comps.get(comp, [])) / (hw.peak_flops * hw.gemm_efficiency)
+      for c in by_comp.get(comp, []):
+        if c.group_size > 1:
+          t += times * c.bytes_moved / axis_bandwidth(c.axis, hw, ici)
+    return t
+
+  out = {"F": 0.0, "B": 0.0, "W": 0.0, "head": 0.0, "send": 0.0}
+  for comp, instrs in comps.items():
+    for ins in instrs:
+      got = hlo.declared_runs(ins.op_name) if ins.opcode == "conditional" else None
+      if got is None:
+        continue
+      branches = re.findall(r"%?([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1))
+      out[got[0]] = max(out[got[0]], max(seconds(b) for b in branches))
+  sends = [c for c in prog.collectives if c.kind == "collective-permute" and c.axis == "pipeline"
+           and "pipeline_forward" in c.op_name]
+  if sends:
+    out["send"] = max(c.bytes_moved for c in sends) / axis_bandwidth("pipeline", hw, ici)
+  out["F"] -= out["head"]          # the head's branch is inside F's: F without it, for every stage but the last
+  return out
+
+
+def predict(prog, cfg, ici: dict, ticks) -> dict:
+  """summary.json's `pipeline`: the slot times, the executor's step and bubble (sync replay), the table's ideal
+  (async replay) and the closed form, and what each stage holds in flight."""
+  from shardlab.schedules import pipeline as PL
+  t = slot_seconds(prog, cfg.hardware, ici)
+  P, M, V = len(ticks[0]), cfg.pipeline.count(len(ticks[0])), cfg.pipeline.virtual_stages
+  t_f = t["F"] + t["head"]         # in lockstep the last stage's F (with the head) sets the pace
+  run = PL.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=True)
+  ideal = PL.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=False)
+  split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+  return {"schedule": cfg.pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
+          "slot_s": t, "step_s": run["step_s"], "bubble": run["bubble"],
+          "table_step_s": ideal["step_s"], "table_bubble": ideal["bubble"],
+          "closed_form_bubble": PL.closed_form_bubble(cfg.pipeline.impl, P, M, V),
+          "in_flight": PL.in_flight(ticks, "W" if split else "B"),
+          "note": "prediction: the table replayed with each slot's compiled FLOPs and bytes on the preset's rates "
+                  "(serial inside a slot), ticks synchronised between neighbouring stages; not a measurement"}, run
+
+
+def draw(result: dict, path, cfg, pred: dict) -> None:
+  """pipeline.png: the executor's replay, one row per stage (schedules/pipeline.py: draw)."""
+  from shardlab.schedules import pipeline as PL
+  v = f", V={pred['virtual_stages']}" if pred["virtual_stages"] > 1 else ""
+  PL.draw(result, path, title=f"{cfg.pipeline.name}, P={pred['stages']}, M={pred['microbatches']}{v} on "
+          f"{cfg.hardware.name}, prediction: ", unit="s")
