@@ -99,28 +99,63 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
       opts[name] = value
   if opts["confirm"] is None:            # top=K compiles the K best unless confirm=false
     opts["confirm"] = bool(opts["top"])
-  opts["search"] = opts["search"] or bool(opts["top"]) or opts["confirm"] or bool(opts["plot_layouts"])
+  opts["search"] = (opts["search"] or bool(opts["devices"]) or bool(opts["top"]) or opts["confirm"]
+                    or bool(opts["plot_layouts"]))
   return opts, rest
 
 
+def fixed_schedule(overrides: list[str]) -> dict:
+  """The schedule settings the search keeps as given: schedule.remat and schedule.microbatches written on the
+  command line ({"remat": ..., "microbatches": ...}, each present only when written); the others it chooses."""
+  out = {}
+  for o in overrides:
+    key, _, value = o.lstrip("+").partition("=")
+    if key == "schedule.remat":
+      out["remat"] = value
+    elif key == "schedule.microbatches" and value.isdigit():
+      out["microbatches"] = int(value)
+  return out
+
+
+def _layout_cfg(cfg, layout: dict):
+  """cfg at a searched layout: its mesh and its remat and microbatches (planner.answer's choice)."""
+  from shardlab.analysis import planner
+  return planner.override(cfg, mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
+                                     "fsdp_ici_axes": layout["ici_axes"][FSDP],
+                                     "tensor_ici_axes": layout["ici_axes"][TENSOR]},
+                          schedule={"remat": layout["remat"], "microbatches": layout["microbatches"]})
+
+
 def run(argv: list[str]) -> dict:
-  """The plan of argv (options and overrides), with `layouts` when searching; writes the figure if asked."""
+  """The plan of argv (options and overrides), with `answer` and `layouts` when searching; writes the figure if
+  asked. Searching, the top level is the plan of the best layout (its mesh, remat and microbatches)."""
+  return _run(argv)[0]
+
+
+def _run(argv: list[str]) -> tuple[dict, object, dict]:
+  """(run's result, the composed config, the planner's options)."""
   from shardlab.analysis import planner
   opts, overrides = split_options(argv)
   cfg = compose(overrides)
   from shardlab.validate import validate_plan
   validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
-  result = planner.plan(cfg)
   chosen = None
-  if opts["confirm_batch"]:
-    result["batch_window"]["target"] = confirm_batch_window(cfg, build)
-  if opts["search"]:
-    layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
-    result["search"] = {"devices": opts["devices"] or cfg.mesh.n_devices, "considered": len(layouts),
-                        "qualifying": sum(not l["rejected_because"] for l in layouts)}
+  if not opts["search"]:
+    result = {**planner.plan(cfg), "layout": planner.this_layout(cfg)}
+    if opts["confirm_batch"]:
+      result["batch_window"]["target"] = confirm_batch_window(cfg, build)
+  else:
+    fixed = fixed_schedule(overrides)
+    ans = planner.answer(cfg, opts["devices"] or None, opts["torus"], fixed.get("remat"), fixed.get("microbatches"))
+    layouts = ans.pop("layouts")
+    best_cfg = _layout_cfg(cfg, layouts[0])
+    result = {"answer": ans, **planner.plan(best_cfg)}
+    result["search"] = {k: ans[k] for k in ("devices", "considered", "qualifying")}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
+    if opts["confirm_batch"]:
+      result["batch_window"]["target"] = confirm_batch_window(best_cfg, build)
     if opts["confirm"]:
-      confirmed = confirm_layouts(layouts, cfg, opts["top"] or 3, build)
+      confirmed = [c for l in layouts[:opts["top"] or 3] for c in confirm_layouts([l], _layout_cfg(cfg, l), 1, build)]
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = layouts[:opts["top"] or 3]
     if opts["plot_layouts"]:
@@ -133,7 +168,114 @@ def run(argv: list[str]) -> dict:
   if opts["plot"]:
     from shardlab.analysis.plan_figure import efficiency_curve
     result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
-  return result
+  return result, cfg, opts
+
+
+# ------------------------------------------------------------------------------------------- what the terminal shows
+
+def _bytes(x: float) -> str:
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(x) >= size:
+      return f"{x / size:.1f} {unit}"
+  return f"{x:.0f} B"
+
+
+def _secs(x: float) -> str:
+  for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if x >= size:
+      return f"{x / size:.3g} {unit}"
+  return f"{x * 1e9:.3g} ns"
+
+
+def _tokens(t: float | None, seq_len: int) -> str:
+  return "none (tensor binds at any batch)" if t is None else f"{t:,.0f} tokens ({t / seq_len:,.0f} sequences)"
+
+
+def _verdict(l: dict) -> str:
+  """'ok', or the layout's problems in brief: 'memory', 'sharding', 'comm: tensor 1.42x'."""
+  out = []
+  for r in l["rejected_because"]:
+    kind = r.split(":")[0]
+    if kind == "communication":
+      axis = r.split(":")[1].strip()
+      out.append(f"comm: {axis} {l['comm_to_math'][axis]:.2f}x")
+    elif kind not in out:
+      out.append(kind)
+  return ", ".join(out) or "ok"
+
+
+def _critical(l: dict) -> str:
+  c = l["critical_batch_per_device"]
+  return f"{c['binding_axis']} at any batch" if c["this_mesh"] is None else f"{c['binding_axis']} {c['this_mesh']:,.0f}"
+
+
+def _cluster(hw, n: int) -> str:
+  dom = hw.domain_devices
+  nodes = f" ({n // dom} nodes of {dom})" if dom and n > dom and n % dom == 0 and not hw.torus else ""
+  return f"{n} x {hw.name}{nodes}"
+
+
+def table(result: dict, cfg, rows: int = 5) -> str:
+  """The search's first screen: the best `rows` layouts, the best one's batch window, the rules."""
+  ans, layouts, L = result["answer"], result["layouts"], cfg.model.seq_len
+  head = (f"{cfg.model.name} on {_cluster(cfg.hardware, ans['devices'])}, global batch "
+          f"{_tokens(ans['global_batch_tokens'], L)}, {cfg.precision.compute_dtype} compute: "
+          f"{ans['considered']} layouts, {ans['qualifying']} qualify (fit, shard, compute-bound)")
+  cols = ["#", "data x fsdp x tensor", "remat", "micro", "memory/device", "fits", "step", "MFU",
+          "binding: critical B/N", "verdict"]
+  body = [[str(i + 1), f"{l[DATA]} x {l[FSDP]} x {l[TENSOR]}", l["remat"], str(l["microbatches"]),
+           _bytes(l["memory_per_device_bytes"]), "yes" if l["fits"] else "NO", _secs(l["step_time_s"]),
+           f"{100 * l['mfu']:.0f}%", _critical(l), _verdict(l)] for i, l in enumerate(layouts[:rows])]
+  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
+  line = lambda r: "  ".join(c.rjust(w) if i in (0, 3, 4, 6, 7) else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, width))).rstrip()
+  w = ans["batch_window"]
+  best = layouts[0]
+  out = [head, "", line(cols), *map(line, body)]
+  if len(layouts) > rows:
+    out.append(f"   ... {len(layouts) - rows} more (top=K shows K; --json lists all)")
+  out += ["", f"Batch window of #1 ({best[DATA]} x {best[FSDP]} x {best[TENSOR]}, remat {w['remat']}):",
+          f"  compute-bound from   {_tokens(w['compute_bound_from_tokens'], L)}"
+          + (f": critical B/N {best['critical_batch_per_device']['this_mesh']:,.0f} tokens per device per pass"
+             if w["compute_bound_from_tokens"] is not None else ""),
+          f"  one pass fits up to  {_tokens(w['fits_per_pass_tokens'], L)}"
+          + (f"; {ans['global_batch_tokens']:,.0f} runs as {w['microbatches']} microbatches"
+             if w["microbatches"] > 1 else ""),
+          "", "Ties (equal predicted step time): the least recomputation, then the fewest microbatches, then the most "
+          "slack (smallest worst comm/math), then the least memory.",
+          "Each layout runs at the remat and microbatches that fit it fastest (a microbatch re-gathers the weights; "
+          "recomputation is left to train.mfu, as in the book)."]
+  if result.get("warnings"):
+    out += [f"Warning: {x}" for x in result["warnings"]]
+  out += ["Every number is a prediction of the closed forms (docs/planning.md); --json prints the JSON, "
+          "json=PATH writes it."]
+  return "\n".join(out)
+
+
+def summary(result: dict, cfg) -> str:
+  """One configured mesh on one screen: memory and fit, step time and MFU (the layout's roofline, as the search
+  ranks it), the critical batch, the window."""
+  from shardlab.analysis import planner
+  L, lay = cfg.model.seq_len, result["layout"]
+  crit = lay["critical_batch_per_device"]
+  micro = result["microbatches"]
+  out = [f"{cfg.model.name} on {_cluster(cfg.hardware, cfg.mesh.n_devices)}, mesh {cfg.mesh.label} "
+         f"(data {lay[DATA]} x fsdp {lay[FSDP]} x tensor {lay[TENSOR]}), remat {lay['remat']}, "
+         f"{lay['microbatches']} microbatch{'es' if lay['microbatches'] > 1 else ''}, global batch "
+         f"{_tokens(planner.global_tokens(cfg), L)}:",
+         f"  memory per device   {_bytes(lay['memory_per_device_bytes'])} of {_bytes(result['hbm_bytes'])}: "
+         + ("fits" if lay["fits"] else "does NOT fit")
+         + (f" (fits with schedule.microbatches={micro})" if not lay["fits"] and micro else ""),
+         f"  step time           {_secs(lay['step_time_s'])}, MFU {100 * lay['mfu']:.0f}% ("
+         + ("compute-bound" if lay["compute_bound"] else "communication-bound: " + _verdict(lay)) + ")",
+         "  critical batch      " + (f"{crit['this_mesh']:,.0f} tokens per device ({crit['binding_axis']} binds "
+                                     "below it)" if crit["this_mesh"] is not None else
+                                     f"none: {crit['binding_axis']} binds at any batch"),
+         f"  fits up to          {_tokens(result['batch_window']['max_global_batch_tokens'] * lay[DATA], L)}"]
+  out += [f"Warning: {x}" for x in result["warnings"]]
+  out += ["Every number is a prediction of the closed forms (docs/planning.md); devices=N searches every layout "
+          "of N devices; --json prints the JSON, json=PATH writes it."]
+  return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +283,27 @@ def main(argv: list[str] | None = None) -> int:
   if any(a in ("-h", "--help") for a in argv):
     print(__doc__)
     return 0
+  as_json = "--json" in argv
+  argv = [a for a in argv if a != "--json"]
   try:
-    result = run(argv)
-  except Exception as e:  # Hydra/OmegaConf errors, planner.check's ValueError, ConfigError: one line, exit 2
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith(("json=", "plan.json="))), None)
+    if path == "":
+      raise ValueError("json=: name a file to write the JSON to")
+    argv = [a for a in argv if not a.startswith(("json=", "plan.json="))]
+    result, cfg, opts = _run(argv)
+    text = json.dumps(result, indent=2)
+    if path:
+      with open(path, "w") as f:
+        f.write(text + "\n")
+  except Exception as e:  # Hydra/OmegaConf errors, planner.check's ValueError, ConfigError, OSError: one line, exit 2
     print(f"shardlab.plan: error: {_one_line(e)}", file=sys.stderr)
     return 2
-  print(json.dumps(result, indent=2))
+  if as_json:
+    print(text)
+    return 0
+  print(table(result, cfg, opts["top"] or 5) if "answer" in result else summary(result, cfg))
+  if path:
+    print(f"JSON: {path}")
   return 0
 
 
