@@ -22,6 +22,31 @@ def final_line(out_dir, summary: dict) -> str:
           f"{len(summary['losses'])} steps, {time_}")
 
 
+# The two models a run's prediction comes from (summary.json's prediction.model starts with the key).
+PREDICTION_MODELS = {
+    "calibrated": "calibrated replay of the target program (its compiler's scheduled order at achieved rates)",
+    "peak-rate": "peak-rate model over the program (its dependency graph at the preset's peak rates)",
+}
+
+
+def prediction_model(pred: dict | None) -> str | None:
+  """'calibrated' or 'peak-rate': which model made summary.json's `prediction` (None without one). A summary
+  written before predictions were named has no `model` for the peak-rate one."""
+  if not pred:
+    return None
+  return "calibrated" if str(pred.get("model", "")).startswith("calibrated") else "peak-rate"
+
+
+def prediction_label(summary: dict) -> str:
+  """'calibrated, h100 program' / 'peak-rate, cpu program': the model and the program it read, for figures."""
+  pred = summary.get("prediction") or {}
+  kind = prediction_model(pred)
+  if kind is None:
+    return "no prediction"
+  program = (summary.get("memory") or {}).get("compiled_by") or summary.get("platform") or "?"
+  return f"{kind}, {program} program"
+
+
 def strict(x):
   """x with every non-finite float replaced by None, so that json.dumps writes strict JSON (null, not NaN)."""
   if isinstance(x, float):

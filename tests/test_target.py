@@ -220,6 +220,10 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
     pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
   summary = train(cfg, tmp_path / "run")
   assert summary["status"] == "ok" and summary["target"]["devices"] == 8, summary.get("target")
+  from shardlab.run import numbers          # what the dry run prints: the target's memory against HBM, named
+  lines = numbers(summary)
+  assert lines[0].startswith(f"shardlab: prediction for {preset} (calibrated model over the ")
+  assert "fits" in lines[1] and "compiled for" in lines[1] and "exposed communication" in lines[2]
 
 
 def small_target(schedule: str, **model):
