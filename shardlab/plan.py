@@ -59,13 +59,13 @@ def _one_line(e: BaseException) -> str:
 
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
-OPTIONS = {"search": "bool", "top": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
+OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
-  opts = {"search": False, "top": 0, "devices": 0, "torus": None, "plot": None, "confirm": None, "plot_layouts": [],
+  opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None, "plot_layouts": [],
           "confirm_batch": False}
   rest = []
   for arg in argv:
@@ -233,7 +233,7 @@ def table(result: dict, cfg, rows: int = 5) -> str:
   best = layouts[0]
   out = [head, "", line(cols), *map(line, body)]
   if len(layouts) > rows:
-    out.append(f"   ... {len(layouts) - rows} more (top=K shows K; --json lists all)")
+    out.append(f"   ... {len(layouts) - rows} more (rows=K shows K; --json lists all)")
   out += ["", f"Batch window of #1 ({best[DATA]} x {best[FSDP]} x {best[TENSOR]}, remat {w['remat']}):",
           f"  compute-bound from   {_tokens(w['compute_bound_from_tokens'], L)}"
           + (f": critical B/N {best['critical_batch_per_device']['this_mesh']:,.0f} tokens per device per pass"
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
   if as_json:
     print(text)
     return 0
-  print(table(result, cfg, opts["top"] or 5) if "answer" in result else summary(result, cfg))
+  print(table(result, cfg, opts["rows"] or opts["top"] or 5) if "answer" in result else summary(result, cfg))
   if path:
     print(f"JSON: {path}")
   return 0

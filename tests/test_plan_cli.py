@@ -33,7 +33,7 @@ def test_the_first_screen_is_a_table_that_agrees_with_the_json(capsys):
   for r, l in zip(rows, out["layouts"]):          # each row is the JSON's layout of that rank
     assert (int(r[1]), int(r[3]), int(r[5])) == (l["data"], l["fsdp"], l["tensor"])
     assert r[6] == l["remat"] and int(r[7]) == l["microbatches"]
-  assert "... 5 more" in lines[8]
+  assert "... 5 more (rows=K shows K" in lines[8]
   assert any(l.startswith("Batch window of #1") for l in lines)
   assert any("compute-bound from" in l for l in lines) and any("one pass fits up to" in l for l in lines)
   assert any(l.startswith("Ties (equal predicted step time)") for l in lines)
