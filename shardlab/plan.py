@@ -1,28 +1,33 @@
-"""Predict memory, step time and communication bounds for a config, without devices.
+"""Which layout and which batch, predicted without devices: `python -m shardlab.plan`.
 
-  python -m shardlab.plan                                              # the default config (tiny, h100, 4x2)
-  python -m shardlab.plan model=llama2_13b hardware=tpu_v5p mesh.fsdp=1024 mesh.tensor=4 \\
-      mesh.fsdp_ici_axes=2 train.global_batch_tokens=3000000 train.mfu=0.4
+  python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 train.global_batch_tokens=4194304
+  python -m shardlab.plan                                              # the configured mesh (tiny, h100, 4x2)
 
-Takes the same Hydra overrides as `python -m shardlab`, composes conf/, and prints one JSON object (keys and
-formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override, a setting
-out of range or a mesh axis that does not divide the dimensions it shards prints one line to stderr and exits
-with status 2.
+With devices=N (or search=true) every data x fsdp x tensor layout of N devices is evaluated at the remat policy and
+microbatch count that fit it fastest, and the first screen is a table of the best layouts (mesh, remat,
+microbatches, memory per device and fit, step time, MFU, binding axis and critical batch) and the best one's batch
+window; without, a summary of the configured mesh. `--json` prints the JSON instead (keys and formulas:
+shardlab/analysis/planner.py; searching, its top level is the plan of the best layout), `json=PATH` writes it.
+Takes the same Hydra overrides as `python -m shardlab`; schedule.remat and schedule.microbatches written on the
+command line are kept, not searched. A bad override, a setting out of range or a mesh axis that does not divide
+the dimensions it shards prints one line to stderr and exits with status 2.
 
 Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
-  search=true        rank every data x fsdp x tensor layout of the devices: the JSON gains `layouts`, best first
-  top=K              list only the K best layouts (implies search=true) and compile them for the target: each
-                     gains `target` (compiled memory per device, calibrated step time, beside the closed forms;
-                     needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
-  devices=N          the device count searched (default mesh.data * mesh.fsdp * mesh.tensor)
+  devices=N          search every layout of N devices (default: plan the configured mesh only)
+  search=true        search the configured mesh's device count
+  rows=K             show K layouts in the table (default 5)
+  top=K              keep the K best layouts in the JSON (implies search=true) and compile them for the target:
+                     each gains `target` (compiled memory per device, calibrated step time, beside the closed
+                     forms; needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
   torus=16x16x16     the TPU slice's torus (default: the most nearly cubic one of the preset's rank)
   plot=PATH.png      the efficiency curve: step time and MFU against per-device batch, for the configured mesh
                      or, with search, the best (top, default 3) layouts
   plot_layouts=1x1024x4,1x4096x1   plot these data x fsdp x tensor layouts instead (implies search=true)
   confirm=false      with top=K: list the K best by the closed forms only, compile nothing
   confirm=true       compile the best (top, default 3) layouts for the target (the default with top=K)
-  confirm_batch=true confirm the configured mesh's batch window by compiling for the target: `batch_window.target`
+  confirm_batch=true confirm the batch window by compiling for the target: `batch_window.target`
                      (the largest batch that fits by the compiled peaks, compiled at it and at one more sequence)
+  --json, json=PATH  the JSON: on the terminal instead of the table, or into a file beside it
 """
 from __future__ import annotations
 
@@ -188,7 +193,10 @@ def _secs(x: float) -> str:
 
 
 def _tokens(t: float | None, seq_len: int) -> str:
-  return "none (tensor binds at any batch)" if t is None else f"{t:,.0f} tokens ({t / seq_len:,.0f} sequences)"
+  if t is None:
+    return "none (tensor binds at any batch)"
+  seqs = t / seq_len
+  return f"{t:,.0f} tokens ({seqs:,.0f} sequences)" if seqs == int(seqs) else f"{t:,.0f} tokens ({seqs:,.1f} sequences)"
 
 
 def _verdict(l: dict) -> str:
