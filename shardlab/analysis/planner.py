@@ -609,7 +609,8 @@ REMAT_BY_RECOMPUTE = ("none", "save_matmuls_attn_out", "save_matmuls", "save_qkv
 CHOICE = ("each layout runs at the remat policy and microbatch count that fit its memory with the shortest predicted "
           "step time (a microbatch gathers the weights again; recomputation is not charged: train.mfu absorbs it, "
           "as in the book); at equal times the least recomputation (none, save_matmuls_attn_out, save_matmuls, "
-          "save_qkv_attn_out, save_qkv_proj, full), then the fewest microbatches. Nothing fits: the least memory")
+          "save_qkv_attn_out, save_qkv_proj, full), then the fewest microbatches. Nothing fits: the setting with "
+          "the least memory")
 
 
 def _choose(cfg, place: tuple, remats: tuple[str, ...], microbatches: int | None) -> dict[str, Any]:
@@ -620,15 +621,16 @@ def _choose(cfg, place: tuple, remats: tuple[str, ...], microbatches: int | None
   sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor}, train={"global_batch_tokens": tokens / data})
   local = tokens / (data * fsdp) / cfg.model.seq_len
   counts = [microbatches] if microbatches else _divisors(int(local)) if local >= 1 and local == int(local) else [1]
-  fitting = []
+  fitting, least = [], (math.inf, None)
   for remat in remats:
     for k in counts:
-      if memory_per_device(override(sub, schedule={"remat": remat, "microbatches": k}))["total"] <= \
-          cfg.hardware.hbm_bytes:
+      total = memory_per_device(override(sub, schedule={"remat": remat, "microbatches": k}))["total"]
+      least = min(least, (total, (remat, k)), key=lambda t: t[0])
+      if total <= cfg.hardware.hbm_bytes:
         fitting.append((remat, k))
         break
-  if not fitting:                                  # the least memory: the most recomputation, the most microbatches
-    fitting = [(remats[-1], counts[-1])]
+  if not fitting:                                  # nothing fits: shown at the least memory
+    fitting = [least[1]]
   evaluated = [_evaluate_placed(override(cfg, schedule={"remat": r, "microbatches": k}), place) for r, k in fitting]
   return min(evaluated, key=lambda l: (l["step_time_s"], REMAT_BY_RECOMPUTE.index(l["remat"]), l["microbatches"]))
 
