@@ -47,6 +47,22 @@ def prediction_label(summary: dict) -> str:
   return f"{kind}, {program} program"
 
 
+def human_bytes(b: float) -> str:
+  """'69.5 GB', '513 kB': decimal units, 3 significant digits (what the terminal shows)."""
+  for unit, n in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(b) >= n:
+      return f"{b / n:.3g} {unit}"
+  return f"{b:.0f} B"
+
+
+def human_seconds(t: float) -> str:
+  """'1.34 s', '138 us': 3 significant digits."""
+  for unit, n in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if t >= n:
+      return f"{t / n:.3g} {unit}"
+  return f"{t * 1e9:.3g} ns"
+
+
 def strict(x):
   """x with every non-finite float replaced by None, so that json.dumps writes strict JSON (null, not NaN)."""
   if isinstance(x, float):

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 
 from shardlab.axes import DATA, FSDP, TENSOR
 from shardlab.config import CONF_DIR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
+from shardlab.outputs import human_bytes, human_seconds
 from shardlab.trainer import build
 
 
@@ -64,13 +66,15 @@ def _one_line(e: BaseException) -> str:
 
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
-OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
+OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path",
+           "confirm": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
-  opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None, "plot_layouts": [],
+  opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None,
+          "plot_layouts": [],
           "confirm_batch": False}
   rest = []
   for arg in argv:
@@ -178,20 +182,6 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
 
 # ------------------------------------------------------------------------------------------- what the terminal shows
 
-def _bytes(x: float) -> str:
-  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if abs(x) >= size:
-      return f"{x / size:.1f} {unit}"
-  return f"{x:.0f} B"
-
-
-def _secs(x: float) -> str:
-  for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-    if x >= size:
-      return f"{x / size:.3g} {unit}"
-  return f"{x * 1e9:.3g} ns"
-
-
 def _tokens(t: float | None, seq_len: int) -> str:
   if t is None:
     return "none (tensor binds at any batch)"
@@ -232,7 +222,8 @@ def table(result: dict, cfg, rows: int = 5) -> str:
   cols = ["#", "data x fsdp x tensor", "remat", "micro", "memory/device", "fits", "step", "MFU",
           "binding: critical B/N", "verdict"]
   body = [[str(i + 1), f"{l[DATA]} x {l[FSDP]} x {l[TENSOR]}", l["remat"], str(l["microbatches"]),
-           _bytes(l["memory_per_device_bytes"]), "yes" if l["fits"] else "NO", _secs(l["step_time_s"]),
+           human_bytes(l["memory_per_device_bytes"]), "yes" if l["fits"] else "NO",
+           human_seconds(l["step_time_s"]),
            f"{100 * l['mfu']:.0f}%", _critical(l), _verdict(l)] for i, l in enumerate(layouts[:rows])]
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
   line = lambda r: "  ".join(c.rjust(w) if i in (0, 3, 4, 6, 7) else c.ljust(w)
@@ -253,6 +244,7 @@ def table(result: dict, cfg, rows: int = 5) -> str:
           "slack (smallest worst comm/math), then the least memory.",
           "Each layout runs at the remat and microbatches that fit it fastest (a microbatch re-gathers the weights; "
           "recomputation is left to train.mfu, as in the book)."]
+  out = [textwrap.fill(l, 118) if l.startswith(("Ties", "Each layout")) else l for l in out]   # the rules
   if result.get("warnings"):
     out += [f"Warning: {x}" for x in result["warnings"]]
   out += ["Every number is a prediction of the closed forms (docs/planning.md); --json prints the JSON, "
@@ -271,10 +263,10 @@ def summary(result: dict, cfg) -> str:
          f"(data {lay[DATA]} x fsdp {lay[FSDP]} x tensor {lay[TENSOR]}), remat {lay['remat']}, "
          f"{lay['microbatches']} microbatch{'es' if lay['microbatches'] > 1 else ''}, global batch "
          f"{_tokens(planner.global_tokens(cfg), L)}:",
-         f"  memory per device   {_bytes(lay['memory_per_device_bytes'])} of {_bytes(result['hbm_bytes'])}: "
+         f"  memory per device   {human_bytes(lay['memory_per_device_bytes'])} of {human_bytes(result['hbm_bytes'])}: "
          + ("fits" if lay["fits"] else "does NOT fit")
          + (f" (fits with schedule.microbatches={micro})" if not lay["fits"] and micro else ""),
-         f"  step time           {_secs(lay['step_time_s'])}, MFU {100 * lay['mfu']:.0f}% ("
+         f"  step time           {human_seconds(lay['step_time_s'])}, MFU {100 * lay['mfu']:.0f}% ("
          + ("compute-bound" if lay["compute_bound"] else "communication-bound: " + _verdict(lay)) + ")",
          "  critical batch      " + (f"{crit['this_mesh']:,.0f} tokens per device ({crit['binding_axis']} binds "
                                      "below it)" if crit["this_mesh"] is not None else

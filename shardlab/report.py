@@ -1,10 +1,10 @@
 """`python -m shardlab.report DIR`: turn a run or sweep directory into report.md and PNG figures.
 
-Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by
-side; the title names the model of each prediction: calibrated replay of a target program or peak-rate model
-over a local one; "no overlap" and "with overlap" are one bar where they agree for every run), bytes.png (bytes each device moves per step, per mesh axis), memory.png (compiled peak memory per
-device), and the timeline of every run (or of those --runs names: their timeline.png, copied as
-timeline_<job>.png); a run without one is named in report.md.
+Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by side;
+the title names the model of each prediction: calibrated replay of a target program or peak-rate model over a local
+one; "no overlap" and "with overlap" are one bar where they agree for every run), bytes.png (bytes each device
+moves per step, per mesh axis), memory.png (compiled peak memory per device), and the timeline of every run (or of
+those --runs names: their timeline.png, copied as timeline_<job>.png); a run without one is named in report.md.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ def _run(d, name: str, serial: float, overlapped: float, model: str | None, prog
   (d / name).mkdir()
   (d / name / "summary.json").write_text(json.dumps({
       "status": "ok", "schedule": "baseline", "mesh": {"fsdp": 4, "tensor": 2}, "platform": "cpu",
-      "step_time_s_median": 0.02, "final_loss": 5.0, "prediction": pred, "memory": {"peak": 2e6, "compiled_by": program},
+      "step_time_s_median": 0.02, "final_loss": 5.0, "prediction": pred,
+      "memory": {"peak": 2e6, "compiled_by": program},
       "comm": {"all-gather": {"fsdp": {"bytes": 1000}}}}))
 
 

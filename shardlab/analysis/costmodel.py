@@ -234,4 +234,5 @@ def reconcile_audit(audit: dict, program: list, rows: list, prog) -> dict:
 def title(cfg, pred: dict) -> str:
   return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.label} | {pred['hardware']}: "
           f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
-          f"MFU {pred['mfu']:.0%}  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, not a measurement]")
+          f"MFU {pred['mfu']:.0%}  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, "
+          "not a measurement]")
