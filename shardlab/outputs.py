@@ -22,6 +22,47 @@ def final_line(out_dir, summary: dict) -> str:
           f"{len(summary['losses'])} steps, {time_}")
 
 
+# The two models a run's prediction comes from (summary.json's prediction.model starts with the key).
+PREDICTION_MODELS = {
+    "calibrated": "calibrated replay of the target program (its compiler's scheduled order at achieved rates)",
+    "peak-rate": "peak-rate model over the program (its dependency graph at the preset's peak rates)",
+}
+
+
+def prediction_model(pred: dict | None) -> str | None:
+  """'calibrated' or 'peak-rate': which model made summary.json's `prediction` (None without one). A summary
+  written before predictions were named has no `model` for the peak-rate one."""
+  if not pred:
+    return None
+  return "calibrated" if str(pred.get("model", "")).startswith("calibrated") else "peak-rate"
+
+
+def prediction_label(summary: dict) -> str:
+  """'calibrated, h100 program' / 'peak-rate, cpu program': the model and the program it read, for figures."""
+  pred = summary.get("prediction") or {}
+  kind = prediction_model(pred)
+  if kind is None:
+    return "no prediction"
+  program = (summary.get("memory") or {}).get("compiled_by") or summary.get("platform") or "?"
+  return f"{kind}, {program} program"
+
+
+def human_bytes(b: float) -> str:
+  """'69.5 GB', '513 kB': decimal units, 3 significant digits (what the terminal shows)."""
+  for unit, n in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(b) >= n:
+      return f"{b / n:.3g} {unit}"
+  return f"{b:.0f} B"
+
+
+def human_seconds(t: float) -> str:
+  """'1.34 s', '138 us': 3 significant digits."""
+  for unit, n in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if t >= n:
+      return f"{t / n:.3g} {unit}"
+  return f"{t * 1e9:.3g} ns"
+
+
 def strict(x):
   """x with every non-finite float replaced by None, so that json.dumps writes strict JSON (null, not NaN)."""
   if isinstance(x, float):

@@ -1,37 +1,44 @@
-"""Predict memory, step time and communication bounds for a config, without devices.
+"""Which layout and which batch, predicted without devices: `python -m shardlab.plan`.
 
-  python -m shardlab.plan                                              # the default config (tiny, h100, 4x2)
-  python -m shardlab.plan model=llama2_13b hardware=tpu_v5p mesh.fsdp=1024 mesh.tensor=4 \\
-      mesh.fsdp_ici_axes=2 train.global_batch_tokens=3000000 train.mfu=0.4
+  python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 train.global_batch_tokens=4194304
+  python -m shardlab.plan                                              # the configured mesh (tiny, h100, 4x2)
 
-Takes the same Hydra overrides as `python -m shardlab`, composes conf/, and prints one JSON object (keys and
-formulas: shardlab/analysis/planner.py). Any mesh size works: nothing here touches JAX. A bad override, a setting
-out of range or a mesh axis that does not divide the dimensions it shards prints one line to stderr and exits
-with status 2.
+With devices=N (or search=true) every data x fsdp x tensor layout of N devices is evaluated at the remat policy and
+microbatch count that fit it fastest, and the first screen is a table of the best layouts (mesh, remat,
+microbatches, memory per device and fit, step time, MFU, binding axis and critical batch) and the best one's batch
+window; without, a summary of the configured mesh. `--json` prints the JSON instead (keys and formulas:
+shardlab/analysis/planner.py; searching, its top level is the plan of the best layout), `json=PATH` writes it.
+Takes the same Hydra overrides as `python -m shardlab`; schedule.remat and schedule.microbatches written on the
+command line are kept, not searched. A bad override, a setting out of range or a mesh axis that does not divide
+the dimensions it shards prints one line to stderr and exits with status 2.
 
 Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
-  search=true        rank every data x fsdp x tensor layout of the devices: the JSON gains `layouts`, best first
-  top=K              list only the K best layouts (implies search=true) and compile them for the target: each
-                     gains `target` (compiled memory per device, calibrated step time, beside the closed forms;
-                     needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
-  devices=N          the device count searched (default mesh.data * mesh.fsdp * mesh.tensor)
+  devices=N          search every layout of N devices (default: plan the configured mesh only)
+  search=true        search the configured mesh's device count
+  rows=K             show K layouts in the table (default 5)
+  top=K              keep the K best layouts in the JSON (implies search=true) and compile them for the target:
+                     each gains `target` (compiled memory per device, calibrated step time, beside the closed
+                     forms; needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
   torus=16x16x16     the TPU slice's torus (default: the most nearly cubic one of the preset's rank)
   plot=PATH.png      the efficiency curve: step time and MFU against per-device batch, for the configured mesh
                      or, with search, the best (top, default 3) layouts
   plot_layouts=1x1024x4,1x4096x1   plot these data x fsdp x tensor layouts instead (implies search=true)
   confirm=false      with top=K: list the K best by the closed forms only, compile nothing
   confirm=true       compile the best (top, default 3) layouts for the target (the default with top=K)
-  confirm_batch=true confirm the configured mesh's batch window by compiling for the target: `batch_window.target`
+  confirm_batch=true confirm the batch window by compiling for the target: `batch_window.target`
                      (the largest batch that fits by the compiled peaks, compiled at it and at one more sequence)
+  --json, json=PATH  the JSON: on the terminal instead of the table, or into a file beside it
 """
 from __future__ import annotations
 
 import json
 import sys
+import textwrap
 
 from shardlab.axes import DATA, FSDP, TENSOR
 from shardlab.config import CONF_DIR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
+from shardlab.outputs import human_bytes, human_seconds
 from shardlab.trainer import build
 
 
@@ -59,13 +66,15 @@ def _one_line(e: BaseException) -> str:
 
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
-OPTIONS = {"search": "bool", "top": "int", "devices": "int", "torus": "dims", "plot": "path", "confirm": "bool",
+OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path",
+           "confirm": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
-  opts = {"search": False, "top": 0, "devices": 0, "torus": None, "plot": None, "confirm": None, "plot_layouts": [],
+  opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None,
+          "plot_layouts": [],
           "confirm_batch": False}
   rest = []
   for arg in argv:
@@ -99,28 +108,63 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
       opts[name] = value
   if opts["confirm"] is None:            # top=K compiles the K best unless confirm=false
     opts["confirm"] = bool(opts["top"])
-  opts["search"] = opts["search"] or bool(opts["top"]) or opts["confirm"] or bool(opts["plot_layouts"])
+  opts["search"] = (opts["search"] or bool(opts["devices"]) or bool(opts["top"]) or opts["confirm"]
+                    or bool(opts["plot_layouts"]))
   return opts, rest
 
 
+def fixed_schedule(overrides: list[str]) -> dict:
+  """The schedule settings the search keeps as given: schedule.remat and schedule.microbatches written on the
+  command line ({"remat": ..., "microbatches": ...}, each present only when written); the others it chooses."""
+  out = {}
+  for o in overrides:
+    key, _, value = o.lstrip("+").partition("=")
+    if key == "schedule.remat":
+      out["remat"] = value
+    elif key == "schedule.microbatches" and value.isdigit():
+      out["microbatches"] = int(value)
+  return out
+
+
+def _layout_cfg(cfg, layout: dict):
+  """cfg at a searched layout: its mesh and its remat and microbatches (planner.answer's choice)."""
+  from shardlab.analysis import planner
+  return planner.override(cfg, mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
+                                     "fsdp_ici_axes": layout["ici_axes"][FSDP],
+                                     "tensor_ici_axes": layout["ici_axes"][TENSOR]},
+                          schedule={"remat": layout["remat"], "microbatches": layout["microbatches"]})
+
+
 def run(argv: list[str]) -> dict:
-  """The plan of argv (options and overrides), with `layouts` when searching; writes the figure if asked."""
+  """The plan of argv (options and overrides), with `answer` and `layouts` when searching; writes the figure if
+  asked. Searching, the top level is the plan of the best layout (its mesh, remat and microbatches)."""
+  return _run(argv)[0]
+
+
+def _run(argv: list[str]) -> tuple[dict, object, dict]:
+  """(run's result, the composed config, the planner's options)."""
   from shardlab.analysis import planner
   opts, overrides = split_options(argv)
   cfg = compose(overrides)
   from shardlab.validate import validate_plan
   validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
-  result = planner.plan(cfg)
   chosen = None
-  if opts["confirm_batch"]:
-    result["batch_window"]["target"] = confirm_batch_window(cfg, build)
-  if opts["search"]:
-    layouts = planner.search(cfg, opts["devices"] or None, opts["torus"])
-    result["search"] = {"devices": opts["devices"] or cfg.mesh.n_devices, "considered": len(layouts),
-                        "qualifying": sum(not l["rejected_because"] for l in layouts)}
+  if not opts["search"]:
+    result = {**planner.plan(cfg), "layout": planner.this_layout(cfg)}
+    if opts["confirm_batch"]:
+      result["batch_window"]["target"] = confirm_batch_window(cfg, build)
+  else:
+    fixed = fixed_schedule(overrides)
+    ans = planner.answer(cfg, opts["devices"] or None, opts["torus"], fixed.get("remat"), fixed.get("microbatches"))
+    layouts = ans.pop("layouts")
+    best_cfg = _layout_cfg(cfg, layouts[0])
+    result = {"answer": ans, **planner.plan(best_cfg)}
+    result["search"] = {k: ans[k] for k in ("devices", "considered", "qualifying")}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
+    if opts["confirm_batch"]:
+      result["batch_window"]["target"] = confirm_batch_window(best_cfg, build)
     if opts["confirm"]:
-      confirmed = confirm_layouts(layouts, cfg, opts["top"] or 3, build)
+      confirmed = [c for l in layouts[:opts["top"] or 3] for c in confirm_layouts([l], _layout_cfg(cfg, l), 1, build)]
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = layouts[:opts["top"] or 3]
     if opts["plot_layouts"]:
@@ -133,7 +177,105 @@ def run(argv: list[str]) -> dict:
   if opts["plot"]:
     from shardlab.analysis.plan_figure import efficiency_curve
     result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
-  return result
+  return result, cfg, opts
+
+
+# ------------------------------------------------------------------------------------------- what the terminal shows
+
+def _tokens(t: float | None, seq_len: int) -> str:
+  if t is None:
+    return "none (tensor binds at any batch)"
+  seqs = t / seq_len
+  return f"{t:,.0f} tokens ({seqs:,.0f} sequences)" if seqs == int(seqs) else f"{t:,.0f} tokens ({seqs:,.1f} sequences)"
+
+
+def _verdict(l: dict) -> str:
+  """'ok', or the layout's problems in brief: 'memory', 'sharding', 'comm: tensor 1.42x'."""
+  out = []
+  for r in l["rejected_because"]:
+    kind = r.split(":")[0]
+    if kind == "communication":
+      axis = r.split(":")[1].strip()
+      out.append(f"comm: {axis} {l['comm_to_math'][axis]:.2f}x")
+    elif kind not in out:
+      out.append(kind)
+  return ", ".join(out) or "ok"
+
+
+def _critical(l: dict) -> str:
+  c = l["critical_batch_per_device"]
+  return f"{c['binding_axis']} at any batch" if c["this_mesh"] is None else f"{c['binding_axis']} {c['this_mesh']:,.0f}"
+
+
+def _cluster(hw, n: int) -> str:
+  dom = hw.domain_devices
+  nodes = f" ({n // dom} nodes of {dom})" if dom and n > dom and n % dom == 0 and not hw.torus else ""
+  return f"{n} x {hw.name}{nodes}"
+
+
+def table(result: dict, cfg, rows: int = 5) -> str:
+  """The search's first screen: the best `rows` layouts, the best one's batch window, the rules."""
+  ans, layouts, L = result["answer"], result["layouts"], cfg.model.seq_len
+  head = (f"{cfg.model.name} on {_cluster(cfg.hardware, ans['devices'])}, global batch "
+          f"{_tokens(ans['global_batch_tokens'], L)}, {cfg.precision.compute_dtype} compute: "
+          f"{ans['considered']} layouts, {ans['qualifying']} qualify (fit, shard, compute-bound)")
+  cols = ["#", "data x fsdp x tensor", "remat", "micro", "memory/device", "fits", "step", "MFU",
+          "binding: critical B/N", "verdict"]
+  body = [[str(i + 1), f"{l[DATA]} x {l[FSDP]} x {l[TENSOR]}", l["remat"], str(l["microbatches"]),
+           human_bytes(l["memory_per_device_bytes"]), "yes" if l["fits"] else "NO",
+           human_seconds(l["step_time_s"]),
+           f"{100 * l['mfu']:.0f}%", _critical(l), _verdict(l)] for i, l in enumerate(layouts[:rows])]
+  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
+  line = lambda r: "  ".join(c.rjust(w) if i in (0, 3, 4, 6, 7) else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, width))).rstrip()
+  w = ans["batch_window"]
+  best = layouts[0]
+  out = [head, "", line(cols), *map(line, body)]
+  if len(layouts) > rows:
+    out.append(f"   ... {len(layouts) - rows} more (rows=K shows K; --json lists all)")
+  out += ["", f"Batch window of #1 ({best[DATA]} x {best[FSDP]} x {best[TENSOR]}, remat {w['remat']}):",
+          f"  compute-bound from   {_tokens(w['compute_bound_from_tokens'], L)}"
+          + (f": critical B/N {best['critical_batch_per_device']['this_mesh']:,.0f} tokens per device per pass"
+             if w["compute_bound_from_tokens"] is not None else ""),
+          f"  one pass fits up to  {_tokens(w['fits_per_pass_tokens'], L)}"
+          + (f"; {ans['global_batch_tokens']:,.0f} runs as {w['microbatches']} microbatches"
+             if w["microbatches"] > 1 else ""),
+          "", "Ties (equal predicted step time): the least recomputation, then the fewest microbatches, then the most "
+          "slack (smallest worst comm/math), then the least memory.",
+          "Each layout runs at the remat and microbatches that fit it fastest (a microbatch re-gathers the weights; "
+          "recomputation is left to train.mfu, as in the book)."]
+  out = [textwrap.fill(l, 118) if l.startswith(("Ties", "Each layout")) else l for l in out]   # the rules
+  if result.get("warnings"):
+    out += [f"Warning: {x}" for x in result["warnings"]]
+  out += ["Every number is a prediction of the closed forms (docs/planning.md); --json prints the JSON, "
+          "json=PATH writes it."]
+  return "\n".join(out)
+
+
+def summary(result: dict, cfg) -> str:
+  """One configured mesh on one screen: memory and fit, step time and MFU (the layout's roofline, as the search
+  ranks it), the critical batch, the window."""
+  from shardlab.analysis import planner
+  L, lay = cfg.model.seq_len, result["layout"]
+  crit = lay["critical_batch_per_device"]
+  micro = result["microbatches"]
+  out = [f"{cfg.model.name} on {_cluster(cfg.hardware, cfg.mesh.n_devices)}, mesh {cfg.mesh.label} "
+         f"(data {lay[DATA]} x fsdp {lay[FSDP]} x tensor {lay[TENSOR]}), remat {lay['remat']}, "
+         f"{lay['microbatches']} microbatch{'es' if lay['microbatches'] > 1 else ''}, global batch "
+         f"{_tokens(planner.global_tokens(cfg), L)}:",
+         f"  memory per device   {human_bytes(lay['memory_per_device_bytes'])} of {human_bytes(result['hbm_bytes'])}: "
+         + ("fits" if lay["fits"] else "does NOT fit")
+         + (f" (fits with schedule.microbatches={micro})" if not lay["fits"] and micro else ""),
+         f"  step time           {human_seconds(lay['step_time_s'])}, MFU {100 * lay['mfu']:.0f}% ("
+         + ("compute-bound" if lay["compute_bound"] else "communication-bound: " + _verdict(lay)) + ")",
+         "  critical batch      " + (f"{crit['this_mesh']:,.0f} tokens per device ({crit['binding_axis']} binds "
+                                     "below it)" if crit["this_mesh"] is not None else
+                                     f"none: {crit['binding_axis']} binds at any batch"),
+         f"  fits up to          {_tokens(result['batch_window']['max_global_batch_tokens'] * lay[DATA], L)}"]
+  out += [f"Warning: {x}" for x in result["warnings"]]
+  out += ["Every number is a prediction of the closed forms (docs/planning.md); devices=N searches every layout "
+          "of N devices; --json prints the JSON, json=PATH writes it."]
+  return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +283,27 @@ def main(argv: list[str] | None = None) -> int:
   if any(a in ("-h", "--help") for a in argv):
     print(__doc__)
     return 0
+  as_json = "--json" in argv
+  argv = [a for a in argv if a != "--json"]
   try:
-    result = run(argv)
-  except Exception as e:  # Hydra/OmegaConf errors, planner.check's ValueError, ConfigError: one line, exit 2
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith(("json=", "plan.json="))), None)
+    if path == "":
+      raise ValueError("json=: name a file to write the JSON to")
+    argv = [a for a in argv if not a.startswith(("json=", "plan.json="))]
+    result, cfg, opts = _run(argv)
+    text = json.dumps(result, indent=2)
+    if path:
+      with open(path, "w") as f:
+        f.write(text + "\n")
+  except Exception as e:  # Hydra/OmegaConf errors, planner.check's ValueError, ConfigError, OSError: one line, exit 2
     print(f"shardlab.plan: error: {_one_line(e)}", file=sys.stderr)
     return 2
-  print(json.dumps(result, indent=2))
+  if as_json:
+    print(text)
+    return 0
+  print(table(result, cfg, opts["rows"] or opts["top"] or 5) if "answer" in result else summary(result, cfg))
+  if path:
+    print(f"JSON: {path}")
   return 0
 
 

@@ -1,9 +1,10 @@
 """`python -m shardlab.report DIR`: turn a run or sweep directory into report.md and PNG figures.
 
-Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by
-side), bytes.png (bytes each device moves per step, per mesh axis), memory.png (compiled peak memory per
-device), and the timeline of every run (or of those --runs names: their timeline.png, copied as
-timeline_<job>.png); a run without one is named in report.md.
+Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by side;
+the title names the model of each prediction: calibrated replay of a target program or peak-rate model over a local
+one; "no overlap" and "with overlap" are one bar where they agree for every run), bytes.png (bytes each device
+moves per step, per mesh axis), memory.png (compiled peak memory per device), and the timeline of every run (or of
+those --runs names: their timeline.png, copied as timeline_<job>.png); a run without one is named in report.md.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from shardlab.axes import CLASSIC, names as axis_names
+from shardlab.outputs import PREDICTION_MODELS, prediction_label
 from shardlab.sweep import _bytes_per_axis, _fmt
 
 
@@ -70,6 +72,31 @@ def _bar(ax, labels, series: dict, ylabel: str, title: str, scale: float = 1.0, 
   ax.grid(axis="y", alpha=0.3)
 
 
+def _pred(j: dict) -> dict:
+  return j["summary"].get("prediction") or {}
+
+
+def predicted_series(ok: list[dict]) -> dict:
+  """{series name: values} of the predicted step times: "no overlap" (serial) and "with overlap" bars, or one
+  bar per run when the two are the same for every run (within 0.1%: nothing overlapped)."""
+  serial = [_pred(j).get("t_serial_s") for j in ok]
+  overlapped = [_pred(j).get("t_overlapped_s") for j in ok]
+  same = all(a is None or b is None or abs(a - b) <= 1e-3 * max(abs(a), abs(b)) for a, b in zip(serial, overlapped))
+  if same:
+    return {"predicted (no overlap = with overlap)": overlapped}
+  return {"no overlap": serial, "with overlap": overlapped}
+
+
+def predicted_title(ok: list[dict]) -> str:
+  """'Predicted step time on h100 (peak-rate, cpu program)': the hardware and the model that made each
+  prediction (outputs.prediction_label), every distinct one."""
+  hw = sorted({_pred(j).get("hardware") for j in ok} - {None})
+  models = sorted({prediction_label(j["summary"]) for j in ok if _pred(j)})
+  if not hw:
+    return "Predicted step time (no prediction)"
+  return f"Predicted step time on {', '.join(hw)}\n(model: {'; '.join(models)})"
+
+
 def figures(jobs: list[dict], out: Path) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
@@ -85,10 +112,7 @@ def figures(jobs: list[dict], out: Path) -> list[str]:
   _bar(a1, labels, {"measured": [j["summary"].get("step_time_s_median") for j in ok]}, "ms per step",
        f"Measured step time ({ok[0]['summary'].get('device_kind', '?')}, median, compile excluded)", 1e-3,
        legend=False)
-  hw = {(j["summary"].get("prediction") or {}).get("hardware") for j in ok} - {None}
-  _bar(a2, labels, {"no overlap": [(j["summary"].get("prediction") or {}).get("t_serial_s") for j in ok],
-                    "with overlap": [(j["summary"].get("prediction") or {}).get("t_overlapped_s") for j in ok]},
-       "ms per step", f"Predicted step time on {', '.join(sorted(hw)) or '(no prediction)'}", 1e-3)
+  _bar(a2, labels, predicted_series(ok), "ms per step", predicted_title(ok), 1e-3)
   fig.tight_layout()
   fig.savefig(out / "step_time.png", dpi=110)
   plt.close(fig)
@@ -130,10 +154,13 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
   without = [j["label"] for j in jobs if not (j["dir"] / "timeline.png").exists() and (runs is None or j["label"] in runs)]
   lines = [f"# Report: {d}", "", f"{sum(j['status'] == 'ok' for j in jobs)} of {len(jobs)} runs ok. Measured "
            "times are from the machine that ran them (on fake CPU devices they are a regression canary, not a "
-           "claim about overlap); predicted times come from the cost model on the named hardware preset.", ""]
+           "claim about overlap); predicted times come from the cost model on the named hardware preset, by the "
+           "model each row names: " + "; ".join(f"{k}: {v}" for k, v in PREDICTION_MODELS.items())
+           + " (a run compiled for its target is predicted by the calibrated model, a local program by the "
+           "peak-rate one).", ""]
   per_axis = [_bytes_per_axis(j["summary"].get("comm") or {}) for j in jobs]
   axes = [a for a in axis_names() if a in CLASSIC or any(a in b for b in per_axis)]   # every axis present
-  cols = ["run", "status", "final loss", "step ms (measured)", "pred. ms (overlap)", "pred. ms (serial)",
+  cols = ["run", "status", "final loss", "step ms (measured)", "prediction", "pred. ms (overlap)", "pred. ms (serial)",
           *[f"MiB {a}" for a in axes], "peak MiB", "error"]
   lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for j in jobs:
@@ -141,7 +168,8 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
     b = _bytes_per_axis(s.get("comm") or {})
     ms = lambda v: None if v is None else v * 1e3
     mib = lambda v: None if v is None else v / 2**20
-    row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")), ms(p.get("t_overlapped_s")),
+    row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")),
+           prediction_label(s) if p else None, ms(p.get("t_overlapped_s")),
            ms(p.get("t_serial_s")), *[mib(b.get(a)) for a in axes], mib((s.get("memory") or {}).get("peak")),
            s.get("error")]
     lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
@@ -154,7 +182,8 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
       shutil.copyfile(j["dir"] / "timeline.png", dst)
     else:
       dst = d / "timeline.png"
-    lines += [f"### Predicted timeline: {j['label']}", "", f"![timeline {j['label']}]({dst.name})", ""]
+    lines += [f"### Predicted timeline: {j['label']} ({prediction_label(j['summary'])} on "
+              f"{_pred(j).get('hardware', '?')})", "", f"![timeline {j['label']}]({dst.name})", ""]
   if without:
     lines += [f"No predicted timeline for {', '.join(without)} (the run wrote no timeline.png: it failed before "
               "its analysis, or ran with an older shardlab).", ""]

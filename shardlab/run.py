@@ -10,7 +10,7 @@ from hydra.experimental.callback import Callback
 
 from shardlab.config import CONF_DIR, Config, register_configs, to_config  # noqa: F401  (CONF_DIR: re-exported)
 from shardlab.mesh import ConfigError
-from shardlab.outputs import final_line, record_failure
+from shardlab.outputs import final_line, human_bytes, human_seconds, prediction_model, record_failure
 from shardlab.trainer import build, lower, train  # noqa: F401  (the library entry points, re-exported)
 
 
@@ -25,6 +25,7 @@ def _task(dcfg) -> None:
   from shardlab.preflight import Finished
   try:
     summary = train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
+    print("\n".join(numbers(summary)), flush=True)
     print(final_line(out_dir, summary), flush=True)
   except Finished as e:                   # a requeued job whose run is done: nothing written, exit 0
     print(f"shardlab: {e}", flush=True)
@@ -56,6 +57,41 @@ def _task(dcfg) -> None:
     if not sweeping:
       raise
     print(f"shardlab: job {hc.job.num} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def numbers(summary: dict) -> list[str]:
+  """What a finished run ends with on the terminal, before its last line: memory per device and whether it fits
+  the preset's HBM, the predicted step time, MFU and exposed communication (named: which model made them, on
+  which program), and for a training run the measured step time beside the prediction."""
+  pred, mem = summary.get("prediction") or {}, summary.get("memory") or {}
+  hw = pred.get("hardware", "?")
+  program = mem.get("compiled_by") or summary.get("platform", "?")
+  out = [f"shardlab: prediction for {hw} ({prediction_model(pred) or 'no'} model over the {program} program):"]
+  analytic = (mem.get("analytic") or {}).get("total")
+  if "fits" in mem:                               # the target compiler's buffers against the preset's HBM
+    out.append(f"  memory per device   {human_bytes(mem['peak'])} compiled for {program}, "
+               f"HBM {human_bytes(mem['hbm_bytes'])}: " + ("fits" if mem["fits"] else "does NOT fit")
+               + (f" (analytic {human_bytes(analytic)})" if analytic else ""))
+  elif mem.get("peak") is not None:               # a local program: its peak is the local compiler's
+    fit = ""
+    hbm = ((summary.get("config") or {}).get("hardware") or {}).get("hbm_bytes")
+    if analytic and hbm:
+      fit = (f"; analytic {human_bytes(analytic)} of {hw}'s {human_bytes(hbm)}: "
+             + ("fits" if analytic <= hbm else "does NOT fit"))
+    out.append(f"  memory per device   {human_bytes(mem['peak'])} compiled for {program}{fit}")
+  if pred:
+    t = pred["t_overlapped_s"]
+    exposed = pred.get("exposed_comm_s", 0.0)
+    out.append(f"  step time           {human_seconds(t)} predicted, MFU {100 * pred['mfu']:.3g}%; exposed "
+               f"communication {human_seconds(exposed)} ({100 * exposed / t:.0f}% of the step)" if t > 0 else
+               "  step time           0 predicted")
+  median = summary.get("step_time_s_median")
+  if median is not None:
+    kind = summary.get("device_kind") or summary.get("platform", "?")
+    out.append(f"  measured            {human_seconds(median)} per step (median, {summary.get('devices', '?')} x "
+               f"{kind})"
+               + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}" if pred else ""))
+  return out
 
 
 def _lost_peer_or(e: Exception) -> Exception:

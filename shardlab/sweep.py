@@ -11,11 +11,13 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from shardlab.axes import CLASSIC, names as axis_names
+from shardlab.outputs import prediction_model
 
 # bytes_<axis>: bytes per device per step over each mesh axis (data, fsdp and tensor always; any other declared
 # axis when a job of the sweep has it), in the registry's order.
 COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s",
-           *[f"bytes_{a}" for a in CLASSIC], "memory_peak_bytes", "predicted_step_s", "hardware", "error"]
+           *[f"bytes_{a}" for a in CLASSIC], "memory_peak_bytes", "predicted_step_s", "hardware", "prediction_model",
+           "error"]
 
 
 def columns(rows: list[dict]) -> list[str]:
@@ -60,7 +62,8 @@ def job_row(job_dir: Path) -> dict:
              tokens_per_s=s.get("tokens_per_s_median"),
              **{f"bytes_{a}": per_axis.get(a) for a in dict.fromkeys([*CLASSIC, *per_axis])},
              memory_peak_bytes=(s.get("memory") or {}).get("peak"),
-             predicted_step_s=pred.get("t_overlapped_s"), hardware=pred.get("hardware"), error=s.get("error"))
+             predicted_step_s=pred.get("t_overlapped_s"), hardware=pred.get("hardware"),
+             prediction_model=prediction_model(pred), error=s.get("error"))
   return row
 
 
@@ -97,7 +100,8 @@ def write(sweep_dir) -> list[dict]:
   lines += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
   ok = sum(r["status"] == "ok" for r in rows)
   write_atomic(d / "summary.md", f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
-                                f"machine; predicted_step_s is the cost model's, on `hardware`.\n\n"
+                                f"machine; predicted_step_s is the cost model's, on `hardware`, by `prediction_model` "
+                                f"(calibrated: replay of a target program; peak-rate: over the local program).\n\n"
                                 + "\n".join(lines) + "\n")
   return rows
 

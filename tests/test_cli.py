@@ -26,7 +26,27 @@ def finish(proc, out):
   assert stdout.splitlines()[-1] == (f"shardlab: {out}: ok, final loss {s['final_loss']:.4f} after "
                                      f"{len(s['losses'])} steps, step time {s['step_time_s_median'] * 1e3:.1f} ms "
                                      f"(median)"), stdout[-500:]
+  # The run's numbers before that line: named prediction, memory and fit, measured beside predicted.
+  from shardlab.run import numbers
+  assert stdout.splitlines()[-5:-1] == numbers(s), stdout[-1000:]
   return s
+
+
+def test_a_run_ends_with_its_numbers(default_run):
+  """The lines before the last: the prediction named (peak-rate over the local XLA:CPU program), memory per
+  device and the fit against the preset's HBM, predicted step time, MFU and exposed communication; a training
+  run adds the measured median beside the prediction; a dry run (no steps) does not."""
+  from shardlab.run import numbers
+  s = default_run[1]
+  p = s["prediction"]
+  assert p["model"].startswith("peak-rate")                          # summary.json names its model
+  lines = numbers(s)
+  assert lines[0] == "shardlab: prediction for h100 (peak-rate model over the cpu program):"
+  assert lines[1].startswith("  memory per device") and "fits" in lines[1] and "80 GB" in lines[1]
+  assert f"{100 * p['mfu']:.3g}%" in lines[2] and "predicted" in lines[2] and "exposed communication" in lines[2]
+  assert lines[3].startswith("  measured") and "median, 8 x cpu" in lines[3]
+  dry = numbers({k: v for k, v in s.items() if k not in ("step_time_s_median", "losses", "final_loss")})
+  assert dry == lines[:3]
 
 
 @pytest.fixture(scope="module")

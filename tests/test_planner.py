@@ -214,7 +214,7 @@ def test_every_preset_plans(hw, model):
 
 def test_cli_prints_contract_json():
   args = ["hardware=tpu_v5p", "model=llama2_13b", "mesh.fsdp=1024", "mesh.tensor=4", "mesh.fsdp_ici_axes=2",
-          "mesh.tensor_ici_axes=1", "train.global_batch_tokens=3000000", "train.mfu=0.4"]
+          "mesh.tensor_ici_axes=1", "train.global_batch_tokens=3000000", "train.mfu=0.4", "--json"]
   r = subprocess.run([sys.executable, "-m", "shardlab.plan", *args], cwd=REPO, capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout)
@@ -404,7 +404,7 @@ def test_cli_search_top_and_plot(tmp_path):
   args = ["hardware=tpu_v5p", "model=llama2_13b", "mesh.fsdp=1024", "mesh.tensor=4", "model.seq_len=32768",
           "train.global_batch_tokens=3000000", "train.mfu=0.4", "precision.compute_dtype=bfloat16",
           "schedule.gather_dtype=compute", "schedule.remat=full", "plan.top=3", "confirm=false",
-          f"plot={tmp_path / 'curve.png'}"]
+          f"plot={tmp_path / 'curve.png'}", "--json"]
   r = subprocess.run([sys.executable, "-m", "shardlab.plan", *args], cwd=REPO, capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout)

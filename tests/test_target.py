@@ -220,6 +220,10 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
     pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
   summary = train(cfg, tmp_path / "run")
   assert summary["status"] == "ok" and summary["target"]["devices"] == 8, summary.get("target")
+  from shardlab.run import numbers          # what the dry run prints: the target's memory against HBM, named
+  lines = numbers(summary)
+  assert lines[0].startswith(f"shardlab: prediction for {preset} (calibrated model over the ")
+  assert "fits" in lines[1] and "compiled for" in lines[1] and "exposed communication" in lines[2]
 
 
 def small_target(schedule: str, **model):
@@ -307,7 +311,7 @@ def test_plan_top_k_compiles_the_best_layouts_for_the_target():
   from shardlab.analysis import planner
   from shardlab.plan import run
   r = run(["search=true", "top=2", "model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2",
-           "hardware.hbm_bytes=1750000"])
+           "hardware.hbm_bytes=1750000", "schedule.remat=none", "schedule.microbatches=1"])   # kept as given
   assert [(l["data"], l["fsdp"], l["tensor"]) for l in r["layouts"]] == [(1, 4, 2), (1, 2, 4)]
   from shardlab.plan import compose
   n_params = planner.param_count(compose(["model=tiny"]).model)

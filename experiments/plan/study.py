@@ -64,7 +64,8 @@ def main() -> None:
         f"{res['search']['qualifying']} qualify. Best five:", "", HEAD]
     out += ["| " + row(l) + " |" for l in res["layouts"][:5]]
     out += ["", "Selected layouts:", "", HEAD] + ["| " + row(by[s]) + " |" for s in SHOW[name]]
-    out += ["", f"Configured mesh ({res['mesh']['fsdp']} x {res['mesh']['tensor']}): "
+    best = res["layouts"][0]
+    out += ["", f"Best layout's plan ({best['data']} x {best['fsdp']} x {best['tensor']}, the JSON's top level): "
             f"max_batch_per_device_tokens {res['max_batch_per_device_tokens']:.0f} "
             f"(unrounded {res['batch_window']['max_batch_per_device_tokens_unrounded']:.0f}), critical "
             f"{res['critical_batch_per_device']['this_mesh']} ({res['critical_batch_per_device']['binding_axis']}), "

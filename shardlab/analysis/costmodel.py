@@ -126,7 +126,7 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   t_bound = max(t_compute, *link_busy.values(), 0.0)
   t = r.makespan
   prediction = {
-      "hardware": hw.name,
+      "hardware": hw.name, "model": "peak-rate: the program's dependency graph replayed at the preset's peak rates",
       "t_compute_s": t_compute,
       "t_comm_s": t_comm,
       "t_serial_s": t_serial,
@@ -235,4 +235,5 @@ def reconcile_audit(audit: dict, program: list, rows: list, prog) -> dict:
 def title(cfg, pred: dict) -> str:
   return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.label} | {pred['hardware']}: "
           f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
-          f"MFU {pred['mfu']:.0%}  [MODEL PREDICTION, not a measurement]")
+          f"MFU {pred['mfu']:.0%}  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, "
+          "not a measurement]")

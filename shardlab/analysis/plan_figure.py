@@ -15,8 +15,11 @@ def configured_layout(cfg) -> dict:
 
 
 def curve(cfg, layout: dict, batches) -> tuple[list[float], list[float]]:
-  """(step time s, MFU) of `layout` at each per-device batch in `batches` (tokens)."""
+  """(step time s, MFU) of `layout` at each per-device batch in `batches` (tokens), at the layout's remat and
+  microbatches (a searched layout's choice; the configured ones otherwise)."""
   n = layout[DATA] * layout[FSDP] * layout[TENSOR]
+  cfg = planner.override(cfg, schedule={"remat": layout.get("remat", cfg.schedule.remat),
+                                        "microbatches": layout.get("microbatches", cfg.schedule.microbatches)})
   out = [planner.evaluate_layout(planner.override(cfg, train={"global_batch_tokens": b * n}), layout[DATA],
                                  layout[FSDP], layout[TENSOR], layout["axis_bandwidth"], layout["ici_axes"],
                                  layout.get("latency_hops")) for b in batches]
@@ -43,7 +46,8 @@ def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
     color = f"C{i}"
     steps, mfus = curve(cfg, l, batches)
     fits = batches <= limit
-    label = f"data {l[DATA]} x fsdp {l[FSDP]} x tensor {l[TENSOR]}"
+    label = f"data {l[DATA]} x fsdp {l[FSDP]} x tensor {l[TENSOR]}, remat {l['remat']}" + (
+        f", {l['microbatches']} microbatches" if l["microbatches"] > 1 else "")
     for ax, ys in ((ax_t, steps), (ax_e, [100 * m for m in mfus])):
       ys = np.asarray(ys)
       ax.plot(batches[fits], ys[fits], color=color, label=label if ax is ax_t else None)

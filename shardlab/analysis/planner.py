@@ -259,8 +259,8 @@ def layer_times(cfg) -> dict[str, float]:
     (V = B D / X activations) at the tensor axis bandwidth; backward does the transposes, so 2x per step.
   Forward is the pass with the most communication per FLOP (training.md), hence the compute-bound test.
   """
-  mesh, hw = cfg.mesh, cfg.hardware
-  c = block_costs(cfg, hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.axis_bandwidth(mesh.tensor_ici_axes))
+  mesh = cfg.mesh
+  c = block_costs(cfg, *fsdp_tensor_bandwidth(cfg))
   b = global_tokens(cfg) / (mesh.fsdp * mesh.tensor)
   math_fwd, tensor_fwd = c.math * b, c.tensor_time(b)
   return {"math_fwd": math_fwd, "fsdp_fwd": c.fsdp, "tensor_fwd": tensor_fwd,
@@ -290,6 +290,16 @@ class BlockCosts:
 
   def backward(self, b: float) -> float:
     return max(2 * self.math * b, self.fsdp_bwd_passes * self.fsdp, self.tensor_time(b), self.data)
+
+  def step(self, b: float, microbatches: int = 1) -> float:
+    """Roofline seconds of one step at per-device batch b in `microbatches` forward + backward passes of b / k:
+    the fsdp gathers and reduce-scatters repeat per microbatch (each pass gathers the weights again), the data
+    AllReduce runs once, behind the last backward. One microbatch: forward(b) + backward(b)."""
+    k = max(1, microbatches)
+    bk = b / k
+    fwd = self.forward(bk)
+    bwd = max(2 * self.math * bk, self.fsdp_bwd_passes * self.fsdp, self.tensor_time(bk))
+    return k * fwd + (k - 1) * bwd + max(bwd, self.data)
 
   def comm_to_math(self, b: float) -> dict[str, float]:
     """Forward fsdp and tensor, backward data: each axis's communication over the math it can hide behind."""
@@ -493,25 +503,27 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
                          "tensor_ici_axes": ici_axes[TENSOR]}, train={"global_batch_tokens": tokens / data})
   args = (bandwidth[FSDP], bandwidth[TENSOR], data, bandwidth[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
-  step = (m.n_layers * (block.forward(b) + block.backward(b)) + embed.forward(b) + embed.backward(b)) / cfg.train.mfu
-  ratios = block.comm_to_math(b)
+  k = max(1, cfg.schedule.microbatches)
+  step = (m.n_layers * block.step(b, k) + embed.step(b, k)) / cfg.train.mfu
+  ratios = block.comm_to_math(b / k)         # per microbatch: what one pass's communication hides behind
   mem = memory_per_device(sub)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
 
   why = _sharding_problems(cfg, shape_of({DATA: data, FSDP: fsdp, TENSOR: tensor}))
-  k = 1 if mem["total"] <= hbm else microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
+  k_fit = 1 if mem["total"] <= hbm else microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
   if mem["total"] > hbm:
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
                f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
-               f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k}" if k else ""))
+               f"{fsdp * tensor})" + (f"; fits with schedule.microbatches={k_fit}" if k_fit else ""))
   need = block.critical_batches()
   what = {FSDP: "the weight AllGather", TENSOR: "the activation AllGather/ReduceScatter",
           DATA: "the gradient AllReduce"}
   for axis, r in ratios.items():
     if r > 1:
+      per = f"per-device batch {b / k:.0f} (of {k} microbatches)" if k > 1 else f"per-device batch {b:.0f}"
       at = ("at any batch (tensor > M_Y F / alpha)" if need[axis] is None
-            else f"per-device batch {b:.0f} < {need[axis]:.0f} tokens")
+            else f"{per} < {need[axis]:.0f} tokens")
       why.append(f"communication: {axis}: {what[axis]} takes {r:.2f}x the math it overlaps, {at}")
 
   notes = []
@@ -520,23 +532,22 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
     notes.append(f"each batch shard holds {local_seqs:.3g} sequences: shardlab shards whole sequences over "
                  "data x fsdp (fractions need sequence sharding)")
   return {
-      DATA: data, FSDP: fsdp, TENSOR: tensor, "fits": mem["total"] <= hbm,
+      DATA: data, FSDP: fsdp, TENSOR: tensor, "remat": cfg.schedule.remat, "microbatches": k,
+      "fits": mem["total"] <= hbm,
       "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
       "mfu": 6 * param_count(m) * b / (hw.peak_flops * step), "rejected_because": why,
       "memory_per_device_bytes": mem["total"], "memory_margin_bytes": hbm - mem["total"],
-      "microbatches_to_fit": k, "batch_per_device_tokens": b, "comm_to_math": ratios,
+      "microbatches_to_fit": k_fit, "batch_per_device_tokens": b, "comm_to_math": ratios,
       "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
-      **{k: v for k, v in batch_window(sub).items() if k.startswith("max_batch_per_device")},
+      **{key: v for key, v in batch_window(sub).items() if key.startswith("max_batch_per_device")},
       "ici_axes": ici_axes, "axis_bandwidth": bandwidth, "latency_hops": hops, "notes": notes,
   }
 
 
-def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-  """Every data x fsdp x tensor factorization of the device count (default mesh.data * mesh.fsdp * mesh.tensor), laid out
-  tensor innermost, then fsdp, then data, ranked best first: qualifying layouts (they fit and are compute-bound)
-  by step time, then the smallest worst comm/math ratio (the most slack), then memory; then the rejected ones,
-  fewest kinds of problem first (sharding, memory, communication), then by the microbatches they need to fit
-  (those that no microbatching fits last), then by step time."""
+def placements(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[tuple]:
+  """Every data x fsdp x tensor factorization of the device count (default mesh.data * mesh.fsdp * mesh.tensor)
+  laid out tensor innermost, then fsdp, then data: (data, fsdp, tensor, {axis: bytes/s}, {axis: torus axes
+  spanned}, {axis: latency hops} or None, why it does not tile the TPU torus or None)."""
   hw = cfg.hardware
   n = devices or cfg.mesh.n_devices
   if n < 1:
@@ -547,25 +558,113 @@ def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
   if dims is not None and math.prod(dims) != n:
     raise ValueError(f"torus={'x'.join(map(str, dims))} holds {math.prod(dims)} chips, not the {n} devices searched")
   out = []
+  names_ = (TENSOR, FSDP, DATA)
   for data, fsdp, tensor in _factorizations(n):
     sizes = [tensor, fsdp, data]                   # innermost first
-    names = (TENSOR, FSDP, DATA)
     placed = torus_axes(sizes, dims) if dims is not None else None
     if placed:
-      axes, hops = [a for a, _ in placed], dict(zip(names, [h for _, h in placed]))
+      axes, hops = [a for a, _ in placed], dict(zip(names_, [h for _, h in placed]))
       bws = [hw.axis_bandwidth(a) for a in axes]
     else:                                          # a switch (or sizes that do not tile the torus)
       axes, hops = [1, 1, 1], None
       bws = switch_bandwidths(hw, sizes) if dims is None else [hw.ici_bandwidth] * 3
-    layout = evaluate_layout(cfg, data, fsdp, tensor, dict(zip(names, bws)), dict(zip(names, axes)), hops)
-    if dims is not None and not placed:
-      layout["rejected_because"].insert(0, f"sharding: {data}x{fsdp}x{tensor} does not tile the torus "
-                                           f"{'x'.join(map(str, dims))}")
-    out.append(layout)
-  out.sort(key=lambda l: (bool(l["rejected_because"]), len({r.split(":")[0] for r in l["rejected_because"]}),
-                          l["microbatches_to_fit"] or math.inf, l["step_time_s"], max(l["comm_to_math"].values()),
-                          l["memory_per_device_bytes"]))
+    untiled = (f"sharding: {data}x{fsdp}x{tensor} does not tile the torus {'x'.join(map(str, dims))}"
+               if dims is not None and not placed else None)
+    out.append((data, fsdp, tensor, dict(zip(names_, bws)), dict(zip(names_, axes)), hops, untiled))
   return out
+
+
+def _evaluate_placed(cfg, place: tuple) -> dict[str, Any]:
+  data, fsdp, tensor, bws, axes, hops, untiled = place
+  layout = evaluate_layout(cfg, data, fsdp, tensor, bws, axes, hops)
+  if untiled:
+    layout["rejected_because"].insert(0, untiled)
+  return layout
+
+
+def _rank(layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Best first (RANKING). Step times equal to 6 significant digits tie."""
+  return sorted(layouts, key=lambda l: (bool(l["rejected_because"]),
+                                        len({r.split(":")[0] for r in l["rejected_because"]}),
+                                        l["microbatches_to_fit"] or math.inf, float(f"{l['step_time_s']:.6g}"),
+                                        REMAT_BY_RECOMPUTE.index(l["remat"]), l["microbatches"],
+                                        max(l["comm_to_math"].values()), l["memory_per_device_bytes"]))
+
+
+RANKING = ("qualifying layouts (they fit, shard and are compute-bound) first, by predicted step time; at equal "
+           "times (6 significant digits) the costs the step time leaves out decide: the least recomputation, then "
+           "the fewest microbatches; then the most slack (smallest worst comm/math ratio), then the least memory. "
+           "Then the rejected layouts, fewest kinds of problem first (sharding, memory, communication), then by the "
+           "microbatches they need to fit, then in the same order")
+
+
+def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+  """Every layout of placements() at the configured remat and microbatches, ranked best first (RANKING)."""
+  return _rank([_evaluate_placed(cfg, p) for p in placements(cfg, devices, torus)])
+
+
+# Remat policies from the least recomputation to the most (activation_elements_per_token: the most saved first).
+REMAT_BY_RECOMPUTE = ("none", "save_matmuls_attn_out", "save_matmuls", "save_qkv_attn_out", "save_qkv_proj", "full")
+
+CHOICE = ("each layout runs at the remat policy and microbatch count that fit its memory with the shortest predicted "
+          "step time (a microbatch gathers the weights again; recomputation is not charged: train.mfu absorbs it, "
+          "as in the book); at equal times the least recomputation (none, save_matmuls_attn_out, save_matmuls, "
+          "save_qkv_attn_out, save_qkv_proj, full), then the fewest microbatches. Nothing fits: the setting with "
+          "the least memory")
+
+
+def _choose(cfg, place: tuple, remats: tuple[str, ...], microbatches: int | None) -> dict[str, Any]:
+  """The layout `place` at its best (remat, microbatches) by CHOICE: for each policy the fewest microbatches (a
+  divisor of each batch shard's sequences, or `microbatches` when given) that fit; the fastest of those."""
+  data, fsdp, tensor = place[:3]
+  tokens = global_tokens(cfg)
+  sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor}, train={"global_batch_tokens": tokens / data})
+  local = tokens / (data * fsdp) / cfg.model.seq_len
+  counts = [microbatches] if microbatches else _divisors(int(local)) if local >= 1 and local == int(local) else [1]
+  fitting, least = [], (math.inf, None)
+  for remat in remats:
+    for k in counts:
+      total = memory_per_device(override(sub, schedule={"remat": remat, "microbatches": k}))["total"]
+      least = min(least, (total, (remat, k)), key=lambda t: t[0])
+      if total <= cfg.hardware.hbm_bytes:
+        fitting.append((remat, k))
+        break
+  if not fitting:                                  # nothing fits: shown at the least memory
+    fitting = [least[1]]
+  evaluated = [_evaluate_placed(override(cfg, schedule={"remat": r, "microbatches": k}), place) for r, k in fitting]
+  return min(evaluated, key=lambda l: (l["step_time_s"], REMAT_BY_RECOMPUTE.index(l["remat"]), l["microbatches"]))
+
+
+def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
+  """The global batches a layout runs well at, in tokens and sequences: `compute_bound_from_tokens`, the smallest
+  with whole sequences per batch shard at which every axis's communication hides behind the math of one pass
+  (critical batch per device x N; None when tensor parallelism binds at any batch), and `fits_per_pass_tokens`,
+  the largest one forward + backward pass holds in HBM at the layout's remat (whole sequences per batch shard):
+  a larger global batch needs ceil(B / it) microbatches, each pass compute-bound while it is above the first."""
+  L, shards = cfg.model.seq_len, layout[DATA] * layout[FSDP]
+  n = shards * layout[TENSOR]
+  crit = layout["critical_batch_per_device"]["this_mesh"]
+  low = None if crit is None else max(1, math.ceil(crit * n / (shards * L) - 1e-9)) * shards * L
+  replica = override(cfg, mesh={FSDP: layout[FSDP], TENSOR: layout[TENSOR]},
+                     schedule={"remat": layout["remat"], "microbatches": 1},
+                     train={"global_batch_tokens": global_tokens(cfg) / layout[DATA]})
+  high = batch_window(replica)["max_global_batch_tokens"] * layout[DATA]
+  return {"compute_bound_from_tokens": low, "fits_per_pass_tokens": high,
+          "compute_bound_from_sequences": None if low is None else low // L, "fits_per_pass_sequences": high // L,
+          "configured_tokens": global_tokens(cfg), "remat": layout["remat"], "microbatches": layout["microbatches"]}
+
+
+def answer(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
+           remat: str | None = None, microbatches: int | None = None) -> dict[str, Any]:
+  """Which layout and which batch for cfg's model, hardware and global batch on `devices`: every data x fsdp x
+  tensor layout (placements), each at its best remat and microbatches (CHOICE; `remat` / `microbatches` fix
+  them), ranked (RANKING), with the best layout's batch range (batch_range)."""
+  remats = (remat,) if remat else REMAT_BY_RECOMPUTE
+  layouts = _rank([_choose(cfg, p, remats, microbatches) for p in placements(cfg, devices, torus)])
+  n = devices or cfg.mesh.n_devices
+  return {"devices": n, "considered": len(layouts), "qualifying": sum(not l["rejected_because"] for l in layouts),
+          "global_batch_tokens": global_tokens(cfg), "choice": CHOICE, "ranking": RANKING,
+          "batch_window": batch_range(cfg, layouts[0]), "layouts": layouts}
 
 
 def check(cfg) -> None:
@@ -604,6 +703,13 @@ def mesh_links(cfg) -> tuple[dict[str, int], dict[str, float]]:
   return ici, dict(zip(inner_first, switch_bandwidths(hw, [sizes[a] for a in inner_first])))
 
 
+def fsdp_tensor_bandwidth(cfg) -> tuple[float, float]:
+  """(bytes/s of the fsdp axis, of the tensor axis) of cfg.mesh (mesh_links): on a GPU preset an axis that
+  crosses nodes gets the nodes' NICs, the same placement the search and the cost model use."""
+  bws = mesh_links(cfg)[1]
+  return bws.get(FSDP, cfg.hardware.ici_bandwidth), bws.get(TENSOR, cfg.hardware.ici_bandwidth)
+
+
 def this_layout(cfg) -> dict[str, Any]:
   """evaluate_layout for cfg.mesh as configured (data x fsdp x tensor, its *_ici_axes and links: mesh_links)."""
   ici, bws = mesh_links(cfg)
@@ -630,20 +736,20 @@ def plan(cfg) -> dict[str, Any]:
   w_bytes, a_bytes = comm_bytes(cfg)
 
   per_layer = layer_times(cfg)
-  critical, binding = block_costs(cfg, hw.axis_bandwidth(mesh.fsdp_ici_axes),
-                                  hw.axis_bandwidth(mesh.tensor_ici_axes)).critical_batch()
+  w_x, w_y = fsdp_tensor_bandwidth(cfg)
+  critical, binding = block_costs(cfg, w_x, w_y).critical_batch()
   window = batch_window(cfg)
   # The embedding / unembedding are gathered over fsdp like a layer; their TP traffic (logits) is left out.
   emb_fsdp = ((3 if cfg.schedule.reshard_after_forward else 2) * collective_time(
-      w_bytes * embed_params(m) / y, x, hw.axis_bandwidth(mesh.fsdp_ici_axes), hw.hop_latency_s))
+      w_bytes * embed_params(m) / y, x, w_x, hw.hop_latency_s))
   t_math = 6 * p * tokens / (n * hw.peak_flops)
   t_comm = {FSDP: m.n_layers * per_layer[FSDP] + emb_fsdp, TENSOR: m.n_layers * per_layer[TENSOR]}
   mem = memory_per_device(cfg)
 
   warnings = []
-  if hw.domain_devices and n > hw.domain_devices:
-    warnings.append(f"{n} devices exceed {hw.name}'s fast domain of {hw.domain_devices}: its ici_bandwidth does "
-                    "not hold across it (for GPUs use hardware=h100_multinode)")
+  if hw.domain_devices and n > hw.domain_devices and not hw.dcn_bandwidth:
+    warnings.append(f"{n} devices exceed {hw.name}'s fast domain of {hw.domain_devices} and the preset names no "
+                    "bandwidth beyond it (hardware.dcn_bandwidth): every axis is costed at its ici_bandwidth")
   if mem["total"] > hw.hbm_bytes:
     warnings.append(f"{mem['total'] / 1e9:.1f} GB per device exceeds HBM ({hw.hbm_bytes / 1e9:.0f} GB)")
   if hw.note:
@@ -663,8 +769,7 @@ def plan(cfg) -> dict[str, Any]:
       "microbatches": microbatches_to_fit(cfg),
       "min_devices_to_fit": min_devices_to_fit(p, hw.hbm_bytes, 4 * dtype_bytes(cfg.precision.param_dtype)),
       "alpha": a,
-      "axis_bandwidth": {FSDP: hw.axis_bandwidth(mesh.fsdp_ici_axes),
-                         TENSOR: hw.axis_bandwidth(mesh.tensor_ici_axes)},
+      "axis_bandwidth": {FSDP: w_x, TENSOR: w_y},
       "comm_bytes_per_element": {"weights": w_bytes, "activations": a_bytes},
       "critical_batch_per_device": {
           "dp": critical_batch_dp(a, m_x, w_bytes),

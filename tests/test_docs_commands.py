@@ -1,0 +1,115 @@
+"""Every `python -m shardlab...` command in README.md and docs/ is in COMMANDS below, and the ones cheap enough run
+here as written: the planner's (pure Python, in-process) and the target dry runs (a subprocess each; skipped
+without the extra that compiles for that target), the latter checked against the numbers docs/targets.md quotes.
+Training runs and sweeps are listed with the test that runs the same entry point at test size."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# command (as written, continuations joined, comment dropped) -> how this test treats it
+COVERED = "trains or sweeps for minutes: tests/test_cli.py, test_sweep.py, test_checkpoint.py run these entry points"
+COMMANDS = {
+    # README.md
+    "python -m shardlab": COVERED,
+    "python -m shardlab mesh=2x4 schedule=collective_matmul train.steps=50": COVERED,
+    "python -m shardlab mesh.fsdp=8 mesh.tensor=1 schedule=fsdp_prefetch schedule.remat=full": COVERED,
+    "python -m shardlab mesh=2x2x2": COVERED,
+    "python -m shardlab mesh.context=2 mesh.fsdp=2": COVERED,
+    "python -m shardlab mesh.context=4 mesh.fsdp=1 context=ulysses": COVERED,
+    "python -m shardlab mesh.context=8 mesh.fsdp=1 mesh.tensor=1 context=ring context.load_balance=true": COVERED,
+    "python -m shardlab -m schedule=baseline,fsdp_prefetch,keep_gathered mesh=4x2,2x4": COVERED,
+    "python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 "
+    "train.global_batch_tokens=4194304": "plan",
+    "python -m shardlab -m schedule=baseline,fsdp_prefetch,collective_matmul,gspmd mesh=4x2,2x4": COVERED,
+    "python -m shardlab.report multirun/2026-11-23/10-00-00": "needs that sweep's directory: tests/test_sweep.py",
+    # docs/planning.md
+    "python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 "
+    "train.global_batch_tokens=4194304 rows=8": "plan",
+    "python -m shardlab.plan model=llama2_13b hardware=tpu_v5p mesh.fsdp=1024 mesh.tensor=4 mesh.fsdp_ici_axes=2 "
+    "train.global_batch_tokens=3000000 precision=bf16 schedule.gather_dtype=compute schedule.remat=full": "plan",
+    "python -m shardlab.plan model=llama2_13b model.seq_len=32768 hardware=tpu_v5p devices=4096 "
+    "train.global_batch_tokens=3000000 train.mfu=0.4 precision=bf16 schedule.gather_dtype=compute "
+    "schedule.remat=full plot=curve.png": "plan",
+    # docs/targets.md
+    "python -m shardlab dry_run=true compile_for=target hardware=h100 schedule=fsdp_prefetch": "target",
+    "python -m shardlab dry_run=true compile_for=target hardware=h100 mesh.fsdp=32 mesh.tensor=2 "
+    "train.batch_size=32": "target",
+    "python -m shardlab dry_run=true compile_for=target hardware=tpu_v5p mesh.fsdp=16 mesh.tensor=4 "
+    "train.batch_size=32": "target",
+    "python -m shardlab dry_run=true compile_for=target hardware=h100 model=llama2_7b mesh=8x1 precision=bf16 "
+    "train.batch_size=32 model.attention=dot_product schedule=fsdp_prefetch "
+    "schedule.remat=save_matmuls_attn_out xla=maxtext_a3": "target",
+    # docs/failure_handling.md, docs/schedules.md
+    "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50": COVERED,
+    "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50 checkpoint.resume=true": COVERED,
+    "python -m shardlab mesh=1x8 train.steps=300 checkpoint.resume=true checkpoint.dir=outputs/r1/checkpoints": COVERED,
+    "python -m shardlab schedule.impl=user_schedule:ExplicitReduce schedule.tp=user_schedule:NamedAllGatherTP": COVERED,
+}
+SLURM = "python -m shardlab -m hydra/launcher=slurm"   # needs a SLURM cluster: listed by its prefix
+
+
+def doc_commands() -> dict[str, str]:
+  """{command: file} of every `python -m shardlab...` command in a ```bash block (a line, or a part of one between
+  `&&`), continuations joined, comments dropped."""
+  out = {}
+  for path in DOCS:
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+      for line in (part for l in block.replace("\\\n", " ").splitlines() for part in l.split("&&")):
+        words = shlex.split(line, comments=True)
+        if words[:3] == ["python", "-m", "shardlab"] or words[:2] == ["python", "-m"] and \
+            words[2].startswith("shardlab."):
+          out[" ".join(words)] = path.name
+  return out
+
+
+def test_every_documented_command_is_listed():
+  found = doc_commands()
+  missing = [f"{f}: {c}" for c, f in found.items() if c not in COMMANDS and not c.startswith(SLURM)]
+  assert not missing, "add these to COMMANDS (and run them if cheap):\n" + "\n".join(missing)
+  gone = [c for c in COMMANDS if c not in found]
+  assert not gone, "no longer in the docs:\n" + "\n".join(gone)
+
+
+@pytest.mark.parametrize("command", [c for c, k in COMMANDS.items() if k == "plan"])
+def test_planner_commands_run_as_written(command, tmp_path, monkeypatch, capsys):
+  from shardlab.plan import main
+  monkeypatch.chdir(tmp_path)
+  assert main(shlex.split(command)[3:]) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert "prediction" in out and "Warning" not in out
+
+
+# What docs/targets.md quotes of the MaxText Llama2-7B dry run: predicted step time, compiled peak per device.
+MAXTEXT = {"step_s": 1.340, "peak_gb": 69.5}
+
+
+@pytest.mark.parametrize("command", [c for c, k in COMMANDS.items() if k == "target"])
+def test_target_dry_runs_run_as_written(command, tmp_path):
+  tpu = "hardware=tpu" in command
+  if importlib.util.find_spec("libtpu" if tpu else "jax_cuda12_plugin") is None:
+    pytest.skip(f"needs the {'tpu' if tpu else 'cuda12'} extra: pip install 'shardlab[{'tpu' if tpu else 'cuda12'}]'")
+  r = subprocess.run([sys.executable, *shlex.split(command)[1:], "progress=false", f"hydra.run.dir={tmp_path}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = r.stdout.splitlines()
+  assert lines[-1].endswith("ok (dry run: compiled and analyzed, no step run)")
+  assert lines[-4].startswith("shardlab: prediction for ") and "calibrated model" in lines[-4]
+  s = json.loads((tmp_path / "summary.json").read_text())
+  assert s["memory"]["fits"] and s["prediction"]["model"].startswith("calibrated")
+  assert s["overlap"]["available"]                   # TPU programs too (docs/targets.md)
+  if "model=llama2_7b" in command:
+    assert round(s["prediction"]["t_overlapped_s"], 2) == round(MAXTEXT["step_s"], 2)
+    assert round(s["memory"]["peak"] / 1e9, 1) == MAXTEXT["peak_gb"]
+    doc = (ROOT / "docs" / "targets.md").read_text()
+    assert f"predicted at {MAXTEXT['step_s']:.3f} s" in doc and f"{MAXTEXT['peak_gb']} GB compiled for gpu" in doc
