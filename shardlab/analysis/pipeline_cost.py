@@ -48,7 +48,6 @@ def slot_seconds(prog, hw, ici: dict) -> dict:
            and "pipeline_forward" in c.op_name]
   if sends:
     out["send"] = max(c.bytes_moved for c in sends) / axis_bandwidth("pipeline", hw, ici)
-  out["F"] -= out["head"]          # the head's branch is inside F's: F without it, for every stage but the last
   return out
 
 

@@ -586,9 +586,7 @@ class Pipeline:
     def f_slot(st, r):
       x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
       y, (bufs, _) = stage.forward(x, chunk(r["f_chunk"]))
-      st = {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
-      with jax.named_scope(runs("head", M, M * V)):      # the last stage's last chunk: once per microbatch
-        return jax.lax.cond(r["f_last"] == 1, lambda st: run_head(st, y, r), lambda st: st, st)
+      return {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
 
     def b_slot(st, r):
       res, w = (_take(st["res"], r["b_res"]), chunk(r["b_chunk"])), st["dyb"][r["b_dy"]]
@@ -611,6 +609,9 @@ class Pipeline:
       for name, fn in (("F", f_slot), ("B", b_slot), ("W", w_slot))[:3 if plan.split else 2]:
         with jax.named_scope(runs(name, M * V, T)):   # each slot runs once per microbatch and chunk, every stage
           st = jax.lax.cond(r[name.lower() + "_on"] == 1, fn, lambda st, r: st, st, r)
+        if name == "F":   # the head, after the last virtual stage's F: once per microbatch on the last stage
+          with jax.named_scope(runs("head", M, T)):
+            st = jax.lax.cond(r["f_last"] == 1, lambda st, r: run_head(st, st["fsend"], r), lambda st, r: st, st, r)
       if P > 1:
         got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
         got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
