@@ -98,15 +98,16 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   prog = Program.of(a["compiled"], a["mesh"])     # the compiled HLO, parsed once
   analysis = analyze(a["compiled"], a["mesh"], prog)
   analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
-  pipe = a["schedule"].pipeline(cfg.mesh.pipeline) if hasattr(a["schedule"], "pipeline") else None
+  stages = getattr(a["schedule"], "stages_on", None)
+  pipe = stages(cfg.mesh.shape) if stages else None
   if pipe is not None:                            # the table replayed with the compiled slots: pipeline.png
     import jax
     from shardlab.analysis import pipeline_cost
     from shardlab.analysis.costmodel import link_axes
-    analysis["pipeline"], replayed = pipeline_cost.predict(prog, cfg, link_axes(cfg), pipe.ticks())
+    analysis["pipeline_prediction"], replayed = pipeline_cost.predict(prog, cfg, link_axes(cfg), pipe.ticks())
     if jax.process_index() == 0:
       Path(out_dir).mkdir(parents=True, exist_ok=True)
-      pipeline_cost.draw(replayed, Path(out_dir) / "pipeline.png", cfg, analysis["pipeline"])
+      pipeline_cost.draw(replayed, Path(out_dir) / "pipeline.png", cfg, analysis["pipeline_prediction"])
   if on_target:
     analysis["target"] = TG.describe(devs, topo)
   analysis.update(compile_time_s=sum(times.values()), compile_times_s=times)

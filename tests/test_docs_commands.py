@@ -31,13 +31,6 @@ COMMANDS = {
     "python -m shardlab -m schedule=baseline,fsdp_prefetch,keep_gathered mesh=4x2,2x4": COVERED,
     "python -m shardlab mesh.pipeline=4 mesh.fsdp=2 mesh.tensor=1 model.n_layers=8 pipeline=1f1b "
     "pipeline.microbatches=8": COVERED,
-    # docs/pipeline.md
-    "python -m shardlab mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2 model.n_layers=4 pipeline=1f1b "
-    "pipeline.microbatches=4": COVERED,
-    "python -m shardlab mesh.pipeline=4 mesh.fsdp=2 mesh.tensor=1 model.n_layers=8 pipeline=interleaved "
-    "pipeline.microbatches=4": COVERED,
-    "python -m shardlab mesh.pipeline=2 mesh.data=2 mesh.fsdp=1 model.n_layers=4 pipeline=zb_h1 "
-    "pipeline.gather=step": COVERED,
     "python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 "
     "train.global_batch_tokens=4194304": "plan",
     "python -m shardlab -m schedule=baseline,fsdp_prefetch,collective_matmul,gspmd mesh=4x2,2x4": COVERED,

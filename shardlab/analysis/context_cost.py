@@ -28,6 +28,8 @@ ring's per-step work is then the same on every device whatever the order (`skips
 """
 from __future__ import annotations
 
+from shardlab import axes as AX
+
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -212,7 +214,7 @@ def with_context(cfg, C: int, strategy: str, balanced: bool | None = None, fsdp:
   training state is split over every device."""
   ctx = dataclasses.replace(cfg.context, impl=strategy, name=strategy,
                             load_balance=cfg.context.load_balance if balanced is None else balanced)
-  mesh = dataclasses.replace(cfg.mesh, context=C, **({} if fsdp is None else {"fsdp": fsdp}))
+  mesh = dataclasses.replace(cfg.mesh, context=C, **({} if fsdp is None else {AX.FSDP: fsdp}))
   layout = cfg.layout
   if shard_weights and C > 1:
     embed = list(dict.fromkeys([*layout.rules.get("embed", []), FSDP, CONTEXT]))
@@ -249,7 +251,7 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
   mem = MM.breakdown(cfg)
   transient = attention_transient_bytes(strategy if C > 1 else "none", a, m)
   return {
-      "strategy": strategy, "context": C, "fsdp": X, "tensor": T, "load_balance": cfg.context.load_balance,
+      "strategy": strategy, AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T, "load_balance": cfg.context.load_balance,
       "skips_masked": skips, "tokens_per_device": tokens,
       "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
       "exposed_comm_s": exposed, "context_comm_s": m.n_layers * lt.comm_s,
@@ -318,7 +320,7 @@ def choose(cfg, devices: int | None = None, degrees: tuple[int, ...] | None = No
 def reason(cands: list[dict]) -> str:
   """Why the first of `cands` (sorted by predicted step) beats the first of another strategy or degree."""
   best = cands[0]
-  other = next((p for p in cands[1:] if p["strategy"] != best["strategy"] or p["context"] != best["context"]), None)
+  other = next((p for p in cands[1:] if p["strategy"] != best["strategy"] or p[AX.CONTEXT] != best[AX.CONTEXT]), None)
   say = lambda p: (f"{p['label']}: predicted step {p['t_step_s'] * 1e3:.0f} ms (attention {p['t_attention_s'] * 1e3:.0f}, "
                    f"exposed context comm {p['exposed_comm_s'] * 1e3:.0f}; {p['bytes_per_layer']['forward'] / 1e6:.1f} MB"
                    f" per layer forward over context)")

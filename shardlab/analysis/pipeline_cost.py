@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from shardlab.analysis import hlo
+from shardlab.axes import PIPELINE
 from shardlab.analysis.calibrated import axis_bandwidth
 
 
@@ -44,10 +45,10 @@ def slot_seconds(prog, hw, ici: dict) -> dict:
         continue
       branches = re.findall(r"%?([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1))
       out[got[0]] = max(out[got[0]], max(seconds(b) for b in branches))
-  sends = [c for c in prog.collectives if c.kind == "collective-permute" and c.axis == "pipeline"
+  sends = [c for c in prog.collectives if c.kind == "collective-permute" and c.axis == PIPELINE
            and "pipeline_forward" in c.op_name]
   if sends:
-    out["send"] = max(c.bytes_moved for c in sends) / axis_bandwidth("pipeline", hw, ici)
+    out["send"] = max(c.bytes_moved for c in sends) / axis_bandwidth(PIPELINE, hw, ici)
   return out
 
 

@@ -324,6 +324,10 @@ class ExplicitSchedule:
     from shardlab.schedules.pipeline import Pipeline
     return Pipeline(self, self.pipe, P)
 
+  def stages_on(self, shape: dict):
+    """The pipeline executor on a mesh of `shape` ({axis: size}), or None without a pipeline schedule."""
+    return self.pipeline(shape.get(PIPELINE, 1))
+
   def microbatches_on(self, shape: dict) -> int:
     """How many microbatches this schedule splits each device's batch into on a mesh of `shape`."""
     pipe = self.pipeline(shape.get(PIPELINE, 1))
