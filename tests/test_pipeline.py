@@ -76,8 +76,17 @@ def test_one_f_one_b_holds_p_microbatches_and_gpipe_m():
   P, M = 4, 8
   assert PL.Plan(PL.build("1f1b", P, M), M, 1).slots["res"] == P
   assert PL.Plan(PL.build("gpipe", P, M), M, 1).slots["res"] == M
-  zb = PL.Plan(PL.build("zb_h1", P, M), M, 1)
-  assert zb.slots["res"] == max(PL.in_flight(PL.build("zb_h1", P, M), until="W")) and zb.slots["w"] >= 1
+  table = PL.build("zb_h1", P, M)
+  zb = PL.Plan(table, M, 1)
+  assert zb.slots["res"] == max(PL.in_flight(table, until="W"))
+  waiting = [0] * P     # per stage, the most microbatches between their B and their W
+  for s in range(P):
+    live = 0
+    for row in table:
+      for a in row[s]:
+        live += {"B": 1, "W": -1}.get(a.kind, 0)
+        waiting[s] = max(waiting[s], live)
+  assert zb.slots["w"] == max(waiting) and PL.Plan(PL.build("1f1b", P, M), M, 1).slots["w"] == 0
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -89,6 +98,7 @@ def test_one_f_one_b_holds_p_microbatches_and_gpipe_m():
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=1f1b", "model.n_layers=4", "pipeline.microbatches=3"],
      r"^train.batch_size=16 is not divisible by mesh.fsdp \* pipeline.microbatches=6"),
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=zigzag"], r"pipeline"),
+    (["pipeline=1f1b", "model.n_layers=4"], r"^pipeline=1f1b needs stages: set mesh.pipeline to 2 or more"),
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=1f1b", "model.n_layers=4", "schedule=collective_matmul"],
      r"^pipeline=1f1b with schedule.tp=ring.*: a ring's ppermutes inside a pipeline slot"),
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=1f1b", "model.n_layers=4", "schedule.microbatches=2"],

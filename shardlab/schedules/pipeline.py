@@ -4,9 +4,10 @@ P stages (devices on the `pipeline` axis), M microbatches, V chunks per stage (i
 stages s, s + P, ..., s + (V-1) P, Megatron's assignment; chunk c of device s is virtual stage c P + s). An action
 is the forward (F), the backward (B: input gradient, and the weight gradient unless split off) or the split-off
 weight gradient (W, zero-bubble) of one microbatch on one chunk. A schedule is, per stage, the order of its
-actions (`orders`, torch.distributed.pipelining's `pipeline_order`); `table` places them on ticks, one action per
-stage per tick, each as soon as its inputs exist (an activation or cotangent sent at tick t is there at t+1):
-the static table one executor runs, the cost model replays with measured times (`replay`), and `draw` pictures.
+actions (`orders`, torch.distributed.pipelining's `pipeline_order`); `table` places them on ticks, at most one
+F, then one B, then one W per stage per tick, each as soon as its inputs exist (an activation or cotangent sent at
+the end of tick t is there in tick t+1): the static table the executor (`Pipeline`) runs, the cost model replays
+with the compiled slots' times (`replay`), and `draw` pictures.
 
   gpipe        every forward, then every backward (GPipe, Huang et al. 2019): M microbatches of activations
   1f1b         P - 1 - s forwards to warm up, then one forward one backward, then the rest of the backwards
@@ -18,8 +19,9 @@ the static table one executor runs, the cost model replays with measured times (
                et al. 2023, arXiv:2401.10241)
 
 Closed forms with uniform per-microbatch stage times and free links: gpipe and 1f1b leave a bubble of
-(P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1); zb_h1 about a third of 1f1b's when T_F = T_B = T_W.
-tests/test_pipeline_tables.py checks `replay` against each.
+(P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1) (Qi et al.'s hand-placed ZB-H1: (P-1)/(3M+P-1) when
+T_F = T_B = T_W). tests/test_pipeline_tables.py checks `replay(sync=False)` against each; in the executor's
+neighbour-synchronised ticks (`sync=True`) gpipe and interleaved keep theirs and 1f1b pays a tick per hop.
 
 `check` rejects a table that reads an activation before it was sent, misses or repeats an action, or never runs a
 backward; `table` rejects orders that deadlock. Each is one ConfigError line naming the stage, tick and action.
@@ -316,7 +318,7 @@ def draw(result: dict, path, title: str = "", unit: str = "s") -> None:
   from matplotlib.patches import Patch
   slots, step = result["slots"], result["step_s"]
   P = 1 + max(x.stage for x in slots)
-  fig, ax = plt.subplots(figsize=(min(18, 3 + 0.35 * len(slots) / max(P, 1)), 0.6 * P + 1.6))
+  fig, ax = plt.subplots(figsize=(max(11, min(18, 3 + 0.35 * len(slots) / max(P, 1))), 0.6 * P + 1.6))
   for x in slots:
     ax.barh(x.stage, x.end - x.start, left=x.start, height=0.8, color=COLORS[x.action.kind], edgecolor="white",
             alpha=0.55 + 0.45 * (1 - x.action.chunk / max(1, 1 + max(y.action.chunk for y in slots))))
@@ -396,13 +398,12 @@ class Plan:
           use["w"][key] = ((t, PHASE["B"]), (at[(s, Action("W", a.mb, a.chunk))], PHASE["W"]))
     per_stage = {k: [_allocate({key: u for key, u in d.items() if key[0] == s}) for s in range(P)]
                  for k, d in use.items()}
-    self.slots = {k: max([n for _, n in v] + [1 if k != "w" or self.split else 0]) for k, v in per_stage.items()}
+    self.slots = {k: max(n for _, n in v) for k, v in per_stage.items()}   # slots per buffer, on the busiest stage
     slot = lambda k, s, key: per_stage[k][s][0][key]
-    trash = self.slots
     arr = {f: np.zeros((T, P), np.int32) for f in self.FIELDS}
     for f in ("f_in", "f_res", "f_dy", "b_res", "b_dy", "b_w", "w_res", "w_w", "r_in", "r_dy"):
-      arr[f][:] = trash[{"f_in": "in", "r_in": "in", "f_res": "res", "b_res": "res", "w_res": "res",
-                          "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]
+      arr[f][:] = self.slots[{"f_in": "in", "r_in": "in", "f_res": "res", "b_res": "res", "w_res": "res",
+                               "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]   # trash
     for (s, a), t in at.items():
       v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
       if a.kind == "F":
@@ -513,6 +514,8 @@ class Pipeline:
     if self.M < 1 or self.V < 1:
       raise ConfigError(f"pipeline.microbatches={self.cfg.microbatches} pipeline.virtual_stages={self.V}: "
                         f"microbatches must be >= 0 (0: one per stage) and virtual_stages >= 1")
+    if self.P < 2:
+      raise ConfigError(f"pipeline={self.cfg.name} needs stages: set mesh.pipeline to 2 or more, or pipeline=none")
     from shardlab.schedules.tp import RingTP
     rings = [f"schedule.tp={self.sched.cfg.tp}"] if isinstance(self.sched.ops, RingTP) else []
     rings += [f"context={self.sched.cp.cfg.impl}"] if self.sched.cp.cfg.impl == "ring" else []
@@ -536,7 +539,7 @@ class Pipeline:
     plan = Plan(self.ticks(), M, V)
     T = plan.T
     me = jax.lax.axis_index(PIPELINE)
-    rows = {f: jnp.asarray(a)[:, me] if P > 1 else jnp.asarray(a)[:, 0] for f, a in plan.arrays.items()}
+    rows = {f: jnp.asarray(a)[:, me] for f, a in plan.arrays.items()}
     batches = microbatches(batch, M)
     ctx = lambda w: Parallel(sched.ops, w.__getitem__, None, sched.cp.attend)
 
@@ -612,11 +615,9 @@ class Pipeline:
         if name == "F":   # the head, after the last virtual stage's F: once per microbatch on the last stage
           with jax.named_scope(runs("head", M, T)):
             st = jax.lax.cond(r["f_last"] == 1, lambda st, r: run_head(st, st["fsend"], r), lambda st, r: st, st, r)
-      if P > 1:
-        got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
-        got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
-        st = {**st, "inb": st["inb"].at[r["r_in"]].set(got_f), "dyb": st["dyb"].at[r["r_dy"]].set(got_b)}
-      return st, None
+      got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
+      got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
+      return {**st, "inb": st["inb"].at[r["r_in"]].set(got_f), "dyb": st["dyb"].at[r["r_dy"]].set(got_b)}, None
 
     st, _ = jax.lax.scan(tick, st, rows)
     loss = C.psum(st["loss"], PIPELINE, name="pipeline_loss")
