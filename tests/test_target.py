@@ -226,20 +226,23 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
   assert "fits" in lines[1] and "compiled for" in lines[1] and "exposed communication" in lines[2]
 
 
-def small_target(schedule: str, **model):
+def small_target(schedule: str, mesh: dict | None = None, pipeline: dict | None = None, **model):
   """A small bf16 transformer's train step compiled for 4x2 H100 (Config built directly, no Hydra): the config,
-  the compiled step and one layer's traced residual bytes."""
+  the compiled step and one layer's traced residual bytes. `mesh`, `pipeline`: MeshConfig and PipelineConfig
+  settings instead of fsdp=4 x tensor=2 and none."""
   from conftest import load_preset
   from shardlab import target as TG
-  from shardlab.config import Config, MeshConfig, ModelConfig, PrecisionConfig, ScheduleConfig, TrainConfig
+  from shardlab.config import (Config, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig, ScheduleConfig,
+                               TrainConfig)
   from shardlab.run import build, lower
   m = {"d_model": 256, "d_ff": 1024, "n_layers": 4, "n_heads": 4, "vocab_size": 1024, "seq_len": 256,
        "attention": "blockwise", "attention_block": 128, **model}
   knobs = {k: v for k, v in load_preset(schedule).items()}
-  cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), model=ModelConfig(**m), schedule=ScheduleConfig(**knobs),
+  cfg = Config(mesh=MeshConfig(**(mesh or {"fsdp": 4, "tensor": 2})), model=ModelConfig(**m),
+               schedule=ScheduleConfig(**knobs), pipeline=PipelineConfig(**(pipeline or {})),
                train=TrainConfig(batch_size=16), precision=PrecisionConfig(param_dtype="float32", compute_dtype="bfloat16"),
                hardware=h100())
-  b = build(cfg, TG.mesh_devices(TG.devices(h100(), 8), (4, 2)))
+  b = build(cfg, TG.mesh_devices(TG.devices(h100(), 8), tuple(cfg.mesh.shape.values())))
   return cfg, TG.compile_(lower(b)), b["layer_residuals"]
 
 
@@ -284,6 +287,30 @@ def test_ffn_target_memory_explained_by_the_analytic_breakdown(schedule):
     assert short < -0.10, (short, parts)
   else:
     assert plain == got["analytic"]
+
+
+def test_pipeline_stage_memory_1f1b_below_gpipe_and_explained():
+  """Pipeline stages on the H100 compiler (2 stages x tensor 4, M = 4P = 8 microbatches): 1f1b's working
+  memory per device clearly below gpipe's (its stage 0 holds P microbatches of residuals, gpipe's M), and both
+  within 10% of memory_model.breakdown, which sizes the stage's buffers from the executor's own allocation of the
+  table (pipeline_buffers), and counts the chunk's stacked weight gradient a slot's backward returns. (Weights
+  of at least a million elements per device: smaller ones get the GPU compiler's split-K partials, which the model
+  leaves out.)"""
+  from shardlab.analysis import memory_model
+  from shardlab.analysis.program import memory
+  work = {}
+  for name in ("gpipe", "1f1b"):
+    cfg, compiled, residuals = small_target("baseline", mesh={"pipeline": 2, "fsdp": 1, "tensor": 4},
+                                            pipeline={"name": name, "impl": name, "microbatches": 8},
+                                            d_model=1024, d_ff=4096, n_heads=8)
+    got = memory_model.compare(cfg, memory(compiled), residuals)
+    parts = got["components"]
+    assert got["activations_from"] == "traced residuals"
+    assert abs(parts["state"]["error"]) < 1e-3, parts
+    assert abs(parts["working"]["error"]) < 0.10 and abs(parts["peak"]["error"]) < 0.10, (name, parts)
+    assert memory_model.pipeline_buffers(cfg)["res"] == {"gpipe": 9, "1f1b": 3}[name]   # + the trash slot
+    work[name] = parts["working"]["compiled"]
+  assert work["1f1b"] < 0.75 * work["gpipe"], work
 
 
 def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():

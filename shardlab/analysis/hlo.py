@@ -121,6 +121,15 @@ def branch_times(times: int, op_name: str, what: str) -> int:
   return times * n // of
 
 
+def branches(ins) -> list[str]:
+  """The branch computations of a conditional: `branch_computations={...}` (an index predicate, XLA:CPU) or
+  `true_computation=..., false_computation=...` (a boolean one, as the GPU compiler rewrites a two-way cond)."""
+  b = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+  if b:
+    return re.findall(r"%?([\w.\-]+)", b.group(1))
+  return re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.attrs)
+
+
 def spread(ins, seen: dict) -> list[str]:
   """The branch computations of conditional `ins` to replay at this execution of it (a walk of the program,
   execution by execution): all of them (the declared branch and the empty one) on n of every `of` executions
@@ -132,7 +141,7 @@ def spread(ins, seen: dict) -> list[str]:
   k = seen[ins.name] = seen.get(ins.name, 0) + 1
   if k * n // of == (k - 1) * n // of:
     return []
-  return re.findall(r"%?([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1))
+  return branches(ins)
 
 
 def multiplicities(comps: dict, entry: str) -> dict:
@@ -149,10 +158,9 @@ def multiplicities(comps: dict, entry: str) -> dict:
       else:
         for c in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", ins.attrs):
           visit(c, times)
-        b = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
-        if b:     # each branch counted as often as the declared branch runs; the other branch is empty
+        if ins.opcode == "conditional":   # each branch as often as the declared branch runs; the other is empty
           n = branch_times(times, ins.op_name, f"conditional {ins.name}")
-          for c in re.findall(r"%?([\w.\-]+)", b.group(1)):
+          for c in branches(ins):
             visit(c, n)
   visit(entry, 1)
   return dict(mult)

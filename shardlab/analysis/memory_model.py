@@ -42,6 +42,7 @@ import jax
 from shardlab import params as PM
 from shardlab.analysis.planner import activation_elements_per_token, dtype_bytes
 from shardlab.layout import from_config
+from shardlab.axes import PIPELINE
 from shardlab.mesh import TENSOR
 
 
@@ -66,25 +67,38 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     return math.prod(d.shape) // math.prod(sizes[a] for a in d.mesh_axes() if not (gathered and a in weight))
 
   pb, cb = dtype_bytes(cfg.precision.param_dtype), dtype_bytes(cfg.precision.compute_dtype)
+  P = stages(cfg)
+  layers_here = m.n_layers // P                  # the layers this device stores (its stage's)
   shard = sum(local(d) for d in leaves)
-  per_layer = sum(local(d, True) for d in _leaves(decls["layers"])) // m.n_layers
+  per_layer = sum(local(d, True) for d in _leaves(decls["layers"])) // layers_here
+  layer_shard = sum(local(d) for d in _leaves(decls["layers"])) // layers_here
   top = sum(local(d, True) for k, d in decls.items() if k != "layers")
   deferred = s.grad_reduce == "deferred"
-  live = m.n_layers if deferred or not s.reshard_after_forward else min(m.n_layers, s.prefetch + 1)
+  step_gather = P > 1 and cfg.pipeline.gather == "step"
+  live = layers_here if deferred or step_gather or not s.reshard_after_forward else min(layers_here, s.prefetch + 1)
   tokens = local_tokens(cfg)
   t = cfg.mesh.tensor
   per_token = activation_elements_per_token(_attention_kept(cfg), s.remat)
   rep = _replicated_per_token(m, s.remat) if s.tp == "allreduce" else 0
-  if residuals:
-    acts = m.n_layers * residuals["saved"] + residuals["unremat"]
+  saved = residuals["saved"] if residuals else tokens * ((per_token - rep) // t + rep) * cb
+  unremat = residuals["unremat"] if residuals else saved
+  if P > 1:     # the stage's buffers, as the executor allocates them from the table (pipeline_buffers)
+    buf = pipeline_buffers(cfg)
+    x = tokens * m.d_model // (t if t > 1 and s.tp != "allreduce" else 1) * (4 if m.kind == "ffn" else cb)
+    k = m.n_layers // (P * cfg.pipeline.virtual_stages)
+    acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * x
   else:
-    acts = tokens * m.n_layers * ((per_token - rep) // t + rep) * cb
+    acts = m.n_layers * saved + unremat if residuals else m.n_layers * saved
   if m.kind != "ffn":                              # (the FFN-only model has no logits: its loss is on [B, L, D])
     acts += tokens * m.vocab_size // t * (cb + 4)  # the logits in the compute dtype and their float32 softmax
-  accum = 0 if s.microbatches == 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
+  micro = microbatches(cfg)
+  accum = 0 if micro == 1 or P > 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
   out = {
       "master_params": shard * pb,
-      "grads": shard * pb + accum,                                # + the accumulator of microbatched gradients
+      # + the accumulator of microbatched gradients; a pipeline accumulates into the gradients themselves, and
+      # holds the weights outside its layers' gradients (gathered, compute dtype) and, gathering its layers once
+      # per step, their gathered gradients until the step's reduce-scatter
+      "grads": shard * pb + accum + (top * cb + (layers_here * per_layer * cb if step_gather else 0) if P > 1 else 0),
       "optimizer": 2 * shard * pb,                                # Adam mu and nu
       "compute_params": shard * cb if s.gather_dtype == "compute" and cb != pb else 0,   # the cast shard
       "gathered_weights": (live * per_layer + top) * cb,          # embed/unembed stay gathered for backward
@@ -92,8 +106,11 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
       # fsdp takes its shard (in the gather's dtype); deferred reduction holds the stack instead (in grads).
       # A collective-matmul ring's backward makes one partial weight gradient per ring step (in the compute
       # dtype) and XLA fuses their sum, so every partial is live at once: ring_steps - 1 more copies.
-      "layer_gradient": ((0 if deferred else per_layer * (cb if s.gather_dtype == "compute" else pb))
-                         + (ring_steps(s.tp, t) - 1) * per_layer * cb),
+      # A pipeline slot's backward returns its chunk's k layers of gradient shards at once (the stage unit's
+      # stacked dW), which it adds into the gradients.
+      "layer_gradient": ((0 if deferred or step_gather else per_layer * (cb if s.gather_dtype == "compute" else pb))
+                         + (ring_steps(s.tp, t) - 1) * per_layer * cb
+                         + (m.n_layers // (P * cfg.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
       "activations": acts,
   }
   out["total"] = sum(out.values())
@@ -103,8 +120,34 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
 def local_tokens(cfg) -> int:
   """Tokens per device of one microbatch: the sequences its batch axes leave it, x the L/C tokens of each that
   its sequence (`length`) axes leave it."""
-  return (cfg.train.batch_size // split(cfg, "batch") // cfg.schedule.microbatches
+  return (cfg.train.batch_size // split(cfg, "batch") // microbatches(cfg)
           * (cfg.model.seq_len // split(cfg, "length")))
+
+
+def stages(cfg) -> int:
+  """Pipeline stages the run has: mesh.pipeline under a pipeline schedule, else 1."""
+  return cfg.mesh.sizes.get(PIPELINE, 1) if cfg.pipeline.impl != "none" else 1
+
+
+def microbatches(cfg) -> int:
+  """Microbatches a device splits its batch into: the pipeline's M, else schedule.microbatches."""
+  P = stages(cfg)
+  return cfg.pipeline.count(P) if P > 1 else cfg.schedule.microbatches
+
+
+def pipeline_buffers(cfg) -> dict:
+  """What a pipeline stage holds, in units, from the executor's own allocation of its table (schedules/
+  pipeline.py: Plan, each buffer with its trash slot): `res`, microbatch-chunks of residuals (each k layers'
+  saved set); `x`, residual-stream blocks of one microbatch (every microbatch's embedding and its input
+  gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of
+  per-layer output gradients kept for a split-off weight gradient (zero-bubble)."""
+  from shardlab.schedules.pipeline import Plan, load_table
+  P, V = stages(cfg), cfg.pipeline.virtual_stages
+  M = cfg.pipeline.count(P)
+  plan = Plan(load_table(cfg.pipeline.impl, P, M, V), M, V)
+  n = plan.slots
+  return {"res": n["res"] + 1, "x": 2 * M + 1 + n["in"] + 1 + n["dy"] + 1 + 2,
+          "w": n["w"] + 1 if plan.split else 0}
 
 
 def split(cfg, logical: str) -> int:

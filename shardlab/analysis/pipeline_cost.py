@@ -11,8 +11,6 @@ predictions, not measurements.
 """
 from __future__ import annotations
 
-import re
-
 from shardlab.analysis import hlo
 from shardlab.axes import PIPELINE
 from shardlab.analysis.calibrated import axis_bandwidth
@@ -43,8 +41,7 @@ def slot_seconds(prog, hw, ici: dict) -> dict:
       got = hlo.declared_runs(ins.op_name) if ins.opcode == "conditional" else None
       if got is None:
         continue
-      branches = re.findall(r"%?([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", ins.attrs).group(1))
-      out[got[0]] = max(out[got[0]], max(seconds(b) for b in branches))
+      out[got[0]] = max(out[got[0]], max(seconds(b) for b in hlo.branches(ins)))
   sends = [c for c in prog.collectives if c.kind == "collective-permute" and c.axis == PIPELINE
            and "pipeline_forward" in c.op_name]
   if sends:

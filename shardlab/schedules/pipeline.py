@@ -452,6 +452,12 @@ def _zeros(aval, n: int | None = None, extra=()):
   return C.pvary(jnp.zeros(shape, aval.dtype), tuple(aval.manual_axis_type.varying) + tuple(extra), name="zeros")
 
 
+def _slot(name: str, n: int, T: int, on, run, idle, *args):
+  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`)."""
+  with jax.named_scope(runs(name, n, T)):
+    return jax.lax.cond(on == 1, run, idle, *args)
+
+
 def _take(tree, i):
   return jax.tree.map(lambda a: a[i], tree)
 
@@ -567,6 +573,8 @@ class Pipeline:
     # Buffers of static slots (Plan); slot index = size is the trash slot.
     x_aval = jax.typeof(x0[0])
     res_avals = jax.make_jaxpr(lambda x, w: stage.forward(x, w)[1][0])(x0[0], chunk(0)).out_avals
+    if sched.residuals is not None:   # one layer's residual bytes for one microbatch (the memory breakdown)
+      sched.residuals.append(stage.residual_bytes(x0[0], chunk(0)))
     n_slots = plan.slots
     head = lambda y, w, b: MD.head_loss(ctx(w), m, y, b, n_tokens)
     loss_aval = jax.make_jaxpr(head)(x0[0], hw, Batch(*_take(tuple(batches), 0))).out_avals[0]
@@ -579,42 +587,57 @@ class Pipeline:
       st["wb"] = C.pvary(jnp.zeros((n_slots["w"] + 1, k, *x_aval.shape), x_aval.dtype),
                          tuple(x_aval.manual_axis_type.varying), name="zeros")   # each layer's output gradient
 
-    def run_head(st, y, r):
-      b = Batch(*_take(tuple(batches), r["f_mb"]))
-      loss, vjp = jax.vjp(lambda y, w: head(y, w, b), y, hw)
-      dy, dhw = vjp(jnp.ones_like(loss))
-      return {**st, "dyb": st["dyb"].at[r["f_dy"]].set(dy), "gh": jax.tree.map(jnp.add, st["gh"], dhw),
-              "loss": st["loss"] + loss}
+    # Each slot's conditional takes the slices it reads and returns what it makes; the buffers are read and
+    # written outside it (an idle slot returns zeros, written to the trash slot). A conditional that updated a
+    # buffer in place would hold a second copy of it: XLA keeps the carry and the branch's result apart.
+    zeros_like = lambda t: jax.tree.map(C.zeros_like, t)
 
-    def f_slot(st, r):
-      x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
-      y, (bufs, _) = stage.forward(x, chunk(r["f_chunk"]))
-      return {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
+    def head_run(y, mb, gh, loss):
+      b = Batch(*_take(tuple(batches), mb))
+      l, vjp = jax.vjp(lambda y, w: head(y, w, b), y, hw)
+      dy, dhw = vjp(jnp.ones_like(l))
+      return dy, jax.tree.map(jnp.add, gh, dhw), loss + l
 
-    def b_slot(st, r):
-      res, w = (_take(st["res"], r["b_res"]), chunk(r["b_chunk"])), st["dyb"][r["b_dy"]]
+    def f_run(x, c):
+      y, (bufs, _) = stage.forward(x, chunk(c))
+      return y, bufs
+
+    def b_run(res, dy, c, g):
+      res = (res, chunk(c))
       if plan.split:
-        dx, dys = stage.backward(res, w, part="input")
-        st = {**st, "wb": st["wb"].at[r["b_w"]].set(dys)}
-      else:
-        dx, dw = stage.backward(res, w)
-        st = {**st, "g": add_chunk(st["g"], dw, r["b_chunk"])}
-      first = jnp.where(r["b_first"] == 1, r["b_mb"], M)
-      return {**st, "bsend": dx, "dx0": st["dx0"].at[first].set(dx)}
+        dx, dys = stage.backward(res, dy, part="input")
+        return dx, dys, g
+      dx, dw = stage.backward(res, dy)
+      return dx, (), add_chunk(g, dw, c)
 
-    def w_slot(st, r):
-      dw = stage.backward((_take(st["res"], r["w_res"]), chunk(r["w_chunk"])), st["wb"][r["w_w"]], part="weight")
-      return {**st, "g": add_chunk(st["g"], dw, r["w_chunk"])}
+    def w_run(res, dys, c, g):
+      return add_chunk(g, stage.backward((res, chunk(c)), dys, part="weight"), c)
 
     fwd, bwd = plan.sends()
+    cond = lambda name, n, on, run, idle, *args: _slot(name, n, T, on, run, idle, *args)
 
     def tick(st, r):
-      for name, fn in (("F", f_slot), ("B", b_slot), ("W", w_slot))[:3 if plan.split else 2]:
-        with jax.named_scope(runs(name, M * V, T)):   # each slot runs once per microbatch and chunk, every stage
-          st = jax.lax.cond(r[name.lower() + "_on"] == 1, fn, lambda st, r: st, st, r)
-        if name == "F":   # the head, after the last virtual stage's F: once per microbatch on the last stage
-          with jax.named_scope(runs("head", M, T)):
-            st = jax.lax.cond(r["f_last"] == 1, lambda st, r: run_head(st, st["fsend"], r), lambda st, r: st, st, r)
+      x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
+      y, bufs = cond("F", M * V, r["f_on"], f_run, lambda x, c: (zeros_like(x), [_zeros(a) for a in res_avals]),
+                     x, r["f_chunk"])
+      st = {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
+      # the head, after the last virtual stage's F: once per microbatch on the last stage
+      dy, gh, loss = cond("head", M, r["f_last"], head_run, lambda y, mb, gh, loss: (zeros_like(y), gh, loss),
+                          y, r["f_mb"], st["gh"], st["loss"])
+      st = {**st, "dyb": st["dyb"].at[r["f_dy"]].set(dy), "gh": gh, "loss": loss}
+      res, dyin = _take(st["res"], r["b_res"]), st["dyb"][r["b_dy"]]
+      if plan.split:
+        idle_b = lambda res, dy, c, g: (zeros_like(dy), C.zeros_like(st["wb"][0]), g)
+      else:
+        idle_b = lambda res, dy, c, g: (zeros_like(dy), (), g)
+      dx, dys, g = cond("B", M * V, r["b_on"], b_run, idle_b, res, dyin, r["b_chunk"], st["g"])
+      first = jnp.where(r["b_first"] == 1, r["b_mb"], M)
+      st = {**st, "g": g, "bsend": dx, "dx0": st["dx0"].at[first].set(dx)}
+      if plan.split:
+        st = {**st, "wb": st["wb"].at[r["b_w"]].set(dys)}
+        g = cond("W", M * V, r["w_on"], w_run, lambda res, dys, c, g: g,
+                 _take(st["res"], r["w_res"]), st["wb"][r["w_w"]], r["w_chunk"], st["g"])
+        st = {**st, "g": g}
       got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
       got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
       return {**st, "inb": st["inb"].at[r["r_in"]].set(got_f), "dyb": st["dyb"].at[r["r_dy"]].set(got_b)}, None
