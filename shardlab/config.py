@@ -138,7 +138,7 @@ class PipelineConfig:
   """Pipeline parallelism (`mesh.pipeline=P`): the layer stack split into P stages, run by a schedule table
   (schedules/pipeline.py, docs/pipeline.md)."""
   name: str = "none"
-  impl: str = "none"              # none | gpipe | 1f1b | interleaved | zb_h1 | package.module:Class
+  impl: str = "none"              # none | gpipe | 1f1b | eager_1f1b | interleaved | zb_h1 | package.module:Class
   microbatches: int = 0           # M; 0: one per stage (M = mesh.pipeline), the fewest every schedule runs with
   virtual_stages: int = 1         # V: model chunks per stage (impl=interleaved)
   gather: str = "microbatch"      # FSDP weights of a stage: gathered in every F and B (microbatch) or once (step)

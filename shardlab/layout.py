@@ -134,7 +134,7 @@ def from_config(cfg) -> Layout:
 
 
 # What a rule no schedule honours yet needs (messages).
-NOT_YET = {"layers": "pipeline stages need a pipeline schedule: pipeline=gpipe, 1f1b, interleaved or zb_h1 "
+NOT_YET = {"layers": "pipeline stages need a pipeline schedule: pipeline=gpipe, 1f1b, eager_1f1b, interleaved or zb_h1 "
                      "(docs/pipeline.md), or mesh.pipeline=1",
            "length": "this schedule does not split the sequence (the explicit ones do); use mesh.context=1"}
 

@@ -18,7 +18,7 @@ P8 = {"pipeline": 8, "fsdp": 1, "tensor": 1}
 P2D2T2 = {"pipeline": 2, "data": 2, "fsdp": 1, "tensor": 2}
 # (schedule, mesh, M, V): every schedule with M = P and M = 2P, every mesh the issue names at least once.
 CASES = [("gpipe", P2F2T2, 2, 1), ("gpipe", P8, 16, 1),
-         ("1f1b", P4F2, 8, 1), ("1f1b", P2D2T2, 2, 1),
+         ("1f1b", P4F2, 8, 1), ("1f1b", P2D2T2, 2, 1), ("eager_1f1b", P4F2, 8, 1),
          ("interleaved", P2F2T2, 4, 2), ("interleaved", P4F2, 4, 2),
          ("zb_h1", P2D2T2, 2, 1), ("zb_h1", P4F2, 8, 1)]
 

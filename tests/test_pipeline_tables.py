@@ -11,11 +11,11 @@ from shardlab.schedules.pipeline import Action
 def test_bubble_of_uniform_stages_on_free_links_is_the_closed_form(P, M):
   """gpipe and 1f1b: (P-1)/(M+P-1); interleaved (V=2): (P-1)/(V M+P-1), each within 10% (here: exact);
   zb_h1 (W split off and deferred) below 1f1b's."""
-  for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+  for name, V in (("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2)):
     got = PL.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0, sync=False)["bubble"]
     want = PL.closed_form_bubble(name, P, M, V)
     assert abs(got - want) <= 0.1 * want, (name, P, M, V, got, want)
-    if name == "gpipe":   # the executor's ticks (neighbour-synchronised): GPipe's bubble is the same
+    if name in ("gpipe", "eager_1f1b"):   # the executor's ticks (neighbour-synchronised): the same
       assert abs(PL.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0)["bubble"] - want) <= 0.1 * want
   bubble = lambda name, sync: PL.replay(PL.build(name, P, M), 1.0, 1.0, 1.0, sync=sync)["bubble"]
   assert bubble("zb_h1", False) <= bubble("1f1b", False), (P, M)
@@ -38,6 +38,8 @@ def test_activations_in_flight():
   assert PL.in_flight(PL.build("gpipe", P, M)) == [M] * P
   assert PL.in_flight(PL.build("1f1b", P, M)) == [P - s for s in range(P)]
   assert PL.in_flight(PL.build("zb_h1", P, M)) == [P - s for s in range(P)]
+  # eager_1f1b: 2 (P - 1 - s) warm-up forwards, so that the executor's ticks reach the closed form
+  assert PL.in_flight(PL.build("eager_1f1b", P, M)) == [2 * (P - s) - 1 for s in range(P)]
   assert PL.in_flight(PL.build("zb_h1", P, M), until="W") == [2 * (P - s) for s in range(P)]
 
 

@@ -12,6 +12,9 @@ with the compiled slots' times (`replay`), and `draw` pictures.
   gpipe        every forward, then every backward (GPipe, Huang et al. 2019): M microbatches of activations
   1f1b         P - 1 - s forwards to warm up, then one forward one backward, then the rest of the backwards
                (PipeDream-flush, Narayanan et al. 2021): at most P - s microbatches in flight on stage s
+  eager_1f1b   1f1b warming up with 2 (P - 1 - s) forwards: in ticks where a message takes one tick per hop each
+               way (this executor's), the steady state runs one F and one B on every stage every tick, so its
+               bubble is 1f1b's closed form, for up to 2 (P - s) - 1 microbatches in flight (jaxpp's Eager1F1B)
   interleaved  1f1b over V chunks per stage, microbatches in groups of P (Megatron-LM's interleaved schedule,
                Narayanan et al. 2021): bubble (P-1)/(V M + P-1) for V times the point-to-point messages
   zb_h1        1f1b with each backward split into B (input gradient: on the critical path) and W (weight
@@ -21,7 +24,9 @@ with the compiled slots' times (`replay`), and `draw` pictures.
 Closed forms with uniform per-microbatch stage times and free links: gpipe and 1f1b leave a bubble of
 (P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1) (Qi et al.'s hand-placed ZB-H1: (P-1)/(3M+P-1) when
 T_F = T_B = T_W). tests/test_pipeline_tables.py checks `replay(sync=False)` against each; in the executor's
-neighbour-synchronised ticks (`sync=True`) gpipe and interleaved keep theirs and 1f1b pays a tick per hop.
+neighbour-synchronised ticks (`sync=True`) gpipe, eager_1f1b and interleaved keep theirs and 1f1b pays a tick
+per hop: its P - 1 - s warm-up forwards are too few to keep every stage busy when the backward wave takes a whole
+tick per stage (50% at P = 4, M = 8, T_B = 2 T_F, against 27%).
 
 `check` rejects a table that reads an activation before it was sent, misses or repeats an action, or never runs a
 backward; `table` rejects orders that deadlock. Each is one ConfigError line naming the stage, tick and action.
@@ -39,7 +44,7 @@ from shardlab.axes import PIPELINE
 from shardlab.mesh import ConfigError
 
 KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1")
 
 
 @dataclass(frozen=True, order=True)
@@ -84,8 +89,8 @@ def orders(name: str, P: int, M: int, V: int = 1) -> list[list[Action]]:
   for s in range(P):
     if name == "gpipe":
       out.append([Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)])
-    elif name in ("1f1b", "zb_h1"):
-      warmup = min(P - 1 - s, M)
+    elif name in ("1f1b", "eager_1f1b", "zb_h1"):
+      warmup = min((2 if name == "eager_1f1b" else 1) * (P - 1 - s), M)
       order = _one_f_one_b([Action("F", m) for m in range(M)], [Action("B", m) for m in range(M)], warmup)
       if name == "zb_h1":   # each B's weight gradient W: placed by `table` into the ticks B leaves idle
         order = [a for x in order for a in ((x, Action("W", x.mb)) if x.kind == "B" else (x,))]
@@ -300,7 +305,8 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
 
 
 def closed_form_bubble(name: str, P: int, M: int, V: int = 1) -> float:
-  """(P-1)/(M+P-1) for gpipe and 1f1b, (P-1)/(V M+P-1) for interleaved; zb_h1: 1f1b's (an upper bound)."""
+  """(P-1)/(M+P-1) for gpipe, 1f1b and eager_1f1b, (P-1)/(V M+P-1) for interleaved; zb_h1: 1f1b's (an upper
+  bound)."""
   return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
 
 
@@ -449,7 +455,8 @@ def runs(slot: str, n: int, of: int) -> str:
 def _zeros(aval, n: int | None = None, extra=()):
   """Zeros shaped like `aval` (with a leading dim n, if given), varying over its axes and `extra`."""
   shape = aval.shape if n is None else (n, *aval.shape)
-  return C.pvary(jnp.zeros(shape, aval.dtype), tuple(aval.manual_axis_type.varying) + tuple(extra), name="zeros")
+  axes = tuple(dict.fromkeys((*aval.manual_axis_type.varying, *extra)))
+  return C.pvary(jnp.zeros(shape, aval.dtype), axes, name="zeros")
 
 
 def _slot(name: str, n: int, T: int, on, run, idle, *args):
@@ -579,7 +586,7 @@ class Pipeline:
     head = lambda y, w, b: MD.head_loss(ctx(w), m, y, b, n_tokens)
     loss_aval = jax.make_jaxpr(head)(x0[0], hw, Batch(*_take(tuple(batches), 0))).out_avals[0]
     st = {"inb": _zeros(x_aval, n_slots["in"] + 1), "dyb": _zeros(x_aval, n_slots["dy"] + 1),
-          "res": [_zeros(a, n_slots["res"] + 1) for a in res_avals],
+          "res": [_zeros(a, n_slots["res"] + 1, (PIPELINE,)) for a in res_avals],
           "fsend": _zeros(x_aval), "bsend": _zeros(x_aval), "dx0": _zeros(x_aval, M + 1),
           "g": jax.tree.map(C.zeros_like, layers), "gh": jax.tree.map(C.zeros_like, hw),
           "loss": _zeros(loss_aval, extra=(PIPELINE,))}
