@@ -226,6 +226,27 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
   assert "fits" in lines[1] and "compiled for" in lines[1] and "exposed communication" in lines[2]
 
 
+@pytest.mark.parametrize("preset,mesh", [("h100_multinode", "mesh.pipeline=2 mesh.fsdp=1 mesh.tensor=8"),
+                                         ("tpu_v5p", "mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2")])
+def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tmp_path):
+  """A pipeline run compiled by the target's compiler: 2 H100 nodes with a stage per node (16 GPUs), and a v5p
+  slice; its sends over `pipeline` are in the compiled program and the table's prediction is written."""
+  import importlib.util
+  from conftest import compose
+  from shardlab.config import to_config
+  from shardlab.trainer import train
+  cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false",
+                          *mesh.split(), "model.n_layers=4", "pipeline=1f1b", "pipeline.microbatches=4"))
+  if importlib.util.find_spec("libtpu" if cfg.hardware.target_platform == "tpu" else "jax_cuda12_plugin") is None:
+    pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
+  summary = train(cfg, tmp_path / "run")
+  assert summary["status"] == "ok" and summary["target"]["devices"] == cfg.mesh.n_devices, summary.get("target")
+  assert summary["comm"]["collective-permute"]["pipeline"]["count"] > 0, summary["comm"]
+  pred = summary["pipeline_prediction"]
+  assert pred["stages"] == 2 and pred["microbatches"] == 4 and 0 < pred["bubble"] < 1 and pred["slot_s"]["B"] > 0
+  assert (tmp_path / "run" / "pipeline.png").is_file()
+
+
 def small_target(schedule: str, mesh: dict | None = None, pipeline: dict | None = None, **model):
   """A small bf16 transformer's train step compiled for 4x2 H100 (Config built directly, no Hydra): the config,
   the compiled step and one layer's traced residual bytes. `mesh`, `pipeline`: MeshConfig and PipelineConfig
