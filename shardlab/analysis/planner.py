@@ -19,6 +19,20 @@ Shapes of the shardlab model (per layer): norm [D], W_q [D,H,K], W_kv [D,2,G,K] 
 grouped-query attention), W_o [H,K,D], norm [D], W_in [D,2,F], W_out [F,D]; plus embed [V,D], final norm [D],
 unembed [D,V]. `kind: ffn` is the book's L blocks of
 W_in [D,F], W_out [F,D] only.
+
+Pipeline layouts (answer(pipeline=True), `python -m shardlab.plan pipeline_search=true`): P stages (a divisor of
+the devices, >= 2, with n_layers a multiple of P V) x each schedule of schedules/pipeline.SCHEDULES (V = 2 for
+interleaved, else 1) x M = P, 2P, 4P, 8P microbatches (whole sequences per batch shard) x data x fsdp x tensor of
+the devices / P, the pipeline axis outermost (across nodes first: placements(pipeline=P)). Step time: the
+stage's per-microbatch slot times from this module's block roofline (F = n_layers / (P V) blocks' forward at one
+microbatch's per-device tokens, B its backward, or B and W for a table that splits the weight gradient off; the
+head in F) and the send of one microbatch's residual stream over the pipeline axis's bandwidth, replayed through
+the schedule's own tick table as the executor runs it (replay(build(...), sync=True): neighbour-synchronised
+ticks, so the bubble is the executor's, not the closed form's), / train.mfu. Memory per stage: memory_per_device's
+terms for the stage's layers, with activations for the most microbatch-chunks a stage holds in flight by the
+table (in_flight) at one microbatch's tokens, plus the residual-stream buffers the executor allocates
+(evaluate_pipeline, pipeline_memory). These are predictions of the closed forms and the replay, like every other
+number here: summary.json's `pipeline` (analysis/pipeline_cost.py) replays a compiled run's own slot times.
 """
 from __future__ import annotations
 
