@@ -167,11 +167,11 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
     layouts = ans.pop("layouts")
     best_cfg = _layout_cfg(cfg, layouts[0])
     result = {"answer": ans, **planner.plan(best_cfg)}
-    if PIPELINE in layouts[0]:
-      result["warnings"].append(
+    if PIPELINE in layouts[0]:     # plan() knows no stages: its memory is every layer's, not the stage's
+      result["warnings"] = [w for w in result["warnings"] if "exceeds HBM" not in w] + [
           f"the best layout is a pipeline of {layouts[0][PIPELINE]} stages ({layouts[0]['schedule']}): the top-level "
           "closed forms describe one stage's data x fsdp x tensor mesh holding every layer; its row in `layouts` "
-          "has the pipeline's step time, bubble and per-stage memory")
+          "has the pipeline's step time, bubble and per-stage memory"]
     flat = [l for l in layouts if PIPELINE not in l]      # what confirm and plot take: no pipeline stages
     result["search"] = {k: ans[k] for k in ("devices", "considered", "qualifying")}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
@@ -264,7 +264,8 @@ def table(result: dict, cfg, rows: int = 5) -> str:
              if w["compute_bound_from_tokens"] is not None else ""),
           f"  one pass fits up to  {_tokens(w['fits_per_pass_tokens'], L)}"
           + (f"; {ans['global_batch_tokens']:,.0f} runs as {w['microbatches']} microbatches"
-             if w["microbatches"] > 1 and PIPELINE not in best else ""),
+             if w["microbatches"] > 1 and PIPELINE not in best else "")
+          + (f" in {w['microbatches']} microbatches through the stages" if PIPELINE in best else ""),
           "", "Ties (equal predicted step time): the least recomputation, then the fewest microbatches, then the most "
           "slack (smallest worst comm/math), then the least memory.",
           "Each layout runs at the remat and microbatches that fit it fastest (a microbatch re-gathers the weights; "

@@ -520,6 +520,14 @@ def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
   assert row["step_time_s"] >= row["pipeline_step_s"]
   free = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], 0.0, sync=True)["bubble"]   # free links: the book's
   assert free == pytest.approx(closed_form_bubble("gpipe", P, M)) and row["bubble"] >= free
+  # its batch window: each microbatch's pass compute-bound from the first, the stage's HBM full just above the last
+  w = planner.batch_range(cfg, row)
+  unit = 1 * 2 * M * cfg.model.seq_len                              # one more sequence per shard per microbatch
+  crit = row["critical_batch_per_device"]["this_mesh"]
+  assert w["pipeline"] == P and w["compute_bound_from_tokens"] % unit == 0 and w["fits_per_pass_tokens"] % unit == 0
+  assert w["compute_bound_from_tokens"] / (8 * M) >= crit > (w["compute_bound_from_tokens"] - unit) / (8 * M)
+  mem = lambda t: planner.pipeline_memory(cfg, 1, 2, 4, P, "gpipe", M, t)["total"]
+  assert mem(w["fits_per_pass_tokens"]) <= 80e9 < mem(w["fits_per_pass_tokens"] + unit)
 
 
 def test_pipeline_shapes_need_layers_divisible_and_interleaved_groups_of_p():

@@ -904,7 +904,7 @@ def _pipeline_batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
   L, M, P = cfg.model.seq_len, layout["microbatches"], layout[PIPELINE]
   unit = layout[DATA] * layout[FSDP] * M * L            # tokens: one more sequence per shard per microbatch
   crit = layout["critical_batch_per_device"]["this_mesh"]
-  n = P * layout[DATA] * layout[FSDP] * layout[TENSOR]
+  n = layout[DATA] * layout[FSDP] * layout[TENSOR]      # a stage's devices: each runs every microbatch
   low = None if crit is None else max(1, math.ceil(crit * n * M / unit - 1e-9)) * unit
   c = override(cfg, schedule={"remat": layout["remat"]})
   mem = lambda t: pipeline_memory(c, layout[DATA], layout[FSDP], layout[TENSOR], P, layout["schedule"], M, t)["total"]
