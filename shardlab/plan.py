@@ -16,6 +16,10 @@ Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
   devices=N          search every layout of N devices (default: plan the configured mesh only)
   search=true        search the configured mesh's device count
   rows=K             show K layouts in the table (default 5)
+  pipeline_search=true  search pipeline layouts too: P stages (divisors of N that divide the layers) x every
+                     pipeline schedule x M microbatches (P, 2P, 4P, 8P) x data x fsdp x tensor of N / P, costed by
+                     replaying the schedule's table (planner.evaluate_pipeline); the table gains P, schedule, M
+                     and bubble columns. Implies search=true
   top=K              keep the K best layouts in the JSON (implies search=true) and compile them for the target:
                      each gains `target` (compiled memory per device, calibrated step time, beside the closed
                      forms; needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
@@ -35,7 +39,7 @@ import json
 import sys
 import textwrap
 
-from shardlab.axes import DATA, FSDP, TENSOR
+from shardlab.axes import DATA, FSDP, PIPELINE, TENSOR
 from shardlab.config import CONF_DIR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
 from shardlab.outputs import human_bytes, human_seconds
@@ -67,14 +71,14 @@ def _one_line(e: BaseException) -> str:
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
 OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path",
-           "confirm": "bool",
+           "confirm": "bool", "pipeline_search": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
   opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None,
-          "plot_layouts": [],
+          "plot_layouts": [], "pipeline_search": False,
           "confirm_batch": False}
   rest = []
   for arg in argv:
@@ -109,7 +113,7 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   if opts["confirm"] is None:            # top=K compiles the K best unless confirm=false
     opts["confirm"] = bool(opts["top"])
   opts["search"] = (opts["search"] or bool(opts["devices"]) or bool(opts["top"]) or opts["confirm"]
-                    or bool(opts["plot_layouts"]))
+                    or bool(opts["plot_layouts"]) or opts["pipeline_search"])
   return opts, rest
 
 
@@ -127,12 +131,15 @@ def fixed_schedule(overrides: list[str]) -> dict:
 
 
 def _layout_cfg(cfg, layout: dict):
-  """cfg at a searched layout: its mesh and its remat and microbatches (planner.answer's choice)."""
+  """cfg at a searched layout: its mesh and its remat and microbatches (planner.answer's choice). A pipeline
+  layout: one stage's data x fsdp x tensor mesh with every layer at one microbatch (its pipeline, schedule and M
+  are in its row): the closed forms of `planner.plan` know no stages."""
   from shardlab.analysis import planner
   return planner.override(cfg, mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
                                      "fsdp_ici_axes": layout["ici_axes"][FSDP],
                                      "tensor_ici_axes": layout["ici_axes"][TENSOR]},
-                          schedule={"remat": layout["remat"], "microbatches": layout["microbatches"]})
+                          schedule={"remat": layout["remat"],
+                                    "microbatches": 1 if PIPELINE in layout else layout["microbatches"]})
 
 
 def run(argv: list[str]) -> dict:
@@ -155,20 +162,28 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
       result["batch_window"]["target"] = confirm_batch_window(cfg, build)
   else:
     fixed = fixed_schedule(overrides)
-    ans = planner.answer(cfg, opts["devices"] or None, opts["torus"], fixed.get("remat"), fixed.get("microbatches"))
+    ans = planner.answer(cfg, opts["devices"] or None, opts["torus"], fixed.get("remat"), fixed.get("microbatches"),
+                         pipeline=opts["pipeline_search"])
     layouts = ans.pop("layouts")
     best_cfg = _layout_cfg(cfg, layouts[0])
     result = {"answer": ans, **planner.plan(best_cfg)}
+    if PIPELINE in layouts[0]:     # plan() knows no stages: its memory is every layer's, not the stage's
+      result["warnings"] = [w for w in result["warnings"] if "exceeds HBM" not in w] + [
+          f"the best layout is a pipeline of {layouts[0][PIPELINE]} stages ({layouts[0]['schedule']}): the top-level "
+          "closed forms describe one stage's data x fsdp x tensor mesh holding every layer; its row in `layouts` "
+          "has the pipeline's step time, bubble and per-stage memory"]
+    flat = [l for l in layouts if PIPELINE not in l]      # what confirm and plot take: no pipeline stages
     result["search"] = {k: ans[k] for k in ("devices", "considered", "qualifying")}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
     if opts["confirm_batch"]:
       result["batch_window"]["target"] = confirm_batch_window(best_cfg, build)
     if opts["confirm"]:
-      confirmed = [c for l in layouts[:opts["top"] or 3] for c in confirm_layouts([l], _layout_cfg(cfg, l), 1, build)]
+      confirmed = [c for l in layouts[:opts["top"] or 3]
+                   for c in ([l] if PIPELINE in l else confirm_layouts([l], _layout_cfg(cfg, l), 1, build))]
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
-    chosen = layouts[:opts["top"] or 3]
+    chosen = flat[:opts["top"] or 3]
     if opts["plot_layouts"]:
-      by_shape = {(l[DATA], l[FSDP], l[TENSOR]): l for l in layouts}
+      by_shape = {(l[DATA], l[FSDP], l[TENSOR]): l for l in flat}
       missing = [s for s in opts["plot_layouts"] if s not in by_shape]
       if missing:
         raise ValueError(f"plot_layouts: {'x'.join(map(str, missing[0]))} is not a data x fsdp x tensor layout of "
@@ -225,21 +240,32 @@ def table(result: dict, cfg, rows: int = 5) -> str:
            human_bytes(l["memory_per_device_bytes"]), "yes" if l["fits"] else "NO",
            human_seconds(l["step_time_s"]),
            f"{100 * l['mfu']:.0f}%", _critical(l), _verdict(l)] for i, l in enumerate(layouts[:rows])]
+  right = {"#", "micro", "memory/device", "step", "MFU"}
+  if any(PIPELINE in l for l in layouts):      # pipeline_search: P and schedule before the mesh, bubble after M
+    cols[1:1], cols[6:6] = ["P", "schedule"], ["bubble"]
+    right |= {"P", "bubble"}
+    for r, l in zip(body, layouts):
+      pp = PIPELINE in l
+      r[1:1] = [str(l[PIPELINE]) if pp else "1", (l["schedule"] + (f" V={l['virtual_stages']}"
+                                                                   if l["virtual_stages"] > 1 else "")) if pp else "-"]
+      r[6:6] = [f"{100 * l['bubble']:.0f}%" if pp else "-"]
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
-  line = lambda r: "  ".join(c.rjust(w) if i in (0, 3, 4, 6, 7) else c.ljust(w)
+  line = lambda r: "  ".join(c.rjust(w) if cols[i] in right else c.ljust(w)
                              for i, (c, w) in enumerate(zip(r, width))).rstrip()
   w = ans["batch_window"]
   best = layouts[0]
   out = [head, "", line(cols), *map(line, body)]
   if len(layouts) > rows:
     out.append(f"   ... {len(layouts) - rows} more (rows=K shows K; --json lists all)")
-  out += ["", f"Batch window of #1 ({best[DATA]} x {best[FSDP]} x {best[TENSOR]}, remat {w['remat']}):",
+  stages = (f"pipeline {best[PIPELINE]} {best['schedule']}, M {best['microbatches']}, " if PIPELINE in best else "")
+  out += ["", f"Batch window of #1 ({stages}{best[DATA]} x {best[FSDP]} x {best[TENSOR]}, remat {w['remat']}):",
           f"  compute-bound from   {_tokens(w['compute_bound_from_tokens'], L)}"
           + (f": critical B/N {best['critical_batch_per_device']['this_mesh']:,.0f} tokens per device per pass"
              if w["compute_bound_from_tokens"] is not None else ""),
           f"  one pass fits up to  {_tokens(w['fits_per_pass_tokens'], L)}"
           + (f"; {ans['global_batch_tokens']:,.0f} runs as {w['microbatches']} microbatches"
-             if w["microbatches"] > 1 else ""),
+             if w["microbatches"] > 1 and PIPELINE not in best else "")
+          + (f" in {w['microbatches']} microbatches through the stages" if PIPELINE in best else ""),
           "", "Ties (equal predicted step time): the least recomputation, then the fewest microbatches, then the most "
           "slack (smallest worst comm/math), then the least memory.",
           "Each layout runs at the remat and microbatches that fit it fastest (a microbatch re-gathers the weights; "

@@ -105,3 +105,21 @@ def test_bad_input_is_one_line_and_exit_2(bad, capsys):
   assert main([*TINY[:2], bad]) == 2
   out, err = capsys.readouterr()
   assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("shardlab.plan: error:")
+
+
+def test_pipeline_search_adds_pipeline_rows_and_columns(capsys):
+  """pipeline_search=true: the pipeline layouts (tiny's 2 layers: P = 2, gpipe, 1f1b and zb_h1; interleaved
+  needs 4) are ranked with the others, and the table gains P, schedule and bubble; without it, neither."""
+  text, out = _plan(capsys, [*TINY, "pipeline_search=true", "rows=40"])
+  lines = text.splitlines()
+  head = lines[2].split()
+  assert head[:3] == ["#", "P", "schedule"] and "bubble" in head and "micro" in head
+  pp = [l for l in out["layouts"] if "pipeline" in l]
+  assert {(l["pipeline"], l["schedule"]) for l in pp} == {(2, "gpipe"), (2, "1f1b"), (2, "zb_h1")}
+  assert out["answer"]["considered"] == 10 + len(pp)
+  rows = [l.split() for l in lines[3:3 + min(40, len(out["layouts"]))]]
+  for r, l in zip(rows, out["layouts"]):
+    assert r[1] == str(l.get("pipeline", 1)) and r[2] == l.get("schedule", "-")
+    assert (int(r[3]), int(r[5]), int(r[7])) == (l["data"], l["fsdp"], l["tensor"])
+  plain, _ = _plan(capsys, TINY)
+  assert "schedule" not in plain.splitlines()[2] and "bubble" not in plain

@@ -454,3 +454,89 @@ def test_cli_bad_override_is_one_readable_line(capsys):
   assert main(["model=nope"]) == 2
   err = capsys.readouterr().err
   assert "Could not find 'model/nope'" in err and "search path" not in err and len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------- pipeline layouts (search)
+
+PP70 = ["model=llama3_70b", "hardware=h100_multinode", "precision=bf16", "train.global_batch_tokens=4194304"]
+
+
+def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
+  from shardlab.axes import PIPELINE
+  from shardlab.schedules.pipeline import SCHEDULES
+  cfg = compose(PP70)
+  plain = planner.answer(cfg, 32)
+  assert all(PIPELINE not in l for l in plain["layouts"])          # off by default: rows as before
+  ans = planner.answer(cfg, 32, pipeline=True)
+  pp = [l for l in ans["layouts"] if PIPELINE in l]
+  flat = [l for l in ans["layouts"] if PIPELINE not in l]
+  assert ans["considered"] == plain["considered"] + len(pp)
+  assert sorted(map(json.dumps, flat)) == sorted(map(json.dumps, plain["layouts"]))
+  shapes = {(l[PIPELINE], l["schedule"]) for l in pp}
+  assert {P for P, _ in shapes} == {2, 4, 8, 16}                   # 80 layers: P = 32 does not divide them
+  assert {s for _, s in shapes} == set(SCHEDULES)
+  assert (16, "interleaved") not in shapes                         # 80 % (16 x 2) != 0
+  for l in pp:
+    P, M = l[PIPELINE], l["microbatches"]
+    assert l["data"] * l["fsdp"] * l["tensor"] * P == 32 and M in (P, 2 * P, 4 * P, 8 * P)
+    assert 512 % (l["data"] * l["fsdp"] * M) == 0                  # whole sequences per shard per microbatch
+    assert l["virtual_stages"] == (2 if l["schedule"] == "interleaved" else 1)
+    assert 0 < l["bubble"] < 1 and l["stage_layers"] == 80 // P
+    assert l["mfu"] == pytest.approx(6 * planner.param_count(cfg.model) * 4194304 / 32 / 9.9e14 / l["step_time_s"])
+  assert ans["layouts"] == planner._rank(ans["layouts"])
+
+
+def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():
+  """At M = 4P, gpipe keeps every microbatch's residuals until its backward, 1f1b at most P on stage 0: same
+  training state, less activation memory; both state terms are the stage's 80 / P layers' share."""
+  cfg = planner.override(compose(PP70), schedule={"remat": "full"})
+  P, M = 4, 16
+  place = next(p for p in planner.placements(cfg, 32, pipeline=P) if p[:3] == (1, 4, 2))
+  g = planner.evaluate_pipeline(cfg, place, P, "gpipe", M)
+  f = planner.evaluate_pipeline(cfg, place, P, "1f1b", M)
+  assert (g["in_flight"], f["in_flight"]) == (M, P)
+  assert f["activations_per_device_bytes"] < g["activations_per_device_bytes"]
+  assert f["memory_per_device_bytes"] < g["memory_per_device_bytes"]
+  mem = planner.pipeline_memory(cfg, 1, 4, 2, P, "gpipe", M)
+  stage = planner.memory_per_device(planner.override(cfg, model={"n_layers": 20}, mesh={"fsdp": 4, "tensor": 2},
+                                                     schedule={"microbatches": 1}))
+  assert mem["optimizer"] == stage["optimizer"] and mem["master_params"] == stage["master_params"]
+  # the pipeline axis is the outermost: on nodes of 8, 4 stages of 8 GPUs cross nodes (the NICs), the others not
+  h100 = planner.override(cfg, hardware=dataclasses.asdict(compose(["hardware=h100"]).hardware))
+  bws = next(p for p in planner.placements(h100, 32, pipeline=P) if p[:3] == (1, 4, 2))[3]
+  assert bws["pipeline"] == 50e9 and bws["tensor"] == bws["fsdp"] == 450e9
+
+
+def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
+  from shardlab.schedules.pipeline import build, closed_form_bubble, replay
+  cfg = compose(PP70)
+  P, M = 4, 8
+  place = next(p for p in planner.placements(cfg, 32, pipeline=P) if p[:3] == (1, 2, 4))
+  row = planner.evaluate_pipeline(cfg, place, P, "gpipe", M)
+  t = row["slot_s"]
+  run = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], t["send"], sync=True)
+  assert row["bubble"] == pytest.approx(run["bubble"], rel=1e-12)
+  assert row["pipeline_step_s"] * cfg.train.mfu == pytest.approx(run["step_s"])
+  assert row["step_time_s"] >= row["pipeline_step_s"]
+  free = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], 0.0, sync=True)["bubble"]   # free links: the book's
+  assert free == pytest.approx(closed_form_bubble("gpipe", P, M)) and row["bubble"] >= free
+  # its batch window: each microbatch's pass compute-bound from the first, the stage's HBM full just above the last
+  w = planner.batch_range(cfg, row)
+  unit = 1 * 2 * M * cfg.model.seq_len                              # one more sequence per shard per microbatch
+  crit = row["critical_batch_per_device"]["this_mesh"]
+  assert w["pipeline"] == P and w["compute_bound_from_tokens"] % unit == 0 and w["fits_per_pass_tokens"] % unit == 0
+  assert w["compute_bound_from_tokens"] / (8 * M) >= crit > (w["compute_bound_from_tokens"] - unit) / (8 * M)
+  mem = lambda t: planner.pipeline_memory(cfg, 1, 2, 4, P, "gpipe", M, t)["total"]
+  assert mem(w["fits_per_pass_tokens"]) <= 80e9 < mem(w["fits_per_pass_tokens"] + unit)
+
+
+def test_pipeline_shapes_need_layers_divisible_and_interleaved_groups_of_p():
+  cfg = planner.override(compose(["model=tiny"]), model={"n_layers": 8})
+  shapes = {(P, name): counts for P, name, V, counts in planner.pipeline_shapes(cfg, 16)}
+  assert {P for P, _ in shapes} == {2, 4, 8}                       # 16 does not divide 8 layers
+  assert (8, "interleaved") not in shapes and (4, "interleaved") in shapes   # 8 % (P x V=2)
+  assert shapes[(4, "gpipe")] == [4, 8, 16, 32]
+  fixed = {(P, name) for P, name, V, counts in planner.pipeline_shapes(cfg, 16, microbatches=6)}
+  assert (2, "interleaved") in fixed and (4, "interleaved") not in fixed and (4, "gpipe") in fixed
+  ans = planner.answer(planner.override(cfg, train={"batch_size": 64}), 16, pipeline=True)
+  assert all(l["microbatches"] % l["pipeline"] == 0 for l in ans["layouts"] if l.get("schedule") == "interleaved")

@@ -19,6 +19,20 @@ Shapes of the shardlab model (per layer): norm [D], W_q [D,H,K], W_kv [D,2,G,K] 
 grouped-query attention), W_o [H,K,D], norm [D], W_in [D,2,F], W_out [F,D]; plus embed [V,D], final norm [D],
 unembed [D,V]. `kind: ffn` is the book's L blocks of
 W_in [D,F], W_out [F,D] only.
+
+Pipeline layouts (answer(pipeline=True), `python -m shardlab.plan pipeline_search=true`): P stages (a divisor of
+the devices, >= 2, with n_layers a multiple of P V) x each schedule of schedules/pipeline.SCHEDULES (V = 2 for
+interleaved, else 1) x M = P, 2P, 4P, 8P microbatches (whole sequences per batch shard) x data x fsdp x tensor of
+the devices / P, the pipeline axis outermost (across nodes first: placements(pipeline=P)). Step time: the
+stage's per-microbatch slot times from this module's block roofline (F = n_layers / (P V) blocks' forward at one
+microbatch's per-device tokens, B its backward, or B and W for a table that splits the weight gradient off; the
+head in F) and the send of one microbatch's residual stream over the pipeline axis's bandwidth, replayed through
+the schedule's own tick table as the executor runs it (replay(build(...), sync=True): neighbour-synchronised
+ticks, so the bubble is the executor's, not the closed form's), / train.mfu. Memory per stage: memory_per_device's
+terms for the stage's layers, with activations for the most microbatch-chunks a stage holds in flight by the
+table (in_flight) at one microbatch's tokens, plus the residual-stream buffers the executor allocates
+(evaluate_pipeline, pipeline_memory). These are predictions of the closed forms and the replay, like every other
+number here: summary.json's `pipeline` (analysis/pipeline_cost.py) replays a compiled run's own slot times.
 """
 from __future__ import annotations
 
@@ -28,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardlab import params as PM
-from shardlab.axes import CLASSIC, DATA, FSDP, TENSOR, names, shape_of
+from shardlab.axes import CLASSIC, DATA, FSDP, PIPELINE, TENSOR, names, shape_of
 from shardlab.layout import from_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -544,31 +558,37 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   }
 
 
-def placements(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[tuple]:
+def placements(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
+               pipeline: int = 1) -> list[tuple]:
   """Every data x fsdp x tensor factorization of the device count (default mesh.data * mesh.fsdp * mesh.tensor)
   laid out tensor innermost, then fsdp, then data: (data, fsdp, tensor, {axis: bytes/s}, {axis: torus axes
-  spanned}, {axis: latency hops} or None, why it does not tile the TPU torus or None)."""
+  spanned}, {axis: latency hops} or None, why it does not tile the TPU torus or None). With `pipeline` = P > 1:
+  data x fsdp x tensor factor devices / P, and the pipeline axis is the outermost (across nodes first), its
+  bandwidth, torus axes and hops in the dicts beside the others'."""
   hw = cfg.hardware
   n = devices or cfg.mesh.n_devices
   if n < 1:
     raise ValueError(f"devices={n} must be >= 1")
+  if pipeline < 1 or n % pipeline:
+    raise ValueError(f"pipeline={pipeline} does not divide the {n} devices searched")
   if torus is not None and not hw.torus:
     raise ValueError(f"torus={'x'.join(map(str, torus))}: hardware={hw.name} is a switch, not a torus")
   dims = (torus or default_torus(hw, n)) if hw.torus else None
   if dims is not None and math.prod(dims) != n:
     raise ValueError(f"torus={'x'.join(map(str, dims))} holds {math.prod(dims)} chips, not the {n} devices searched")
   out = []
-  names_ = (TENSOR, FSDP, DATA)
-  for data, fsdp, tensor in _factorizations(n):
-    sizes = [tensor, fsdp, data]                   # innermost first
+  names_ = (TENSOR, FSDP, DATA) + ((PIPELINE,) if pipeline > 1 else ())
+  for data, fsdp, tensor in _factorizations(n // pipeline):
+    sizes = [tensor, fsdp, data] + ([pipeline] if pipeline > 1 else [])    # innermost first
     placed = torus_axes(sizes, dims) if dims is not None else None
     if placed:
       axes, hops = [a for a, _ in placed], dict(zip(names_, [h for _, h in placed]))
       bws = [hw.axis_bandwidth(a) for a in axes]
     else:                                          # a switch (or sizes that do not tile the torus)
-      axes, hops = [1, 1, 1], None
-      bws = switch_bandwidths(hw, sizes) if dims is None else [hw.ici_bandwidth] * 3
-    untiled = (f"sharding: {data}x{fsdp}x{tensor} does not tile the torus {'x'.join(map(str, dims))}"
+      axes, hops = [1] * len(sizes), None
+      bws = switch_bandwidths(hw, sizes) if dims is None else [hw.ici_bandwidth] * len(sizes)
+    shown = "x".join(map(str, sizes[::-1]))
+    untiled = (f"sharding: {shown} does not tile the torus {'x'.join(map(str, dims))}"
                if dims is not None and not placed else None)
     out.append((data, fsdp, tensor, dict(zip(names_, bws)), dict(zip(names_, axes)), hops, untiled))
   return out
@@ -635,6 +655,227 @@ def _choose(cfg, place: tuple, remats: tuple[str, ...], microbatches: int | None
   return min(evaluated, key=lambda l: (l["step_time_s"], REMAT_BY_RECOMPUTE.index(l["remat"]), l["microbatches"]))
 
 
+# ------------------------------------------------------------------------------------------ pipeline layouts
+
+PIPELINE_MICROBATCHES = (1, 2, 4, 8)   # M = m P for these m: the microbatch counts a pipeline layout tries
+
+
+def _schedules() -> tuple[str, ...]:
+  from shardlab.schedules.pipeline import SCHEDULES
+  return tuple(SCHEDULES)
+
+
+def pipeline_virtual_stages(name: str) -> int:
+  """V the search runs a schedule at: 2 for interleaved (chunks per stage), 1 for every other."""
+  return 2 if name == "interleaved" else 1
+
+
+_TABLES: dict = {}
+
+
+def pipeline_table(name: str, P: int, M: int, V: int) -> dict[str, Any]:
+  """The named schedule's tick table (schedules/pipeline.py: build) and what a stage holds by it, cached:
+  {"ticks", "split" (W split off), "in_flight" (the most microbatch-chunks of residuals a stage holds, on the
+  stage that holds the most: max of pipeline.in_flight, until W when split), "x" and "w" (residual-stream
+  blocks and per-layer output-gradient chunks the executor allocates: memory_model.pipeline_buffers' units)}."""
+  key = (name, P, M, V)
+  if key not in _TABLES:
+    from shardlab.schedules.pipeline import Plan, build, in_flight
+    ticks = build(name, P, M, V)
+    split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+    n = Plan(ticks, M, V).slots
+    _TABLES[key] = {"ticks": ticks, "split": split, "in_flight": max(in_flight(ticks, "W" if split else "B")),
+                    "x": 2 * M + 1 + n["in"] + 1 + n["dy"] + 1 + 2, "w": n["w"] + 1 if split else 0}
+  return _TABLES[key]
+
+
+def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[tuple[int, str, int, list[int]]]:
+  """(P, schedule, V, [M, ...]) the search tries on `devices`: P a divisor of the devices >= 2 with n_layers a
+  multiple of P V, every schedule of pipeline.SCHEDULES (V = 2 for interleaved, else 1), M = P, 2P, 4P, 8P (or
+  `microbatches`) that the schedule accepts (check_shape: interleaved needs M a multiple of P) and that leave each
+  microbatch a whole number (>= 1) of sequences on each batch shard of the smallest data x fsdp (1): the per-
+  layout limit is applied in `_choose_pipeline`."""
+  from shardlab.mesh import ConfigError
+  from shardlab.schedules.pipeline import check_shape
+  out = []
+  for P in _divisors(devices):
+    if P < 2:
+      continue
+    for name in _schedules():
+      V = pipeline_virtual_stages(name)
+      if cfg.model.n_layers % (P * V):
+        continue
+      counts = []
+      for M in ([microbatches] if microbatches else [m * P for m in PIPELINE_MICROBATCHES]):
+        try:
+          check_shape(name, P, M, V)
+        except ConfigError:
+          continue
+        counts.append(M)
+      if counts:
+        out.append((P, name, V, counts))
+  return out
+
+
+def pipeline_memory(cfg, data: int, fsdp: int, tensor: int, P: int, name: str, M: int,
+                    tokens: float | None = None) -> dict[str, float]:
+  """Bytes per device on a pipeline stage: memory_per_device's terms for the stage's n_layers / P layers (state,
+  gathered weights; the embeddings are replicated over pipeline, so every stage holds them; no gradient
+  accumulator: a pipeline accumulates into the gradients), activations replaced by what the stage holds by the
+  schedule's table: in_flight microbatch-chunks of n_layers / (P V) layers' residuals, each at one microbatch's
+  tokens per fsdp shard (B / data / fsdp / M) / tensor, + one layer's full set under remat=full, + the
+  residual-stream blocks of one microbatch the executor keeps (every microbatch's embedding and input gradient,
+  received activations and gradients, the sends: / tensor when sequence-parallel) + a split weight gradient's
+  per-layer output gradients (zero-bubble) + one microbatch's float32 logits on the last stage."""
+  m, sched = cfg.model, cfg.schedule
+  V = pipeline_virtual_stages(name)
+  tab = pipeline_table(name, P, M, V)
+  tokens = global_tokens(cfg) if tokens is None else tokens
+  stage = override(cfg, model={"n_layers": m.n_layers // P}, mesh={FSDP: fsdp, TENSOR: tensor},
+                   schedule={"microbatches": 1}, train={"global_batch_tokens": tokens / data})
+  out = memory_per_device(stage)
+  cb = dtype_bytes(cfg.precision.compute_dtype)
+  t_mb = tokens / (data * fsdp * M)
+  k = m.n_layers // (P * V)
+  act = tab["in_flight"] * k * t_mb * activation_elements_per_token(m, sched.remat) * cb / tensor
+  if sched.remat == "full":
+    act += t_mb * activation_elements_per_token(m, "none") * cb / tensor   # the one layer being recomputed
+  x = t_mb * m.d_model * cb / (tensor if sched.tp != "allreduce" else 1)
+  act += (tab["x"] + tab["w"] * k) * x
+  if m.kind != "ffn":
+    act += t_mb * m.vocab_size * 4 / tensor                                 # one microbatch's fp32 logits
+  out["activations"] = act
+  out["total"] = sum(v for key, v in out.items() if key != "total")
+  return out
+
+
+def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str, Any]:
+  """One pipeline layout: P stages by the named schedule (V = pipeline_virtual_stages) at M microbatches, each
+  stage a data x fsdp x tensor mesh of `place` (placements(..., pipeline=P)), at cfg's remat. The same row as
+  evaluate_layout's, with pipeline, schedule, virtual_stages, bubble (and the slot times the replay took).
+
+  Slot times (per microbatch and chunk of k = n_layers / (P V) layers, at the microbatch's per-device tokens b = B /
+  (data fsdp tensor M): each stage's devices run every microbatch): F = k BlockCosts.forward(b) (a stage's weights
+  gathered in every F and B: pipeline.gather=microbatch), B = k x the backward's roofline (without the data
+  AllReduce), or, for a table that splits the weight gradient off, B = k max(math b, re-gather, tensor) and W = k
+  max(math b, reduce-scatter); the head (the unembedding's forward and backward matmuls, 3 x 2 vocab d_model b / C:
+  b is per device) in the F slot, as the last stage runs it and its neighbours wait for it in lockstep
+  (pipeline_cost.predict does the same), spread over the V chunks' forwards (only the last virtual stage's runs it:
+  an approximation for V > 1, since replay takes one F time). send = one microbatch's residual stream per device (B
+  / (data fsdp M) tokens x d_model x compute bytes, / tensor when sequence-parallel) over the pipeline axis's
+  bandwidth, at least one hop's latency. Step = replay(build(...), F, B, W, send, sync=True) (the executor's
+  neighbour-synchronised ticks) + the data AllReduce of the stage's gradients beyond its last B + the embeddings'
+  gather and reduce-scatter (once per step), / train.mfu. All predictions."""
+  from shardlab.schedules.pipeline import closed_form_bubble, replay
+  data, fsdp, tensor, bws, axes, hops, untiled = place
+  m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
+  V = pipeline_virtual_stages(name)
+  tab = pipeline_table(name, P, M, V)
+  tokens = global_tokens(cfg)
+  n = P * data * fsdp * tensor
+  b = tokens / (data * fsdp * tensor) / M    # per-device tokens of one microbatch (every stage runs all of it)
+  k = m.n_layers // (P * V)
+  sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor, "fsdp_ici_axes": axes[FSDP],
+                         "tensor_ici_axes": axes[TENSOR]}, train={"global_batch_tokens": tokens / data})
+  args = (bws[FSDP], bws[TENSOR], data, bws[DATA])
+  block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
+  head = 0.0 if m.kind == "ffn" else 3 * 2 * m.vocab_size * m.d_model * b / hw.peak_flops
+  t_f = k * block.forward(b) + head / V
+  regather = block.fsdp if cfg.schedule.reshard_after_forward else 0.0
+  if tab["split"]:
+    t_b = k * max(block.math * b, regather, block.tensor_time(b))
+    t_w = k * max(block.math * b, block.fsdp)
+  else:
+    t_b, t_w = k * max(2 * block.math * b, block.fsdp_bwd_passes * block.fsdp, block.tensor_time(b)), 0.0
+  cb = dtype_bytes(cfg.precision.compute_dtype)
+  send_bytes = tokens / (data * fsdp * M) * m.d_model * cb / (tensor if cfg.schedule.tp != "allreduce" else 1)
+  t_send = max(send_bytes / bws[PIPELINE], hw.hop_latency_s)
+  run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True)
+  tail = max(0.0, m.n_layers // P * block.data - t_b)     # the data AllReduce behind the stage's last backward
+  once = 2 * embed.fsdp                                   # embeddings: gathered, reduce-scattered once per step
+  step = (run["step_s"] + tail + once) / cfg.train.mfu
+
+  ratios = block.comm_to_math(b)
+  mem = pipeline_memory(cfg, data, fsdp, tensor, P, name, M)
+  state = mem["master_params"] + mem["grads"] + mem["optimizer"]
+  critical, binding = block.critical_batch()
+  why = _sharding_problems(cfg, shape_of({PIPELINE: P, DATA: data, FSDP: fsdp, TENSOR: tensor}))
+  if untiled:
+    why.insert(0, untiled)
+  fits = mem["total"] <= hbm
+  if not fits:
+    why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (pipeline stage of "
+               f"{m.n_layers // P} layers: training state {state / 1e9:.1f} GB, activations "
+               f"{mem['activations'] / 1e9:.1f} GB for {tab['in_flight']} microbatch-chunks in flight)")
+  need = block.critical_batches()
+  what = {FSDP: "the weight AllGather", TENSOR: "the activation AllGather/ReduceScatter",
+          DATA: "the gradient AllReduce"}
+  for axis, r in ratios.items():
+    if r > 1:
+      at = ("at any batch (tensor > M_Y F / alpha)" if need[axis] is None
+            else f"per-device batch {b:.0f} (of {M} pipeline microbatches) < {need[axis]:.0f} tokens")
+      why.append(f"communication: {axis}: {what[axis]} takes {r:.2f}x the math it overlaps, {at}")
+  notes = []
+  local_seqs = tokens / (data * fsdp * M) / m.seq_len
+  if local_seqs != int(local_seqs) or local_seqs < 1:
+    notes.append(f"each microbatch holds {local_seqs:.3g} sequences per batch shard: shardlab shards whole "
+                 "sequences over data x fsdp (fractions need sequence sharding)")
+  return {
+      DATA: data, FSDP: fsdp, TENSOR: tensor, "remat": cfg.schedule.remat, "microbatches": M,
+      "fits": fits, "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
+      "mfu": 6 * param_count(m) * (tokens / n) / (hw.peak_flops * step), "rejected_because": why,
+      "memory_per_device_bytes": mem["total"], "memory_margin_bytes": hbm - mem["total"],
+      "microbatches_to_fit": 1 if fits else None, "batch_per_device_tokens": tokens / n, "comm_to_math": ratios,
+      "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
+      "ici_axes": axes, "axis_bandwidth": bws, "latency_hops": hops, "notes": notes,
+      PIPELINE: P, "schedule": name, "virtual_stages": V, "bubble": run["bubble"],
+      "bubble_closed_form": closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
+      "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
+      "slot_s": {"F": t_f, "B": t_b, "W": t_w, "send": t_send},
+      "pipeline_step_s": run["step_s"] / cfg.train.mfu,
+  }
+
+
+def _choose_pipeline(cfg, place: tuple, P: int, name: str, counts: list[int],
+                     remats: tuple[str, ...]) -> dict[str, Any] | None:
+  """The pipeline layout at its best (remat, M) by CHOICE: for each M of `counts` that leaves each microbatch
+  whole sequences on every batch shard, the least recomputation that fits (the step time does not charge it);
+  the fastest of those (ties: the fewest microbatches). Nothing fits: the setting with the least memory. None
+  when no M leaves whole sequences."""
+  data, fsdp, tensor = place[:3]
+  local = global_tokens(cfg) / (data * fsdp) / cfg.model.seq_len
+  counts = [M for M in counts if local >= M and local / M == int(local / M)]
+  if not counts:
+    return None
+  fitting, least = [], (math.inf, None)
+  for M in counts:
+    for remat in remats:
+      total = pipeline_memory(override(cfg, schedule={"remat": remat}), data, fsdp, tensor, P, name, M)["total"]
+      least = min(least, (total, (remat, M)), key=lambda t: t[0])
+      if total <= cfg.hardware.hbm_bytes:
+        fitting.append((remat, M))
+        break
+  if not fitting:
+    fitting = [least[1]]
+  evaluated = [evaluate_pipeline(override(cfg, schedule={"remat": r}), place, P, name, M) for r, M in fitting]
+  return min(evaluated, key=lambda l: (float(f"{l['step_time_s']:.6g}"), REMAT_BY_RECOMPUTE.index(l["remat"]),
+                                       l["microbatches"]))
+
+
+def pipeline_layouts(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
+                     remats: tuple[str, ...] = REMAT_BY_RECOMPUTE, microbatches: int | None = None) -> list[dict]:
+  """Every pipeline layout of `devices` (pipeline_shapes x placements(..., pipeline=P)) at its best remat and M
+  (_choose_pipeline), unranked."""
+  n = devices or cfg.mesh.n_devices
+  out = []
+  for P, name, V, counts in pipeline_shapes(cfg, n, microbatches):
+    for place in placements(cfg, n, torus, pipeline=P):
+      row = _choose_pipeline(cfg, place, P, name, counts, remats)
+      if row is not None:
+        out.append(row)
+  return out
+
+
 def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
   """The global batches a layout runs well at, in tokens and sequences: `compute_bound_from_tokens`, the smallest
   with whole sequences per batch shard at which every axis's communication hides behind the math of one pass
@@ -644,6 +885,8 @@ def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
   L, shards = cfg.model.seq_len, layout[DATA] * layout[FSDP]
   n = shards * layout[TENSOR]
   crit = layout["critical_batch_per_device"]["this_mesh"]
+  if PIPELINE in layout:
+    return _pipeline_batch_range(cfg, layout)
   low = None if crit is None else max(1, math.ceil(crit * n / (shards * L) - 1e-9)) * shards * L
   replica = override(cfg, mesh={FSDP: layout[FSDP], TENSOR: layout[TENSOR]},
                      schedule={"remat": layout["remat"], "microbatches": 1},
@@ -654,13 +897,40 @@ def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
           "configured_tokens": global_tokens(cfg), "remat": layout["remat"], "microbatches": layout["microbatches"]}
 
 
+def _pipeline_batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
+  """batch_range of a pipeline layout at its M: a batch shard's microbatch is whole sequences, so global batches
+  step by data fsdp M sequences; compute-bound from the critical per-device batch of one microbatch's pass, fits
+  up to the largest such batch its stage holds in HBM (pipeline_memory is affine in the batch)."""
+  L, M, P = cfg.model.seq_len, layout["microbatches"], layout[PIPELINE]
+  unit = layout[DATA] * layout[FSDP] * M * L            # tokens: one more sequence per shard per microbatch
+  crit = layout["critical_batch_per_device"]["this_mesh"]
+  n = layout[DATA] * layout[FSDP] * layout[TENSOR]      # a stage's devices: each runs every microbatch
+  low = None if crit is None else max(1, math.ceil(crit * n * M / unit - 1e-9)) * unit
+  c = override(cfg, schedule={"remat": layout["remat"]})
+  mem = lambda t: pipeline_memory(c, layout[DATA], layout[FSDP], layout[TENSOR], P, layout["schedule"], M, t)["total"]
+  one, two = mem(unit), mem(2 * unit)
+  seqs = max(0, math.floor((cfg.hardware.hbm_bytes - (2 * one - two)) / (two - one))) if two > one else 0
+  while seqs > 0 and mem(seqs * unit) > cfg.hardware.hbm_bytes:
+    seqs -= 1
+  return {"compute_bound_from_tokens": low, "fits_per_pass_tokens": seqs * unit,
+          "compute_bound_from_sequences": None if low is None else low // L,
+          "fits_per_pass_sequences": seqs * unit // L,
+          "configured_tokens": global_tokens(cfg), "remat": layout["remat"], "microbatches": M,
+          PIPELINE: P, "schedule": layout["schedule"]}
+
+
 def answer(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
-           remat: str | None = None, microbatches: int | None = None) -> dict[str, Any]:
+           remat: str | None = None, microbatches: int | None = None, pipeline: bool = False) -> dict[str, Any]:
   """Which layout and which batch for cfg's model, hardware and global batch on `devices`: every data x fsdp x
   tensor layout (placements), each at its best remat and microbatches (CHOICE; `remat` / `microbatches` fix
-  them), ranked (RANKING), with the best layout's batch range (batch_range)."""
+  them), ranked (RANKING), with the best layout's batch range (batch_range). pipeline=True: the pipeline
+  layouts too (pipeline_layouts: P stages x a schedule x M microbatches x data x fsdp x tensor; `microbatches`
+  fixes their M), ranked with the others."""
   remats = (remat,) if remat else REMAT_BY_RECOMPUTE
-  layouts = _rank([_choose(cfg, p, remats, microbatches) for p in placements(cfg, devices, torus)])
+  layouts = [_choose(cfg, p, remats, microbatches) for p in placements(cfg, devices, torus)]
+  if pipeline:
+    layouts += pipeline_layouts(cfg, devices, torus, remats, microbatches)
+  layouts = _rank(layouts)
   n = devices or cfg.mesh.n_devices
   return {"devices": n, "considered": len(layouts), "qualifying": sum(not l["rejected_because"] for l in layouts),
           "global_batch_tokens": global_tokens(cfg), "choice": CHOICE, "ranking": RANKING,
