@@ -108,14 +108,15 @@ def test_bad_input_is_one_line_and_exit_2(bad, capsys):
 
 
 def test_pipeline_search_adds_pipeline_rows_and_columns(capsys):
-  """pipeline_search=true: the pipeline layouts (tiny's 2 layers: P = 2, gpipe, 1f1b and zb_h1; interleaved
-  needs 4) are ranked with the others, and the table gains P, schedule and bubble; without it, neither."""
+  """pipeline_search=true: the pipeline layouts (tiny's 2 layers: P = 2, every named schedule but interleaved,
+  which needs 4) are ranked with the others, and the table gains P, schedule and bubble; without it, neither."""
   text, out = _plan(capsys, [*TINY, "pipeline_search=true", "rows=40"])
   lines = text.splitlines()
   head = lines[2].split()
   assert head[:3] == ["#", "P", "schedule"] and "bubble" in head and "micro" in head
   pp = [l for l in out["layouts"] if "pipeline" in l]
-  assert {(l["pipeline"], l["schedule"]) for l in pp} == {(2, "gpipe"), (2, "1f1b"), (2, "zb_h1")}
+  from shardlab.schedules.pipeline import SCHEDULES
+  assert {(l["pipeline"], l["schedule"]) for l in pp} == {(2, s) for s in SCHEDULES if s != "interleaved"}
   assert out["answer"]["considered"] == 10 + len(pp)
   rows = [l.split() for l in lines[3:3 + min(40, len(out["layouts"]))]]
   for r, l in zip(rows, out["layouts"]):
