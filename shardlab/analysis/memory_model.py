@@ -144,10 +144,7 @@ def pipeline_buffers(cfg) -> dict:
   from shardlab.schedules.pipeline import Plan, load_table
   P, V = stages(cfg), cfg.pipeline.virtual_stages
   M = cfg.pipeline.count(P)
-  plan = Plan(load_table(cfg.pipeline.impl, P, M, V), M, V)
-  n = plan.slots
-  return {"res": n["res"] + 1, "x": 2 * M + 1 + n["in"] + 1 + n["dy"] + 1 + 2,
-          "w": n["w"] + 1 if plan.split else 0}
+  return Plan(load_table(cfg.pipeline.impl, P, M, V), M, V).buffers()
 
 
 def split(cfg, logical: str) -> int:

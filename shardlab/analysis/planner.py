@@ -677,15 +677,15 @@ def pipeline_table(name: str, P: int, M: int, V: int) -> dict[str, Any]:
   """The named schedule's tick table (schedules/pipeline.py: build) and what a stage holds by it, cached:
   {"ticks", "split" (W split off), "in_flight" (the most microbatch-chunks of residuals a stage holds, on the
   stage that holds the most: max of pipeline.in_flight, until W when split), "x" and "w" (residual-stream
-  blocks and per-layer output-gradient chunks the executor allocates: memory_model.pipeline_buffers' units)}."""
+  blocks and per-layer output-gradient chunks the executor allocates: Plan.buffers)}."""
   key = (name, P, M, V)
   if key not in _TABLES:
     from shardlab.schedules.pipeline import Plan, build, in_flight
     ticks = build(name, P, M, V)
     split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
-    n = Plan(ticks, M, V).slots
+    units = Plan(ticks, M, V).buffers()
     _TABLES[key] = {"ticks": ticks, "split": split, "in_flight": max(in_flight(ticks, "W" if split else "B")),
-                    "x": 2 * M + 1 + n["in"] + 1 + n["dy"] + 1 + 2, "w": n["w"] + 1 if split else 0}
+                    "x": units["x"], "w": units["w"]}
   return _TABLES[key]
 
 

@@ -436,6 +436,15 @@ class Plan:
         arr["w_res"][t, s], arr["w_w"][t, s] = slot("res", s, key), slot("w", s, key)
     self.arrays = arr
 
+  def buffers(self) -> dict:
+    """What a stage holds, in units, each buffer with its trash slot (the memory model's terms): `res`,
+    microbatch-chunks of residuals; `x`, residual-stream blocks of one microbatch (every microbatch's embedding
+    and its input gradient, the received activations and output gradients, the two sends); `w`, microbatch-
+    chunks of per-layer output gradients kept for a split-off weight gradient."""
+    n = self.slots
+    return {"res": n["res"] + 1, "x": 2 * self.M + 1 + n["in"] + 1 + n["dy"] + 1 + 2,
+            "w": n["w"] + 1 if self.split else 0}
+
   def sends(self) -> tuple[list, list]:
     """The ppermute pairs over `pipeline`: forward (s -> s+1) and backward (s -> s-1), around the ring when
     chunks wrap from the last stage to the first (V > 1)."""
