@@ -81,23 +81,23 @@ def blockwise(q_BLHK, k_BLGK, v_BLGK, block: int = 512):
   return _flash(n, q_BLHK, k_BLGK, v_BLGK)
 
 
-def _blocks(x, n):
+def blocks(x, n):
   """x[B, L, ...] -> x[L/n, B, n, ...]: blocks of the sequence first (what scan iterates over)."""
   return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // n, n, *x.shape[2:]), 1, 0)
 
 
-def _unblocks(x):
-  """The inverse of `_blocks`."""
+def unblocks(x):
+  """The inverse of `blocks`."""
   x = jnp.moveaxis(x, 0, 1)
   return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _zeros(shape, axes, value=0.0):
+def varying_zeros(shape, axes, value=0.0):
   """A float32 scan carry varying over the mesh `axes` its updates vary over (shard_map's type check)."""
   return C.pvary(jnp.full(shape, value, jnp.float32), tuple(axes), name="zeros")
 
 
-def _varying(*xs) -> frozenset:
+def varying(*xs) -> frozenset:
   return frozenset().union(*(C.varying_axes(x) for x in xs))
 
 
@@ -124,11 +124,11 @@ def _causal_pairs(nb: int, by_key: bool):
   return tuple(jnp.asarray(a, jnp.int32) for a in zip(*pairs))
 
 
-def _at(x, i):
+def at(x, i):
   return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
-def _set(x, v, i):
+def set_at(x, v, i):
   return jax.lax.dynamic_update_index_in_dim(x, v, i, 0)
 
 
@@ -139,8 +139,8 @@ def _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK):
   q_BLGRK = _grouped(q_BLHK, k_BLGK.shape[2])
   B, L, G, R, K = q_BLGRK.shape
   nb = L // n
-  qb, kb, vb = _blocks(q_BLGRK, n), _blocks(k_BLGK, n), _blocks(v_BLGK, n)
-  axes = _varying(q_BLGRK, k_BLGK, v_BLGK)
+  qb, kb, vb = blocks(q_BLGRK, n), blocks(k_BLGK, n), blocks(v_BLGK, n)
+  axes = varying(q_BLGRK, k_BLGK, v_BLGK)
 
   def step(carry, ij):
     (m_BGRN, l_BGRN, acc_BGRNK), ob, lse_b = carry
@@ -148,8 +148,8 @@ def _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK):
     first = j == 0                                   # a new query block: restart its running softmax
     m_BGRN = jnp.where(first, -jnp.inf, m_BGRN)
     l_BGRN, acc_BGRNK = jnp.where(first, 0.0, l_BGRN), jnp.where(first, 0.0, acc_BGRNK)
-    q_BNGRK, v_BMGK = _at(qb, i), _at(vb, j)
-    s = _scores(q_BNGRK, _at(kb, j), i, j)
+    q_BNGRK, v_BMGK = at(qb, i), at(vb, j)
+    s = _scores(q_BNGRK, at(kb, j), i, j)
     m_new = jnp.maximum(m_BGRN, jnp.max(s, axis=-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m_BGRN - m_new)
@@ -157,14 +157,14 @@ def _flash_fwd(n, q_BLHK, k_BLGK, v_BLGK):
     m_BGRN, l_BGRN, acc_BGRNK = m_new, l_BGRN * corr + jnp.sum(p, axis=-1), acc_BGRNK * corr[..., None] + pv
     last = j == i                                    # the diagonal block is query block i's last
     o_BNGRK = jnp.einsum("bgrnk->bngrk", acc_BGRNK / l_BGRN[..., None])
-    ob = _set(ob, jnp.where(last, o_BNGRK, _at(ob, i)), i)
-    lse_b = _set(lse_b, jnp.where(last, m_BGRN + jnp.log(l_BGRN), _at(lse_b, i)), i)
+    ob = set_at(ob, jnp.where(last, o_BNGRK, at(ob, i)), i)
+    lse_b = set_at(lse_b, jnp.where(last, m_BGRN + jnp.log(l_BGRN), at(lse_b, i)), i)
     return ((m_BGRN, l_BGRN, acc_BGRNK), ob, lse_b), None
 
-  state = (_zeros((B, G, R, n), axes, -jnp.inf), _zeros((B, G, R, n), axes), _zeros((B, G, R, n, K), axes))
-  init = (state, _zeros((nb, B, n, G, R, K), axes), _zeros((nb, B, G, R, n), axes))
+  state = (varying_zeros((B, G, R, n), axes, -jnp.inf), varying_zeros((B, G, R, n), axes), varying_zeros((B, G, R, n, K), axes))
+  init = (state, varying_zeros((nb, B, n, G, R, K), axes), varying_zeros((nb, B, G, R, n), axes))
   (_, ob, lse_b), _ = jax.lax.scan(step, init, _causal_pairs(nb, by_key=False))
-  o_BLHK = checkpoint_name(_unblocks(ob).reshape(B, L, G * R, K).astype(q_BLHK.dtype), ATTN_OUT)
+  o_BLHK = checkpoint_name(unblocks(ob).reshape(B, L, G * R, K).astype(q_BLHK.dtype), ATTN_OUT)
   lse_b = checkpoint_name(lse_b, ATTN_OUT)                       # lse[L/n, B, G, R, n]
   return o_BLHK, (q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b)        # O(L) residuals; o is the output itself
 
@@ -177,33 +177,33 @@ def _flash_bwd(n, res, do_BLHK):
   q_BLGRK, o_BLGRK, do_BLGRK = (_grouped(a, G) for a in (q_BLHK, o_BLHK, do_BLHK))
   B, L, H, K = q_BLHK.shape
   nb = L // n
-  axes = _varying(q_BLGRK, k_BLGK, v_BLGK, do_BLGRK)
+  axes = varying(q_BLGRK, k_BLGK, v_BLGK, do_BLGRK)
   delta_BLGR = jnp.sum(do_BLGRK.astype(jnp.float32) * o_BLGRK.astype(jnp.float32), axis=-1)
-  qb, dob, kb, vb = _blocks(q_BLGRK, n), _blocks(do_BLGRK, n), _blocks(k_BLGK, n), _blocks(v_BLGK, n)
-  delta_b = jnp.einsum("ibngr->ibgrn", _blocks(delta_BLGR, n))
+  qb, dob, kb, vb = blocks(q_BLGRK, n), blocks(do_BLGRK, n), blocks(k_BLGK, n), blocks(v_BLGK, n)
+  delta_b = jnp.einsum("ibngr->ibgrn", blocks(delta_BLGR, n))
 
   def step(carry, ij):
     (dk_BMGK, dv_BMGK), dq_b, dk_b, dv_b = carry
     i, j = ij
     first = i == j                                   # a new key block: restart its dk, dv sums
     dk_BMGK, dv_BMGK = jnp.where(first, 0.0, dk_BMGK), jnp.where(first, 0.0, dv_BMGK)
-    q_BNGRK, do_BNGRK, k_BMGK, v_BMGK = _at(qb, i), _at(dob, i), _at(kb, j), _at(vb, j)
-    p = jnp.exp(_scores(q_BNGRK, k_BMGK, i, j) - _at(lse_b, i)[..., None])           # p[B, G, R, N, M]
+    q_BNGRK, do_BNGRK, k_BMGK, v_BMGK = at(qb, i), at(dob, i), at(kb, j), at(vb, j)
+    p = jnp.exp(_scores(q_BNGRK, k_BMGK, i, j) - at(lse_b, i)[..., None])           # p[B, G, R, N, M]
     dv_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", p, do_BNGRK.astype(jnp.float32))
     dp = jnp.einsum("bngrk,bmgk->bgrnm", do_BNGRK, v_BMGK, preferred_element_type=jnp.float32)
-    ds = p * (dp - _at(delta_b, i)[..., None]) / jnp.sqrt(K)
-    dq_b = _set(dq_b, _at(dq_b, i) + jnp.einsum("bgrnm,bmgk->bngrk", ds, k_BMGK.astype(jnp.float32)), i)
+    ds = p * (dp - at(delta_b, i)[..., None]) / jnp.sqrt(K)
+    dq_b = set_at(dq_b, at(dq_b, i) + jnp.einsum("bgrnm,bmgk->bngrk", ds, k_BMGK.astype(jnp.float32)), i)
     dk_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", ds, q_BNGRK.astype(jnp.float32))
     last = i == nb - 1                               # key block j's last query block
-    dk_b = _set(dk_b, jnp.where(last, dk_BMGK, _at(dk_b, j)), j)
-    dv_b = _set(dv_b, jnp.where(last, dv_BMGK, _at(dv_b, j)), j)
+    dk_b = set_at(dk_b, jnp.where(last, dk_BMGK, at(dk_b, j)), j)
+    dv_b = set_at(dv_b, jnp.where(last, dv_BMGK, at(dv_b, j)), j)
     return ((dk_BMGK, dv_BMGK), dq_b, dk_b, dv_b), None
 
-  kv = (_zeros(kb.shape[1:], axes), _zeros(kb.shape[1:], axes))
-  init = (kv, _zeros(qb.shape, axes), _zeros(kb.shape, axes), _zeros(kb.shape, axes))
+  kv = (varying_zeros(kb.shape[1:], axes), varying_zeros(kb.shape[1:], axes))
+  init = (kv, varying_zeros(qb.shape, axes), varying_zeros(kb.shape, axes), varying_zeros(kb.shape, axes))
   (_, dq_b, dk_b, dv_b), _ = jax.lax.scan(step, init, _causal_pairs(nb, by_key=True))
-  return (_unblocks(dq_b).reshape(B, L, H, K).astype(q_BLHK.dtype), _unblocks(dk_b).astype(k_BLGK.dtype),
-          _unblocks(dv_b).astype(v_BLGK.dtype))
+  return (unblocks(dq_b).reshape(B, L, H, K).astype(q_BLHK.dtype), unblocks(dk_b).astype(k_BLGK.dtype),
+          unblocks(dv_b).astype(v_BLGK.dtype))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

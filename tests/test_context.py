@@ -114,10 +114,12 @@ def test_zigzag_order():
 
 
 def test_ring_moves_kv_blocks_by_ppermute_and_keeps_only_local_residuals():
-  """Per layer and device: forward C-1 shifts of the K, V and positions blocks; backward the same and C shifts of
-  the dK, dV blocks (the last takes them home); no all-gather over context. GQA (2 K/V heads) on context 8."""
+  """Per layer and device: forward C-1 shifts of the K/V block (K and V as one array); backward the same and C
+  shifts of the dK/dV block (the last takes them home); no K/V all-gathered over context, only the token positions
+  (int32, once per layer at most: XLA hoists it out of the layer loop). GQA (2 K/V heads) on context 8, each
+  device's 4 tokens in sub-blocks of 2 (the step's flash kernel with more than one sub-block pair)."""
   from shardlab.analysis import hlo
-  model = {"n_kv_heads": 2}
+  model = {"n_kv_heads": 2, "attention_block": 2}
   shape = {"fsdp": 1, "context": 8, "tensor": 1}
   compiled, (loss, grads) = testing.compile_schedule(None, shape, model, context="ring")
   ref_loss, ref_grads = reference_loss_and_grads(model)
@@ -127,12 +129,41 @@ def test_ring_moves_kv_blocks_by_ppermute_and_keeps_only_local_residuals():
   B, L, G, K, NL = cfg.train.batch_size, m.seq_len, m.kv_heads, m.head_dim, m.n_layers
   kv_block, pos_block = B * (L // C) * G * K * 4, (L // C) * 4
   colls = hlo.collectives(compiled.as_text(), testing.mesh_of(shape))
-  assert not [c for c in colls if c.kind == "all-gather" and c.axis == "context"]
-  moved = lambda dtype: sum(c.total_bytes for c in colls if c.kind == "collective-permute" and c.axis == "context"
-                            and c.dtype == dtype)
-  assert moved("f32") == NL * (2 * (C - 1) * 2 * kv_block + 2 * C * kv_block)      # K, V both ways; dK, dV
-  # the positions' shifts (int32) are the same in every layer and both passes: XLA keeps fewer of them
-  assert 0 < moved("s32") <= 2 * NL * (C - 1) * pos_block
+  gathers = [c for c in colls if c.kind == "all-gather" and c.axis == "context"]
+  assert {c.dtype for c in gathers} == {"s32"} and 0 < sum(c.total_bytes for c in gathers) <= NL * pos_block * (C - 1)
+  shifts = [c for c in colls if c.kind == "collective-permute" and c.axis == "context"]
+  assert {c.dtype for c in shifts} == {"f32"} and all(c.bytes_full == 2 * kv_block for c in shifts)
+  assert sum(c.total_bytes for c in shifts) == NL * (2 * (C - 1) * 2 * kv_block + C * 2 * kv_block)
+
+
+def test_ring_skips_the_sub_blocks_the_causal_mask_hides():
+  """ring_plan: per ring step, the sub-block pairs the busiest device computes. A contiguous ring's busiest device
+  does every pair of the C - 1 earlier blocks and the causal half of its own, (nb + 1) / (2 nb) of it; zigzag does
+  half of every other block and C/2 + 1/(4m) in all (m sub-blocks per chunk). The compiled programs (tiny model,
+  context 8, 4 tokens per device) run exactly those pairs: the ring's attention matmul FLOPs, balanced over
+  contiguous, are 17 pairs of 2 x 2 against 8 of 4 x 4."""
+  import re
+  from shardlab.analysis import hlo
+  from shardlab.analysis.program import Program
+  from shardlab.schedules.context import ring_plan
+  for C in (2, 4, 8):
+    for nb in (1, 2, 4):
+      n, visible = ring_plan(C, 4 * nb, 4, False)
+      assert n == 4 and sum(visible) / nb ** 2 == pytest.approx(C - 1 + (nb + 1) / (2 * nb))
+      n, visible = ring_plan(C, 4 * nb, 2, True)          # chunks of 2 nb tokens, m = nb sub-blocks of 2 each
+      assert n == 2 and visible[1:] == (2 * nb * nb,) * (C - 1)
+      assert sum(visible) / (2 * nb) ** 2 == pytest.approx(C / 2 + 1 / (4 * nb))
+  shape = {"fsdp": 1, "context": 8, "tensor": 1}
+  mesh = testing.mesh_of(shape)
+
+  def ring_flops(balanced):
+    compiled, _ = testing.compile_schedule(None, shape, context="ring", load_balance=balanced)
+    prog = Program(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names))
+    f = hlo.flops_fn(prog.comps)
+    return sum(f(i, {x.name: x.shape for x in instrs}) * prog.mult.get(c, 0)
+               for c, instrs in prog.comps.items() for i in instrs
+               if re.search(r"ring_(fwd|bwd)_step", i.op_name) and i.opcode not in ("while", "call", "conditional"))
+  assert ring_flops(True) / ring_flops(False) == 17 * 2 * 2 / (8 * 4 * 4)
 
 
 # ---- analysis: shardlab/analysis/context_cost.py and the memory model under context ----
@@ -191,8 +222,9 @@ def test_activations_per_device_fall_as_one_over_context():
 
 def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():
   """context_cost.choose on 8 H100s, llama3_8b at 32K tokens: with shardlab's kernels Ulysses (cuDNN inside,
-  masked blocks skipped) beats the ring and all_gather (whole blocks under a mask); with 12 query heads Ulysses
-  cannot split them 8 ways and is excluded with that reason, and the choice flips."""
+  masked blocks skipped) beats all_gather (whole blocks under a mask) and the ring (its sub-blocks skipped too, but
+  its merges run outside a fused kernel); with 12 query heads Ulysses cannot split them 8 ways and is excluded
+  with that reason, and the choice flips."""
   from shardlab.analysis import context_cost as CC
   base = ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.tensor=1", "precision=bf16",
           "model.attention=dot_product", "schedule.remat=save_qkv_attn_out", "hardware=h100",

@@ -7,8 +7,8 @@ load-balanced causal ring against the plain one at C = 8. Every time and byte co
 Each configuration: devices / 8 sequences (fsdp = devices / C must divide them), bf16, remat save_qkv_attn_out, cuDNN's flash attention
 (model.attention=dot_product) where a strategy runs the model's kernel; the context axis innermost after tensor
 (NVLink inside an 8-GPU node, the nodes' NICs beyond: hardware=h100_multinode past 8), every weight sharded over
-(fsdp, context). Two inner kernels: shardlab's (all_gather: the plain attention; ring: a whole-block einsum per
-step; Ulysses: cuDNN's, which skips masked blocks) and a flash kernel in all three (what TransformerEngine and
+(fsdp, context). Two inner kernels: shardlab's (all_gather: the plain attention; ring: a pure-JAX flash kernel per
+step that skips wholly masked sub-blocks; Ulysses: cuDNN's, which skips masked blocks) and a flash kernel in all three (what TransformerEngine and
 ring-flash-attention run).
 """
 from __future__ import annotations

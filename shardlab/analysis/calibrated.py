@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from shardlab.analysis import hlo
-from shardlab.analysis.program import _FREE, flops_fn
+from shardlab.analysis.program import FREE, flops_fn
 from shardlab.analysis.hlo import dims
 
 
@@ -151,7 +151,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
       elif op.endswith("-done"):
         if ins.operands and ins.operands[0] in finish:
           _wait(st, finish[ins.operands[0]])
-      elif op in _FREE or op.endswith("-start"):
+      elif op in FREE or op.endswith("-start"):
         continue
       else:
         fl = f(ins, shapes)

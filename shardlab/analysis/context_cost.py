@@ -22,9 +22,9 @@ Contiguous chunks (context.load_balance=false): device r does r + 1/2 blocks, th
 average C/2. Zigzag (load_balance=true, data.zigzag: chunks r and 2C-1-r of 2C): every device C/2, and in a ring
 every step does the same half block on every device. A ring runs at its busiest device's pace (`ring_makespan`):
 a plain causal ring at C = 8 is at best 8/15 = 53% of ideal, a zigzag one 100% less its merges and exposed
-transfers. shardlab's own ring (schedules/context.py) computes every block whole under a mask (no skipping), so
-this balance term is what a block-skipping inner kernel gains (ring-flash-attention, TransformerEngine); the
-ring's per-step work is then the same on every device whatever the order (`skips_masked`).
+transfers. shardlab's own ring (schedules/context.py) skips the sub-block pairs the mask hides wholly (its
+`ring_plan`), so it gains this balance as ring-flash-attention and TransformerEngine do; a kernel that computed
+every block whole (`skips_masked=False`) would do the same work on every device whatever the order.
 """
 from __future__ import annotations
 
@@ -200,11 +200,11 @@ def layer_time(strategy: str, a: Attn, hw, bandwidth: float, balanced: bool, ski
 
 # ------------------------------------------------------------------------------------------ a step, a choice
 
-# What shardlab's strategies run inside (schedules/context.py): all_gather the plain attention under a mask and
-# the ring a whole-block einsum per step (every block computed, masked or not); Ulysses the model's own kernel,
-# which skips masked blocks unless it is the plain one.
+# What shardlab's strategies run inside (schedules/context.py): all_gather the plain attention under a mask (every
+# block computed); the ring a flash kernel per step that skips wholly masked sub-blocks; Ulysses the model's own
+# kernel, which skips masked blocks unless it is the plain one.
 def shardlab_skips(strategy: str, model) -> bool:
-  return strategy == "ulysses" and model.attention != "plain"
+  return strategy == "ring" or (strategy == "ulysses" and model.attention != "plain")
 
 
 def with_context(cfg, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
@@ -267,12 +267,14 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
 def attention_transient_bytes(strategy: str, a: Attn, model) -> float:
   """Float32 scores and probabilities one layer's attention holds while it runs, beyond the memory model's
   residuals: all_gather's plain attention [b, H, L/C, L] (and a plain kernel anywhere: [b, H/C, L, L] under
-  Ulysses), the ring's block [b, H, L/C, L/C] per step; none for a flash kernel (blockwise, cuDNN)."""
+  Ulysses), the ring's sub-block pair [b, H, n, n] (n at most model.attention_block); none for a flash kernel
+  (blockwise, cuDNN)."""
   local = a.L // a.C
   if strategy == "all_gather" or (model.attention == "plain" and strategy in ("ulysses", "none")):
     return 2 * 4.0 * a.b * a.H * local * a.L
   if strategy == "ring":
-    return 2 * 4.0 * a.b * a.H * local * local
+    n = min(model.attention_block, local)
+    return 2 * 4.0 * a.b * a.H * n * n
   return 0.0
 
 

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 from shardlab.analysis import hlo
 from shardlab.analysis.hlo import flops_fn  # noqa: F401  (re-exported: calibrated.py reads it here)
 
-# Instructions that launch no kernel (bookkeeping); anything else between a collective's start and done is work.
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+# Instructions that launch no kernel themselves (bookkeeping, or a loop, call or conditional, whose work is in the
+# computations they run: Program.work); anything else between a collective's start and done is work.
+FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done", "while", "call", "conditional"}
+
+
+NESTED = ("while", "call", "conditional")    # in FREE: their work is their computations'
 
 
 @dataclass
@@ -98,13 +102,39 @@ class Program:
           continue
         s = pos[ins.operands[0]]
         between = instrs[s + 1:k] if s < k else instrs[s + 1:] + instrs[:k]
-        work = [i for i in between if i.opcode not in _FREE and not i.opcode.endswith(("-start", "-done"))]
-        mm = [i for i in work if f(i, shapes) > 0]
+        work = [i for i in between if not i.opcode.endswith(("-start", "-done")) and (
+            i.opcode not in FREE or i.opcode in NESTED and self.work(i, comp)[1])]
+        fl = [f(i, shapes) if i.opcode not in NESTED else self.work(i, comp)[0] for i in work]
         start = instrs[s]
-        out.append(AsyncPair(by_name[(comp, start.name)], comp, s, k, len(mm), len(work),
-                             sum(f(i, shapes) for i in mm), comp in self.loop_bodies, s > k,
-                             '"is_sync":true' in start.attrs))
+        out.append(AsyncPair(by_name[(comp, start.name)], comp, s, k, sum(x > 0 for x in fl), len(work), sum(fl),
+                             comp in self.loop_bodies, s > k, '"is_sync":true' in start.attrs))
     return out
+
+  def work(self, ins, comp: str) -> tuple[float, int]:
+    """(matmul FLOPs, kernels) one execution of a loop, call or conditional issues: its body's times its trip
+    count, the computation it calls, or its largest branch (a conditional's count is declared, not known here)."""
+    memo = self.__dict__.setdefault("_work", {})
+    if (comp, ins.name) in memo:
+      return memo[(comp, ins.name)]
+    memo[(comp, ins.name)] = (0.0, 0)                 # recursion guard
+    if ins.opcode == "while":
+      bodies, times = re.findall(r"body=%?([\w.\-]+)", ins.attrs), hlo.trip_count(ins, comp, self.comps)
+    elif ins.opcode == "conditional":
+      bodies, times = hlo.branches(ins), 1
+    else:
+      bodies, times = re.findall(r"to_apply=%?([\w.\-]+)", ins.attrs), 1
+    f = flops_fn(self.comps)
+    best = (0.0, 0)
+    for b in bodies:
+      instrs = self.comps.get(b, [])
+      shapes = {i.name: i.shape for i in instrs}
+      got = [self.work(i, b) if i.opcode in NESTED else (f(i, shapes), 1) for i in instrs
+             if i.opcode in NESTED or i.opcode not in FREE and not i.opcode.endswith(("-start", "-done"))]
+      here = (sum(g[0] for g in got), sum(g[1] for g in got))
+      best = here if ins.opcode == "conditional" and here[0] > best[0] else (
+          (best[0] + here[0], best[1] + here[1]) if ins.opcode != "conditional" else best)
+    memo[(comp, ins.name)] = (best[0] * times, best[1] * times)
+    return memo[(comp, ins.name)]
 
   def overlap(self) -> dict:
     """summary.json's `overlap`: per collective kind and mesh axis, `count` (executions per step) and `overlapped`
@@ -132,11 +162,48 @@ class Program:
     for axes in table.values():
       for row in axes.values():
         row["matmuls_between"] = row["matmuls_between"] / row["count"] if row["count"] else 0.0
-    return {"available": True, "by_kind": table, "not_realized": dict(missed),
-            "pairs": [{"name": p.coll.name, "kind": p.coll.kind, "axis": p.coll.axis, "scope": p.coll.scope,
-                       "count": p.coll.count, "in_loop": p.in_loop, "matmuls_between": p.gemms,
-                       "kernels_between": p.kernels, "wraps_loop": p.wraps, "is_sync": p.is_sync}
-                      for p in pairs]}
+    out = {"available": True, "by_kind": table, "not_realized": dict(missed),
+           "pairs": [{"name": p.coll.name, "kind": p.coll.kind, "axis": p.coll.axis, "scope": p.coll.scope,
+                      "count": p.coll.count, "in_loop": p.in_loop, "matmuls_between": p.gemms,
+                      "kernels_between": p.kernels, "wraps_loop": p.wraps, "is_sync": p.is_sync}
+                     for p in pairs]}
+    ring = self.ring_steps(pairs)
+    if ring:
+      out["ring_steps"] = ring
+    return out
+
+  def ring_steps(self, pairs: list[AsyncPair]) -> list[dict]:
+    """Per shift of ring attention (schedules/context.py: Ring, each step under the scope ring_fwd_stepS or
+    ring_bwd_stepS): the ring steps of the same pass whose attention (matmuls) the compiler scheduled between
+    the shift's start and done, and whether that includes the step the shift can hide behind: a K/V shift leaving
+    after step s depends only on the block step s reads (behind step s); a dK/dV shift is step s's result
+    (behind step s + 1, which starts its block's dK/dV from zero and adds the arriving one after)."""
+    f = flops_fn(self.comps)
+    tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
+    rows = []
+    for p in pairs:
+      if p.coll.scope not in ("cp_ring", "cp_ring_grad") or not tag.findall(p.coll.op_name):
+        continue
+      pas, step = tag.findall(p.coll.op_name)[-1]
+      instrs = self.comps[p.computation]
+      shapes = {i.name: i.shape for i in instrs}
+      between = instrs[p.start + 1:p.done] if not p.wraps else instrs[p.start + 1:] + instrs[:p.done]
+      steps = set()
+      for i in between:
+        got = tag.findall(i.op_name)
+        if got and got[-1][0] == pas and (self.work(i, p.computation)[0] if i.opcode in NESTED else f(i, shapes)):
+          steps.add(int(got[-1][1]))
+      grad = p.coll.scope == "cp_ring_grad"
+      behind = int(step) + (1 if grad else 0)
+      rows.append({"pass": "forward" if pas == "fwd" else "backward", "step": int(step),
+                   "shift": "dK/dV" if grad else "K/V", "name": p.coll.name, "count": p.coll.count,
+                   "steps_between": sorted(steps), "can_hide_behind": behind,
+                   "hidden": behind in steps, "kernels_between": p.kernels})
+    last = max((r["step"] for r in rows if r["pass"] == "backward"), default=None)
+    for r in rows:     # the last dK/dV shift takes them home: no ring step follows; any kernel can hide it
+      if r["shift"] == "dK/dV" and r["step"] == last:
+        r["can_hide_behind"], r["hidden"] = None, r["kernels_between"] > 0
+    return rows
 
 
 def memory(compiled) -> dict:

@@ -12,9 +12,14 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               over `context`. Bytes per device per layer: (C-1)/C of the gathered K/V forward, the same backward;
               GQA moves only its G K/V heads. The attention is the plain one (scores [B, H, L/C, L]).
   ring        ring attention: K/V blocks rotated by ppermute, an online softmax over them, a custom VJP that
-              rotates K/V again with dK/dV (no other device's K/V kept). Bytes per device per layer: (C-1) blocks
-              of K and V forward, the same and C blocks of dK and dV backward; each step's ppermute depends only
-              on the block received the step before, so a GPU can run it behind that step's attention.
+              rotates K/V again with dK/dV (no other device's K/V kept). Each step attends its block in
+              sub-blocks (a flash kernel in pure JAX: scores of [B, H, n, n] at most) and skips the sub-block
+              pairs the causal mask hides wholly, so a causal ring step costs what its visible keys cost: the
+              busiest device of a contiguous ring does C - 1/2 blocks, every device of a zigzag one (C+1)/2 or
+              less (ring_plan). Bytes per device per layer: (C-1) blocks of K and V forward, the same and C blocks
+              of dK and dV backward; each step's K/V shift depends only on the block that step reads, and its
+              dK/dV shift is only added after the next step's compute, so a GPU can run every shift behind a
+              step's attention (the H100 target's overlap report says which it did: `ring_steps`).
   ulysses     DeepSpeed-Ulysses: Q, K and V all-to-all'd from sequence-sharded to head-sharded ([B, L/C, H, K]
               -> [B, L, H/C, K]), attention over the whole sequence on H/C heads (the model's own kernel:
               plain, blockwise or cuDNN's), the output all-to-all'd back. Backward (AD): the same all-to-alls the
@@ -135,7 +140,9 @@ class Ring(AllGatherKV):
   """Ring attention (Liu et al. 2023, haoliuhl/ringattention): K/V blocks rotated around the context axis by
   ppermute, each combined into an online softmax as it arrives; a custom VJP whose backward rotates the K/V
   blocks again with their dK/dV, so no device keeps another device's K/V as a residual (only its q, k, v, the
-  output and the log-sum-exp)."""
+  output and the log-sum-exp). Inside a ring step the block is attended in sub-blocks of n tokens (a flash
+  kernel: no score larger than [B, H, n, n] is held), and a sub-block pair whose keys all follow its queries
+  is skipped (`ring_plan`), so a causal step costs what its visible keys cost."""
 
   def check(self, shape: dict) -> None:
     self.check_balance(shape)
@@ -147,75 +154,159 @@ class Ring(AllGatherKV):
     axis = self.context_axis()
     if axis is None:
       return self.own(q_BLHK, k_BLGK, v_BLGK)
-    return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis), A.ATTN_OUT)
+    plan = ring_plan(C.axis_size(axis), q_BLHK.shape[SEQ_DIM], self.model.attention_block, self.cfg.load_balance)
+    return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan), A.ATTN_OUT)
 
 
-def _ring_scores(q_BLGRK, k_BMGK, pos_L, pos_M):
-  """Scaled scores [B, G, R, L, M] in float32 and the causal mask [L, M] from the positions."""
-  s = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BMGK, preferred_element_type=jnp.float32)
-  return s / np.sqrt(q_BLGRK.shape[-1]), pos_L[:, None] >= pos_M[None, :]
+def ring_plan(parts: int, local: int, block: int, balanced: bool) -> tuple:
+  """(n, visible): the sub-block size of a ring step (the largest divisor of `local` tokens per device, of half
+  of it when balanced, that is at most `block`: a zigzag device's two chunks never share a sub-block) and, per
+  ring step, how many of its (L/C/n)^2 sub-block pairs have a key at or before a query on the busiest device,
+  from the positions the data gives each device (contiguous, or zigzag when balanced: ContextConfig.order).
+  Step s runs a loop of exactly visible[s] pairs on every device: the visible ones first, then (on a device with
+  fewer) wholly masked ones that add nothing. A static trip count, no branch: the program holds the count, and
+  a step takes its busiest device's work, the pace a ring runs at."""
+  half = local // 2 if balanced else local
+  n = max(d for d in range(1, min(block, half) + 1) if half % d == 0)
+  order = zigzag(local * parts, parts) if balanced else np.arange(local * parts)
+  blocks = np.asarray(order).reshape(parts, local // n, n)
+  last, first = blocks.max(-1), blocks.min(-1)                        # [rank, sub-block]
+  visible = []
+  for step in range(parts):       # after `step` shifts device r holds the block of rank r - step
+    src = (np.arange(parts) - step) % parts
+    visible.append(int((last[:, :, None] >= first[src][:, None, :]).sum((1, 2)).max()))
+  return n, tuple(visible)
 
 
-def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis):
+def _visible_pairs(pq_b, pk_b, count: int):
+  """The (query sub-block, key sub-block) pairs a step computes, as two int32 arrays of length `count`: those
+  with a key at or before a query first (i-major), then wholly masked ones; from this device's positions."""
+  nb = pk_b.shape[0]
+  seen = (jnp.max(pq_b, axis=1)[:, None] >= jnp.min(pk_b, axis=1)[None, :]).reshape(-1)
+  first = jnp.argsort(~seen, stable=True)[:count].astype(jnp.int32)
+  return first // nb, first % nb
+
+
+def _sub_scores(q_BNGRK, k_BMGK, pq_N, pk_M):
+  """Scaled scores s[B, G, R, N, M] in float32 and the causal mask [N, M] from the positions."""
+  s = jnp.einsum("bngrk,bmgk->bgrnm", q_BNGRK, k_BMGK, preferred_element_type=jnp.float32)
+  return s / np.sqrt(q_BNGRK.shape[-1]), pq_N[:, None] >= pk_M[None, :]
+
+
+def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
+  """The ring's forward: per step, a scan over the step's sub-block pairs (`_visible_pairs`), an online softmax
+  per query sub-block carried in place."""
+  n, visible = plan
   B, L, H, K = q_BLHK.shape
   G = k_BLGK.shape[2]
-  q = q_BLHK.reshape(B, L, G, H // G, K)
-  n = C.axis_size(axis)
-  acc = C.zeros_like(q.astype(jnp.float32))                          # sum of p v, [B, L, G, R, K]
-  m = C.pvary(jnp.full((B, G, H // G, L), -jnp.inf, jnp.float32), C.varying_axes(acc), name="zeros")   # max
-  l = C.zeros_like(m)                                                  # running sum of p
-  k, v, pos = k_BLGK, v_BLGK, pos_L
-  for step in range(n):      # after `step` shifts this device holds the block of rank r - step
-    s, mask = _ring_scores(q, k, pos_L, pos)
-    s = jnp.where(mask, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)             # a row with no visible key yet
-    p = jnp.exp(s - m_safe[..., None])
-    corr = jnp.exp(m - m_safe)
-    l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr.transpose(0, 3, 1, 2)[..., None] + jnp.einsum("bgrlm,bmgk->blgrk", p, v.astype(jnp.float32))
-    m = m_new
-    if step < n - 1:
-      k, v, pos = (C.ring_shift(x, axis, +1, name="cp_ring") for x in (k, v, pos))
-  o = acc / l.transpose(0, 3, 1, 2)[..., None]
-  lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(l)
-  return o.reshape(B, L, H, K).astype(q_BLHK.dtype), lse
+  R, nb = H // G, L // n
+  qb, pq = A.blocks(q_BLHK.reshape(B, L, G, R, K), n), pos_L.reshape(nb, n)       # q[nb, B, n, G, R, K]
+  axes = A.varying(q_BLHK, k_BLGK, v_BLGK, pos_L)
+  m = A.varying_zeros((nb, B, G, R, n), axes, -jnp.inf)                     # running max, sum of p, sum of p v
+  l, acc = A.varying_zeros((nb, B, G, R, n), axes), A.varying_zeros((nb, B, G, R, n, K), axes)
+  pos_all = _positions(pos_L, axis)
+  kv = jnp.stack([k_BLGK, v_BLGK])            # K and V travel as one array: one shift per step
+  for step in range(len(visible)):
+    kb, vb, pk = A.blocks(kv[0], n), A.blocks(kv[1], n), _block_positions(pos_all, axis, step, nb)
+
+    def pair(state, ij, kb=kb, vb=vb, pk=pk):
+      m, l, acc = state
+      i, j = ij
+      s, mask = _sub_scores(A.at(qb, i), A.at(kb, j), A.at(pq, i), A.at(pk, j))
+      s = jnp.where(mask, s, -jnp.inf)
+      m_i = A.at(m, i)
+      m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)             # a row with no visible key yet
+      p = jnp.exp(s - m_safe[..., None])
+      corr = jnp.exp(m_i - m_safe)
+      pv = jnp.einsum("bgrnm,bmgk->bgrnk", p, A.at(vb, j).astype(jnp.float32))
+      return (A.set_at(m, m_new, i), A.set_at(l, A.at(l, i) * corr + jnp.sum(p, axis=-1), i),
+              A.set_at(acc, A.at(acc, i) * corr[..., None] + pv, i)), None
+
+    with jax.named_scope(f"ring_fwd_step{step}"):   # the shift of the block this step reads, and its compute
+      if step < len(visible) - 1:
+        kv = C.ring_shift(kv, axis, +1, name="cp_ring")
+      (m, l, acc), _ = jax.lax.scan(pair, (m, l, acc), _visible_pairs(pq, pk, visible[step]))
+      # the next step's shift takes the block this one received only once this step's compute is done: one
+      # shift in flight behind each step (else XLA may run the whole rotation first, holding every block)
+      kv, m, l, acc = jax.lax.optimization_barrier((kv, m, l, acc))
+  o = jnp.einsum("ibgrnk->ibngrk", acc / l[..., None])
+  lse = m + jnp.log(l)             # every query sees at least itself: m is finite
+  return A.unblocks(o).reshape(B, L, H, K).astype(q_BLHK.dtype), lse, pos_all
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis):
-  """Causal attention of the local queries against every device's keys along `axis`, K/V rotated by ppermute."""
-  return _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis)[0]
+def _positions(pos_L, axis):
+  """Every device's token positions [C, L/C] (int32, all-gathered once per layer: a ring step reads the
+  positions of the block it holds from here rather than shifting them with the block)."""
+  return C.all_gather(pos_L[None], axis, 0, name="cp_positions")
 
 
-def _ring_fwd(q, k, v, pos, axis):
-  o, lse = _ring_forward(q, k, v, pos, axis)
-  return o, (q, k, v, pos, o, lse)        # local blocks only: O(L / C) per device
+def _block_positions(pos_all, axis, step: int, nb: int):
+  """The positions of the block a device holds after `step` shifts (rank r - step's), in sub-blocks [nb, n]."""
+  parts = pos_all.shape[0]
+  return A.at(pos_all, (jax.lax.axis_index(axis) - step) % parts).reshape(nb, -1)
 
 
-def _ring_bwd(axis, res, do_BLHK):
-  q_BLHK, k_BLGK, v_BLGK, pos_L, o_BLHK, lse = res
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
+  """Causal attention of the local queries against every device's keys along `axis`, K/V rotated by ppermute;
+  plan = ring_plan(...) (sub-block size, pairs per step)."""
+  return _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan)[0]
+
+
+def _ring_fwd(q, k, v, pos, axis, plan):
+  o, lse, pos_all = _ring_forward(q, k, v, pos, axis, plan)
+  # local blocks only, O(L / C) per device (and the L positions); the output and its log-sum-exp named as the
+  # blockwise kernel names them, so a remat policy that keeps the attention output does not rerun the ring
+  return o, (q, k, v, pos, pos_all, checkpoint_name(o, A.ATTN_OUT), checkpoint_name(lse, A.ATTN_OUT))
+
+
+def _ring_bwd(axis, plan, res, do_BLHK):
+  """FlashAttention's backward per ring step, over the same sub-block pairs as forward: p recomputed from the
+  log-sum-exp, dq accumulated at home, dK/dV accumulated on the block as it travels (and shifted home after the
+  last step)."""
+  n, visible = plan
+  q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, o_BLHK, lse = res
   B, L, H, K = q_BLHK.shape
   G = k_BLGK.shape[2]
-  grouped = lambda x: x.reshape(B, L, G, H // G, K).astype(jnp.float32)
-  q, do, o = grouped(q_BLHK), grouped(do_BLHK), grouped(o_BLHK)
-  D = jnp.sum(do * o, axis=-1).transpose(0, 2, 3, 1)                   # [B, G, R, L]
-  n = C.axis_size(axis)
-  dq = C.zeros_like(q)
-  k, v, pos = k_BLGK, v_BLGK, pos_L
-  dk, dv = C.zeros_like(k.astype(jnp.float32)), C.zeros_like(v.astype(jnp.float32))
-  for step in range(n):      # the blocks travel as in forward, each with its dK/dV accumulating on the way
-    s, mask = _ring_scores(q, k, pos_L, pos)
-    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
-    dv = dv + jnp.einsum("bgrlm,blgrk->bmgk", p, do)
-    ds = p * (jnp.einsum("blgrk,bmgk->bgrlm", do, v.astype(jnp.float32)) - D[..., None]) / np.sqrt(K)
-    dq = dq + jnp.einsum("bgrlm,bmgk->blgrk", ds, k.astype(jnp.float32))
-    dk = dk + jnp.einsum("bgrlm,blgrk->bmgk", ds, q)
-    if step < n - 1:
-      k, v, pos = (C.ring_shift(x, axis, +1, name="cp_ring") for x in (k, v, pos))
-    dk, dv = (C.ring_shift(x, axis, +1, name="cp_ring_grad") for x in (dk, dv))   # the last shift: home
+  R, nb = H // G, L // n
+  grouped = lambda x: A.blocks(x.reshape(B, L, G, R, K).astype(jnp.float32), n)   # [nb, B, n, G, R, K]
+  qb, dob, pq = grouped(q_BLHK), grouped(do_BLHK), pos_L.reshape(nb, n)
+  delta = jnp.einsum("ibngr->ibgrn", jnp.sum(dob * grouped(o_BLHK), axis=-1))       # [nb, B, G, R, n]
+  axes = A.varying(q_BLHK, k_BLGK, v_BLGK, pos_L, do_BLHK)
+  dq = A.varying_zeros(qb.shape, axes)
+  kv, dkv = jnp.stack([k_BLGK, v_BLGK]), None
+  zero_kv = A.varying_zeros((nb, B, n, G, K), axes)
+  for step in range(len(visible)):   # the blocks travel as in forward, each with its dK/dV accumulating on the way
+    kb, vb, pk = A.blocks(kv[0], n), A.blocks(kv[1], n), _block_positions(pos_all, axis, step, nb)
+
+    def pair(carry, ij, kb=kb, vb=vb, pk=pk):
+      dq, dk, dv = carry
+      i, j = ij
+      q_i, do_i = A.at(qb, i), A.at(dob, i)
+      k_j, v_j = A.at(kb, j).astype(jnp.float32), A.at(vb, j).astype(jnp.float32)
+      s, mask = _sub_scores(q_i, k_j, A.at(pq, i), A.at(pk, j))
+      p = jnp.where(mask, jnp.exp(s - A.at(lse, i)[..., None]), 0.0)
+      dp = jnp.einsum("bngrk,bmgk->bgrnm", do_i, v_j)
+      ds = p * (dp - A.at(delta, i)[..., None]) / np.sqrt(K)
+      return (A.set_at(dq, A.at(dq, i) + jnp.einsum("bgrnm,bmgk->bngrk", ds, k_j), i),
+              A.set_at(dk, A.at(dk, j) + jnp.einsum("bgrnm,bngrk->bmgk", ds, q_i), j),
+              A.set_at(dv, A.at(dv, j) + jnp.einsum("bgrnm,bngrk->bmgk", p, do_i), j)), None
+
+    with jax.named_scope(f"ring_bwd_step{step}"):
+      if step < len(visible) - 1:
+        kv = C.ring_shift(kv, axis, +1, name="cp_ring")
+      # this step's dK/dV for the block it holds, from zero: the step does not wait for the dK/dV arriving with
+      # the block (added after), so that shift runs behind this step's compute as the K/V shift does
+      (dq, dk_step, dv_step), _ = jax.lax.scan(pair, (dq, zero_kv, zero_kv), _visible_pairs(pq, pk, visible[step]))
+      kv, dq, dkv_step = jax.lax.optimization_barrier((kv, dq, jnp.stack([dk_step, dv_step])))
+      dkv = dkv_step if dkv is None else dkv + dkv_step
+      if step == len(visible) - 1:    # complete: home in K's dtype (bf16 K/V: half the bytes of the sums)
+        dkv = dkv.astype(k_BLGK.dtype)
+      dkv = C.ring_shift(dkv, axis, +1, name="cp_ring_grad")   # dK and dV as one array; the last shift: home
   zero_pos = np.zeros(pos_L.shape, jax.dtypes.float0)
-  return dq.reshape(B, L, H, K).astype(q_BLHK.dtype), dk.astype(k_BLGK.dtype), dv.astype(v_BLGK.dtype), zero_pos
+  return (A.unblocks(dq).reshape(B, L, H, K).astype(q_BLHK.dtype), A.unblocks(dkv[0]).astype(k_BLGK.dtype),
+          A.unblocks(dkv[1]).astype(v_BLGK.dtype), zero_pos)
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
