@@ -254,6 +254,17 @@ def _mesh_label(*args) -> str:
   return label(shape_of(sizes))
 
 
+def parallel_label(mesh, pipeline, context) -> str:
+  """What splits the model beyond data x fsdp x tensor, for run and sweep directory names (and so the report's
+  labels): '' with neither; '-1f1b' with pipeline stages (a user's class: its name), '-ring' or '-ring-zigzag'
+  with a context split; both in that order."""
+  cls = lambda c: c["impl"].rpartition(":")[2] if ":" in c["impl"] else c["name"]
+  out = f"-{cls(pipeline)}" if int(mesh.get("pipeline", 1)) > 1 else ""
+  if int(mesh.get("context", 1)) > 1:
+    out += f"-{cls(context)}" + ("-zigzag" if context["load_balance"] else "")
+  return out
+
+
 def register_configs() -> None:
   """Register the schemas so that every YAML in conf/<group>/ is checked against its dataclass."""
   from hydra.core.config_store import ConfigStore
@@ -264,6 +275,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("mesh_label", _mesh_label)
   if not OmegaConf.has_resolver("schedule_label"):   # ${schedule_label:${schedule}}: ScheduleConfig.label
     OmegaConf.register_new_resolver("schedule_label", lambda s: schedule_label(s["name"], s["impl"], s["tp"]))
+  if not OmegaConf.has_resolver("parallel_label"):   # ${parallel_label:${mesh},${pipeline},${context}}
+    OmegaConf.register_new_resolver("parallel_label", parallel_label)
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)
   for group, node in GROUPS.items():

@@ -20,6 +20,11 @@ Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
                      pipeline schedule x M microbatches (P, 2P, 4P, 8P) x data x fsdp x tensor of N / P, costed by
                      replaying the schedule's table (planner.evaluate_pipeline); the table gains P, schedule, M
                      and bubble columns. Implies search=true
+  context_search=true  which context-parallel strategy and degree for this model and sequence on N devices
+                     (devices=N, default the configured mesh's): all_gather, ring and ulysses at every degree
+                     that divides N / tensor, fsdp the rest, each predicted (step, attention, exposed transfers,
+                     memory) or excluded with its reason (analysis/context_cost.py: choose); the answer is the
+                     JSON's `context` and a table after the plan
   top=K              keep the K best layouts in the JSON (implies search=true) and compile them for the target:
                      each gains `target` (compiled memory per device, calibrated step time, beside the closed
                      forms; needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
@@ -71,14 +76,14 @@ def _one_line(e: BaseException) -> str:
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
 OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path",
-           "confirm": "bool", "pipeline_search": "bool",
+           "confirm": "bool", "pipeline_search": "bool", "context_search": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
   opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None,
-          "plot_layouts": [], "pipeline_search": False,
+          "plot_layouts": [], "pipeline_search": False, "context_search": False,
           "confirm_batch": False}
   rest = []
   for arg in argv:
@@ -189,10 +194,44 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
         raise ValueError(f"plot_layouts: {'x'.join(map(str, missing[0]))} is not a data x fsdp x tensor layout of "
                          f"the {result['search']['devices']} devices searched")
       chosen = [by_shape[s] for s in opts["plot_layouts"]]
+  if opts["context_search"]:
+    result["context"] = context_answer(cfg, opts["devices"] or None)
   if opts["plot"]:
     from shardlab.analysis.plan_figure import efficiency_curve
     result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
   return result, cfg, opts
+
+
+def context_answer(cfg, devices: int | None = None) -> dict:
+  """summary.json-style answer of context_cost.choose: the best strategy and degree, the reason, every candidate
+  in brief (predicted step, attention, exposed context transfers, bytes over context, memory) and the excluded
+  ones with why. MODEL PREDICTIONS."""
+  from shardlab.analysis import context_cost as CC
+  got = CC.choose(cfg, devices)
+  brief = lambda p: {"label": p["label"], "strategy": p["strategy"], "context": p["context"], "fsdp": p["fsdp"],
+                     "load_balance": p["load_balance"], "t_step_s": p["t_step_s"],
+                     "t_attention_s": p["t_attention_s"], "exposed_comm_s": p["exposed_comm_s"],
+                     "context_bytes_per_layer": p["bytes_per_layer"], "memory_bytes": p["memory_bytes"]}
+  return {"devices": devices or cfg.mesh.n_devices, "tokens_per_sequence": cfg.model.seq_len,
+          "best": got["best"]["label"] if got["best"] else None, "reason": got["reason"],
+          "candidates": [brief(p) for p in got["candidates"]], "excluded": got["excluded"],
+          "note": "model predictions (analysis/context_cost.py); the ring's inner kernel timed as a fused flash "
+                  "kernel (experiments/context/README.md, section 4: what shardlab's own compiles to)"}
+
+
+def context_table(ans: dict) -> str:
+  """context_search's screen: the candidates fastest first, the excluded with why, the reason."""
+  out = [f"Context parallelism for {ans['tokens_per_sequence']:,} tokens per sequence on {ans['devices']} devices "
+         f"(predictions, fastest first):", ""]
+  cols = ["strategy, C", "fsdp", "step", "attention", "exposed comm", "memory/device"]
+  body = [[c["label"], str(c["fsdp"]), human_seconds(c["t_step_s"]), human_seconds(c["t_attention_s"]),
+           human_seconds(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
+  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
+  out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
+          for r in [cols, *body]]
+  out += [f"  excluded: {k}: {v}" for k, v in ans["excluded"].items()]
+  out += ["", textwrap.fill(f"Chosen: {ans['reason']}" if ans["best"] else ans["reason"], 118)]
+  return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------- what the terminal shows
@@ -328,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     return 0
   print(table(result, cfg, opts["rows"] or opts["top"] or 5) if "answer" in result else summary(result, cfg))
+  if "context" in result:
+    print("\n" + context_table(result["context"]))
   if path:
     print(f"JSON: {path}")
   return 0

@@ -90,7 +90,8 @@ def test_typo_in_override_is_rejected(override, message, tmp_path):
 
 def test_runs_are_named_by_what_they_ran():
   """A user's schedule class (and TP class) names the run directory and the summary, not the preset it started
-  from; presets keep their names."""
+  from; presets keep their names; the pipeline schedule and the context strategy follow where the mesh has
+  those axes."""
   from hydra import compose as hydra_compose, initialize_config_dir
   from shardlab.config import CONF_DIR, ScheduleConfig, register_configs
   assert ScheduleConfig().label == "baseline"
@@ -100,4 +101,9 @@ def test_runs_are_named_by_what_they_ran():
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     c = hydra_compose(config_name="config", overrides=["schedule.impl=my_sched:AllReduceSlice", "mesh.context=2",
                                                        "mesh.fsdp=2"], return_hydra_config=True)
-    assert c.hydra.run.dir.endswith("_AllReduceSlice_f2xc2xt2"), c.hydra.run.dir
+    assert c.hydra.run.dir.endswith("_AllReduceSlice-all_gather_f2xc2xt2"), c.hydra.run.dir
+    c = hydra_compose(config_name="config", overrides=["mesh.pipeline=2", "mesh.context=2", "mesh.fsdp=1",
+                                                       "pipeline=1f1b", "context=ring", "context.load_balance=true"],
+                      return_hydra_config=True)
+    assert c.hydra.run.dir.endswith("_baseline-1f1b-ring-zigzag_p2xf1xc2xt2"), c.hydra.run.dir
+    assert "_baseline_4x2" in hydra_compose(config_name="config", return_hydra_config=True).hydra.run.dir

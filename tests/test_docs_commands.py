@@ -33,6 +33,8 @@ COMMANDS = {
     "pipeline.microbatches=8": COVERED,
     "python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 "
     "train.global_batch_tokens=4194304": "plan",
+    "python -m shardlab.plan model=llama3_8b model.seq_len=32768 train.batch_size=1 mesh.fsdp=8 mesh.tensor=1 "
+    "precision=bf16 model.attention=dot_product hardware=h100 context_search=true": "plan",
     "python -m shardlab -m schedule=baseline,fsdp_prefetch,collective_matmul,gspmd mesh=4x2,2x4": COVERED,
     "python -m shardlab.report multirun/2026-11-23/10-00-00": "needs that sweep's directory: tests/test_sweep.py",
     # docs/planning.md

@@ -124,3 +124,23 @@ def test_pipeline_search_adds_pipeline_rows_and_columns(capsys):
     assert (int(r[3]), int(r[5]), int(r[7])) == (l["data"], l["fsdp"], l["tensor"])
   plain, _ = _plan(capsys, TINY)
   assert "schedule" not in plain.splitlines()[2] and "bubble" not in plain
+
+
+def test_context_search_answers_which_strategy_and_degree_and_why(capsys):
+  """context_search=true: llama3_8b at 32K tokens on 8 H100s, one sequence: every strategy at every degree the
+  batch allows, fastest first, Ulysses C=8 chosen with its reason and the screen saying so; with 12 query heads
+  Ulysses cannot split them 8 ways, is excluded with that reason, and the choice flips to the ring."""
+  base = ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.fsdp=8", "mesh.tensor=1",
+          "precision=bf16", "model.attention=dot_product", "schedule.remat=save_qkv_attn_out", "hardware=h100",
+          "context.load_balance=true", "context_search=true"]
+  text, out = _plan(capsys, base)
+  ctx = out["context"]
+  assert ctx["best"] == "ulysses C=8" and ctx["reason"].startswith("ulysses C=8: predicted step")
+  steps = [c["t_step_s"] for c in ctx["candidates"]]
+  assert steps == sorted(steps) and {c["label"] for c in ctx["candidates"]} == {"ulysses C=8", "ring C=8",
+                                                                                 "all_gather C=8"}
+  assert ctx["excluded"]["ring C=4"] == "fsdp 2 does not divide the batch of 1 sequences"
+  assert "Chosen: ulysses C=8" in text and "Context parallelism for 32,768 tokens" in text
+  _, flipped = _plan(capsys, [*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"])
+  assert flipped["context"]["excluded"]["ulysses C=8"].startswith("ulysses splits the heads: 12 query")
+  assert flipped["context"]["best"] == "ring C=8"

@@ -160,9 +160,10 @@ def memory_per_device(cfg) -> dict[str, float]:
   compute_params: the transient gathered weights [D, F_Y]: one layer at prefetch 0, k+1 at depth k, every layer
     when schedule.reshard_after_forward is false; in the gather dtype plus its compute-dtype cast when they
     differ (or only the cast copy when X = 1). The embedding [V, D_Y] is counted when it is the larger buffer.
-  activations: what backward needs, for the local batch B / X / microbatches tokens, / Y (heads, F and, with
-    sequence parallelism, the residual are sharded over tensor). FSDP shards state, not activations: these do
-    not shrink with more FSDP at a fixed per-device batch. Plus fp32 logits [B_X, V_Y].
+  activations: what backward needs, for the local batch B / X / microbatches tokens (/ C more: `context` splits
+    each sequence), / Y (heads, F and, with sequence parallelism, the residual are sharded over tensor). FSDP
+    shards state, not activations: these do not shrink with more FSDP at a fixed per-device batch. Plus fp32
+    logits [B_X, V_Y].
   grads: plus the gradient accumulator when schedule.microbatches > 1.
   Every term but activations is independent of the batch; activations are linear in it (see batch_window).
   """
@@ -177,7 +178,7 @@ def memory_per_device(cfg) -> dict[str, float]:
   gathered = max(live_layers * block_shard_params(m, y), m.vocab_size * m.d_model / y if m.kind != "ffn" else 0)
   per_param = (cb if cb != pb else 0) if x == 1 else gb + (cb if cb != gb else 0)
 
-  tokens = global_tokens(cfg) / x / max(1, sched.microbatches)
+  tokens = global_tokens(cfg) / x / max(1, sched.microbatches) / max(1, mesh.context)   # context: L / C each
   per_token = m.n_layers * activation_elements_per_token(m, sched.remat)
   if sched.remat == "full":
     per_token += activation_elements_per_token(m, "none")   # the one layer being recomputed
