@@ -75,6 +75,11 @@ def devices(hw: HardwareConfig, n_devices: int) -> list:
   else:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # This host's own TPU (there is none): without these libtpu fills them with "could not determine" text and
+    # prints "Failed to find host bounds" and "E0000 ... unexpected worker hostname" on every compile. They do
+    # not reach the compiled program: the slice is topology_name's (the same program with or without them).
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{hw.tpu_type}-8")
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topo)
   devs = list(desc.devices)
   if len(devs) != n_devices:
