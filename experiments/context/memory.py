@@ -10,11 +10,10 @@ shard), bf16, cuDNN's flash attention (model.attention=dot_product) run by Ulyss
 runs the model's own kernel; schedules/context.py), remat save_qkv_attn_out, and XLA's rematerialization pass off
 (it would otherwise rewrite the program to fit 80 GB and the compiler's figure would no longer be the program's).
 
-Compiled activations, read off the compiler alone: everything else in its temporaries (gradients, gathered
-weights, one layer's weight gradient, workspace) does not depend on the sequence, activations are linear in it,
-so each configuration is compiled again at 1/16 of the sequence and activations(L) = (temp(L) - temp(L/16)) x
-16/15. The cross-check that needs neither: peak(C=1) - peak(C), the activations that context parallelism
-removed, against the model's activations(1) - activations(C).
+Each configuration's compiled peak and temporaries (the working memory) beside memory_model.compare's analytic
+ones. (It also compiles at 1/16 of the sequence and writes (temp(L) - temp(L/16)) x 16/15 as
+`activations.compiled`; that is not the activations where the peak falls in another phase at the shorter length,
+the backward instead of the loss: experiments/context/README.md.)
 """
 from __future__ import annotations
 
@@ -41,7 +40,8 @@ def compile_memory(overrides: list[str], shorter: int = 16) -> dict:
   return {"devices": cfg.mesh.n_devices, "compile_s": secs, "local_tokens": MM.local_tokens(cfg),
           "compiled": {k: compiled[k] for k in ("argument", "output", "temp", "peak")},
           "compiled_short_sequence": {k: short[k] for k in ("argument", "output", "temp", "peak")},
-          "analytic": a, "activations": {"compiled": measured, "analytic": a["activations"]}}
+          "analytic": a, "activations": {"compiled": measured, "analytic": a["activations"]},
+          "components": MM.compare(cfg, compiled)["components"]}
 
 
 def _compile(overrides: list[str]):
@@ -70,7 +70,9 @@ def main() -> None:
     act = r["activations"]
     print(f"context {c}: {r['devices']} H100s, {r['local_tokens']} tokens per device; peak {r['compiled']['peak'] / 1e9:.2f} GB;"
           f" activations compiled {act['compiled'] / 1e9:.2f} GB, model {act['analytic'] / 1e9:.2f} GB "
-          f"({act['analytic'] / act['compiled'] - 1:+.1%})  [{r['compile_s']} s]", flush=True)
+          f"({act['analytic'] / act['compiled'] - 1:+.1%}); peak model {r['components']['peak']['analytic'] / 1e9:.2f} GB "
+          f"({r['components']['peak']['error']:+.1%}), working {r['components']['working']['error']:+.1%}  "
+          f"[{r['compile_s']} s]", flush=True)
   one = out[1]
   for c in DEGREES[1:]:
     r = out[c]
