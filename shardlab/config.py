@@ -258,9 +258,10 @@ def parallel_label(mesh, pipeline, context) -> str:
   """What splits the model beyond data x fsdp x tensor, for run and sweep directory names (and so the report's
   labels): '' with neither; '-1f1b' with pipeline stages (a user's class: its name), '-ring' or '-ring-zigzag'
   with a context split; both in that order."""
+  from shardlab.axes import CONTEXT, PIPELINE
   cls = lambda c: c["impl"].rpartition(":")[2] if ":" in c["impl"] else c["name"]
-  out = f"-{cls(pipeline)}" if int(mesh.get("pipeline", 1)) > 1 else ""
-  if int(mesh.get("context", 1)) > 1:
+  out = f"-{cls(pipeline)}" if int(mesh.get(PIPELINE, 1)) > 1 else ""
+  if int(mesh.get(CONTEXT, 1)) > 1:
     out += f"-{cls(context)}" + ("-zigzag" if context["load_balance"] else "")
   return out
 

@@ -44,7 +44,7 @@ import json
 import sys
 import textwrap
 
-from shardlab.axes import DATA, FSDP, PIPELINE, TENSOR
+from shardlab.axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from shardlab.config import CONF_DIR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
 from shardlab.outputs import human_bytes, human_seconds
@@ -195,7 +195,7 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
                          f"the {result['search']['devices']} devices searched")
       chosen = [by_shape[s] for s in opts["plot_layouts"]]
   if opts["context_search"]:
-    result["context"] = context_answer(cfg, opts["devices"] or None)
+    result[CONTEXT] = context_answer(cfg, opts["devices"] or None)
   if opts["plot"]:
     from shardlab.analysis.plan_figure import efficiency_curve
     result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
@@ -208,7 +208,7 @@ def context_answer(cfg, devices: int | None = None) -> dict:
   ones with why. MODEL PREDICTIONS."""
   from shardlab.analysis import context_cost as CC
   got = CC.choose(cfg, devices)
-  brief = lambda p: {"label": p["label"], "strategy": p["strategy"], "context": p["context"], "fsdp": p["fsdp"],
+  brief = lambda p: {"label": p["label"], "strategy": p["strategy"], CONTEXT: p[CONTEXT], FSDP: p[FSDP],
                      "load_balance": p["load_balance"], "t_step_s": p["t_step_s"],
                      "t_attention_s": p["t_attention_s"], "exposed_comm_s": p["exposed_comm_s"],
                      "context_bytes_per_layer": p["bytes_per_layer"], "memory_bytes": p["memory_bytes"]}
@@ -223,8 +223,8 @@ def context_table(ans: dict) -> str:
   """context_search's screen: the candidates fastest first, the excluded with why, the reason."""
   out = [f"Context parallelism for {ans['tokens_per_sequence']:,} tokens per sequence on {ans['devices']} devices "
          f"(predictions, fastest first):", ""]
-  cols = ["strategy, C", "fsdp", "step", "attention", "exposed comm", "memory/device"]
-  body = [[c["label"], str(c["fsdp"]), human_seconds(c["t_step_s"]), human_seconds(c["t_attention_s"]),
+  cols = ["strategy, C", FSDP, "step", "attention", "exposed comm", "memory/device"]
+  body = [[c["label"], str(c[FSDP]), human_seconds(c["t_step_s"]), human_seconds(c["t_attention_s"]),
            human_seconds(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
   out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     return 0
   print(table(result, cfg, opts["rows"] or opts["top"] or 5) if "answer" in result else summary(result, cfg))
-  if "context" in result:
-    print("\n" + context_table(result["context"]))
+  if CONTEXT in result:
+    print("\n" + context_table(result[CONTEXT]))
   if path:
     print(f"JSON: {path}")
   return 0
