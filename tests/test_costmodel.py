@@ -133,7 +133,12 @@ def test_memory_breakdown_by_hand():
   assert (got["master_params"], got["grads"], got["optimizer"]) == (4 * local, 4 * local, 8 * local)
   assert got["gathered_weights"] == 4 * (2 * (2 * D + mats // Y) + 2 * V * D // Y + D)
   assert got["layer_gradient"] == 4 * (2 * D + mats // Y)          # one layer's W[D, N_tp] gradient, fp32
-  assert got["total"] == sum(v for k, v in got.items() if k != "total")
+  assert got["top_gradient"] == 4 * V * D // Y                      # the [V, D] embedding's (or head's), fp32
+  # one pass: the gradients come after the loss's logits (fp32 logits and softmax: 8 B each) are gone
+  logits = cfg.train.batch_size // X * m.seq_len * V // Y * 8
+  state = got["master_params"] + got["optimizer"]
+  common = got["gathered_weights"] + got["activations"] - logits
+  assert got["total"] == state + common + max(logits, got["grads"] + max(got["layer_gradient"], got["top_gradient"]))
 
 
 def test_widened_collectives_are_costed_at_the_program_bytes():

@@ -34,6 +34,7 @@ def compile_memory(overrides: list[str], shorter: int = 16) -> dict:
   the analytic breakdown, and the activations of both (module doc)."""
   from shardlab.analysis import memory_model as MM
   cfg, compiled, secs = _compile(overrides)
+  ws = compiled["gemm_workspace"]
   short = _compile(overrides + [f"model.seq_len={cfg.model.seq_len // shorter}"])[1]
   a = MM.breakdown(cfg)   # per-token estimate: cuDNN's attention keeps its own O(L) set (as costmodel.predict_run)
   measured = (compiled["temp"] - short["temp"]) * shorter / (shorter - 1)
@@ -41,7 +42,7 @@ def compile_memory(overrides: list[str], shorter: int = 16) -> dict:
           "compiled": {k: compiled[k] for k in ("argument", "output", "temp", "peak")},
           "compiled_short_sequence": {k: short[k] for k in ("argument", "output", "temp", "peak")},
           "analytic": a, "activations": {"compiled": measured, "analytic": a["activations"]},
-          "components": MM.compare(cfg, compiled)["components"]}
+          "components": MM.compare(cfg, compiled, gemm_workspace=ws)["components"]}
 
 
 def _compile(overrides: list[str]):
@@ -57,7 +58,8 @@ def _compile(overrides: list[str]):
   b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   t0 = time.perf_counter()
   c = TG.compile_(lower(b), cfg.xla.flags)
-  return cfg, memory(c), round(time.perf_counter() - t0, 1)
+  from shardlab.analysis.memory_model import gemm_workspace_bytes
+  return cfg, {**memory(c), "gemm_workspace": gemm_workspace_bytes(c.as_text())}, round(time.perf_counter() - t0, 1)
 
 
 def main() -> None:

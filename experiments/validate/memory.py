@@ -40,7 +40,7 @@ def compare(overrides: list[str]) -> dict:
   devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
   b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   c = TG.compile_(lower(b), cfg.xla.flags)
-  return MM.compare(cfg, memory(c), b["layer_residuals"])["components"]
+  return MM.compare(cfg, memory(c), b["layer_residuals"], MM.gemm_workspace_bytes(c.as_text()))["components"]
 
 
 def main() -> None:

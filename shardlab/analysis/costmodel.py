@@ -208,7 +208,8 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   own_kernel = cfg.mesh.context == 1 or cfg.context.impl == "ulysses"   # a ring or all_gather runs its own
   if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product" and own_kernel:
     residuals = None   # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records
-  mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals)}
+  mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals,
+                                                       memory_model.gemm_workspace_bytes(prog.text))}
   mem["compiled_by"] = prog.platform
   if prog.platform != "cpu":                     # the target compiler's buffers against the preset's HBM
     mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=analysis["memory"]["peak"] <= cfg.hardware.hbm_bytes,

@@ -89,8 +89,10 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * x
   else:
     acts = m.n_layers * saved + unremat if residuals else m.n_layers * saved
-  if m.kind != "ffn":                              # (the FFN-only model has no logits: its loss is on [B, L, D])
-    acts += tokens * m.vocab_size // t * (cb + 4)  # the logits in the compute dtype and their float32 softmax
+  # the logits in the compute dtype and their float32 softmax (the FFN-only model has none: its loss is on
+  # [B, L, D])
+  logits = tokens * m.vocab_size // t * (cb + 4) if m.kind != "ffn" else 0
+  acts += logits
   micro = microbatches(cfg)
   accum = 0 if micro == 1 or P > 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
   out = {
@@ -111,10 +113,31 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
       "layer_gradient": ((0 if deferred or step_gather else per_layer * (cb if s.gather_dtype == "compute" else pb))
                          + (ring_steps(s.tp, t) - 1) * per_layer * cb
                          + (m.n_layers // (P * cfg.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
+      # The largest weight outside the layers (the embedding or the unembedding, [V, D]): its whole gradient,
+      # made in backward before the reduce-scatter over fsdp takes its shard, as a layer's is (layer_gradient).
+      "top_gradient": max((local(d, True) for k, d in decls.items() if k != "layers"), default=0)
+                      * (cb if s.gather_dtype == "compute" else pb),
       "activations": acts,
   }
-  out["total"] = sum(out.values())
+  out["total"] = peak(out, logits, P == 1 and micro == 1)
   return out
+
+
+def peak(parts: dict, logits: int, one_pass: bool) -> int:
+  """The peak of `parts` (breakdown's). In one forward and backward pass (no pipeline, one microbatch) the
+  gradients and a layer's weight gradient do not exist until the backward runs, and the logits and their softmax
+  are gone before the layers' backward starts: the peak is the larger of the loss (every residual, the logits)
+  and the backward (every residual, the gradients, the larger of a layer's and the top weight's whole
+  gradient); the H100 compiler gives the layers' stacked float32 gradients the logits' buffer (llama3_8b at 32K
+  tokens: experiments/context/README.md). Microbatches and pipeline stages accumulate the gradients through the
+  step, so there the logits and the gradients are live at once."""
+  state = parts["master_params"] + parts["optimizer"]
+  common = parts["compute_params"] + parts["gathered_weights"] + parts["activations"] - logits
+  # a layer's whole weight gradient and the top weight's are made at different times of the backward
+  backward = parts["grads"] + max(parts["layer_gradient"], parts["top_gradient"])
+  if one_pass:
+    return state + common + max(logits, backward)
+  return state + common + logits + backward
 
 
 def local_tokens(cfg) -> int:
@@ -184,18 +207,29 @@ def _leaves(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=PM.is_param)
 
 
-def compare(cfg, compiled: dict, residuals: dict | None = None) -> dict:
+def compare(cfg, compiled: dict, residuals: dict | None = None, gemm_workspace: int = 0) -> dict:
   """{"analytic": breakdown, "compiled_over_analytic": compiled peak / analytic total, "components": per part,
   the analytic and compiled bytes and the error (analytic / compiled - 1)}. The parts a compiler reports:
   `state` (the arguments less the token batch: fp32 weights and Adam moments), `working` (its temporaries:
-  gradients, gathered weights, saved activations, the logits) and `peak`."""
+  gradients, gathered weights, saved activations, the logits) and `peak`. `gemm_workspace`: the scratch the
+  program's own GEMM calls declare (`gemm_workspace_bytes`), the compiler's choice, added to the working memory."""
   a = breakdown(cfg, residuals)
+  total = a["total"] + gemm_workspace
   state = a["master_params"] + a["optimizer"]
   seq = cfg.model.seq_len // split(cfg, "length")
   batch = (2 * cfg.train.batch_size // split(cfg, "batch") * seq + seq) * 4   # int32 inputs, targets, positions
-  parts = {"state": (state, compiled["argument"] - batch), "working": (a["total"] - state, compiled["temp"]),
-           "peak": (a["total"], compiled["peak"])}
+  parts = {"state": (state, compiled["argument"] - batch), "working": (total - state, compiled["temp"]),
+           "peak": (total, compiled["peak"])}
   return {"analytic": a, "activations_from": "traced residuals" if residuals else "per-token estimate",
-          "compiled_over_analytic": compiled["peak"] / a["total"] if a["total"] else 0.0,
+          "gemm_workspace": gemm_workspace, "compiled_over_analytic": compiled["peak"] / total if total else 0.0,
           "components": {k: {"analytic": an, "compiled": co, "error": an / co - 1 if co else None}
                          for k, (an, co) in parts.items()}}
+
+
+def gemm_workspace_bytes(hlo_text: str) -> int:
+  """The scratch the GPU program's cuBLAS calls declare: the s8 workspace a `__cublas$lt$matmul` custom call
+  returns beside its result (4 MiB where the compiler picked a split-K algorithm for a small weight gradient:
+  the small transformer under a prefetching schedule, experiments/validate/README.md), summed over the calls (an
+  upper bound: the compiler may let calls share one)."""
+  import re
+  return sum(int(n) for n in re.findall(r"= \(\w+\[[\d,]*\]\{[\d,]*\}, s8\[(\d+)\]\{0\}\) custom-call\(", hlo_text))
