@@ -78,7 +78,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   live = layers_here if deferred or step_gather or not s.reshard_after_forward else min(layers_here, s.prefetch + 1)
   tokens = local_tokens(cfg)
   t = cfg.mesh.tensor
-  per_token = activation_elements_per_token(_attention_kept(cfg), s.remat)
+  per_token = activation_elements_per_token(_attention_kept(cfg), s.remat) + _ulysses_kept(cfg)
   rep = _replicated_per_token(m, s.remat) if s.tp == "allreduce" else 0
   saved = residuals["saved"] if residuals else tokens * ((per_token - rep) // t + rep) * cb
   unremat = residuals["unremat"] if residuals else saved
@@ -181,6 +181,17 @@ def _attention_kept(cfg):
   if cfg.mesh.context > 1 and cfg.context.impl == "ring" and cfg.model.kind != "ffn":
     return dataclasses.replace(cfg.model, attention="blockwise")
   return cfg.model
+
+
+def _ulysses_kept(cfg) -> int:
+  """Elements per local token per layer that Ulysses keeps beyond the remat policy's set: under a policy that
+  saves the attention output, the kernel's own output in its head-sharded layout ([B, L, H/C, K]: D per local
+  token) beside the sequence-sharded one the all-to-all returns (the H100 compiler's buffers for llama3_8b at
+  32K tokens, context 4: experiments/context/README.md)."""
+  if (cfg.mesh.context > 1 and cfg.context.impl == "ulysses" and cfg.model.kind != "ffn"
+      and cfg.schedule.remat in ("save_qkv_attn_out", "save_matmuls_attn_out")):
+    return cfg.model.d_model
+  return 0
 
 
 def ring_steps(tp: str, tensor: int) -> int:
