@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 
@@ -242,5 +243,4 @@ def gemm_workspace_bytes(hlo_text: str) -> int:
   returns beside its result (4 MiB where the compiler picked a split-K algorithm for a small weight gradient:
   the small transformer under a prefetching schedule, experiments/validate/README.md), summed over the calls (an
   upper bound: the compiler may let calls share one)."""
-  import re
   return sum(int(n) for n in re.findall(r"= \(\w+\[[\d,]*\]\{[\d,]*\}, s8\[(\d+)\]\{0\}\) custom-call\(", hlo_text))

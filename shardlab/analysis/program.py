@@ -17,7 +17,7 @@ from shardlab.analysis import hlo
 from shardlab.analysis.hlo import flops_fn  # noqa: F401  (re-exported: calibrated.py reads it here)
 
 # Instructions that launch no kernel themselves (bookkeeping, or a loop, call or conditional, whose work is in the
-# computations they run: Program.work); anything else between a collective's start and done is work.
+# computations they run: Program.issued); anything else between a collective's start and done is work.
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done", "while", "call", "conditional"}
 
@@ -52,6 +52,7 @@ class Program:
     self.scheduled = bool(re.search(r"^HloModule [^\n]*is_scheduled=true", text, re.M))
     self.loop_bodies = {b for instrs in self.comps.values() for i in instrs if i.opcode == "while"
                         for b in re.findall(r"body=%?([\w.\-]+)", i.attrs)}
+    self._flops, self._issued, self._shape_of = flops_fn(self.comps), {}, {}
 
   @classmethod
   def of(cls, compiled, mesh) -> "Program":
@@ -90,51 +91,51 @@ class Program:
   def async_pairs(self) -> list[AsyncPair]:
     """Every async collective with what its computation issues between start and done (scheduled programs)."""
     by_name = {(c.computation, c.name): c for c in self.collectives}
-    f = flops_fn(self.comps)
     out = []
     for comp, instrs in self.comps.items():
       if not self.mult.get(comp):
         continue
-      shapes = {i.name: i.shape for i in instrs}
       pos = {i.name: k for k, i in enumerate(instrs)}
       for k, ins in enumerate(instrs):
         if not ins.opcode.endswith("-done") or not ins.operands or (comp, ins.operands[0]) not in by_name:
           continue
         s = pos[ins.operands[0]]
         between = instrs[s + 1:k] if s < k else instrs[s + 1:] + instrs[:k]
-        work = [i for i in between if not i.opcode.endswith(("-start", "-done")) and (
-            i.opcode not in FREE or i.opcode in NESTED and self.work(i, comp)[1])]
-        fl = [f(i, shapes) if i.opcode not in NESTED else self.work(i, comp)[0] for i in work]
+        work = [w for w in (self.issued(i, comp) for i in between) if w[1]]
         start = instrs[s]
-        out.append(AsyncPair(by_name[(comp, start.name)], comp, s, k, sum(x > 0 for x in fl), len(work), sum(fl),
-                             comp in self.loop_bodies, s > k, '"is_sync":true' in start.attrs))
+        out.append(AsyncPair(by_name[(comp, start.name)], comp, s, k, sum(fl > 0 for fl, _ in work), len(work),
+                             sum(fl for fl, _ in work), comp in self.loop_bodies, s > k,
+                             '"is_sync":true' in start.attrs))
     return out
 
-  def work(self, ins, comp: str) -> tuple[float, int]:
-    """(matmul FLOPs, kernels) one execution of a loop, call or conditional issues: its body's times its trip
-    count, the computation it calls, or its largest branch (a conditional's count is declared, not known here)."""
-    memo = self.__dict__.setdefault("_work", {})
-    if (comp, ins.name) in memo:
-      return memo[(comp, ins.name)]
-    memo[(comp, ins.name)] = (0.0, 0)                 # recursion guard
-    if ins.opcode == "while":
-      bodies, times = re.findall(r"body=%?([\w.\-]+)", ins.attrs), hlo.trip_count(ins, comp, self.comps)
-    elif ins.opcode == "conditional":
-      bodies, times = hlo.branches(ins), 1
-    else:
-      bodies, times = re.findall(r"to_apply=%?([\w.\-]+)", ins.attrs), 1
-    f = flops_fn(self.comps)
-    best = (0.0, 0)
-    for b in bodies:
-      instrs = self.comps.get(b, [])
-      shapes = {i.name: i.shape for i in instrs}
-      got = [self.work(i, b) if i.opcode in NESTED else (f(i, shapes), 1) for i in instrs
-             if i.opcode in NESTED or i.opcode not in FREE and not i.opcode.endswith(("-start", "-done"))]
-      here = (sum(g[0] for g in got), sum(g[1] for g in got))
-      best = here if ins.opcode == "conditional" and here[0] > best[0] else (
-          (best[0] + here[0], best[1] + here[1]) if ins.opcode != "conditional" else best)
-    memo[(comp, ins.name)] = (best[0] * times, best[1] * times)
-    return memo[(comp, ins.name)]
+  def issued(self, ins, comp: str) -> tuple[float, int]:
+    """(matmul FLOPs, kernels) one execution of `ins` issues: a kernel its own, a loop its body's times its trip
+    count, a call its computation's, a conditional its largest branch's (its count is declared, not known
+    here); bookkeeping and a collective's start or done nothing. A loop, call or conditional counts as one unit
+    of work between a collective's start and done when anything in it runs."""
+    if ins.opcode.endswith(("-start", "-done")) or ins.opcode in FREE and ins.opcode not in NESTED:
+      return 0.0, 0
+    if ins.opcode not in NESTED:
+      return self._flops(ins, self._shapes(comp)), 1
+    key = (comp, ins.name)
+    if key not in self._issued:
+      self._issued[key] = (0.0, 0)                                 # a guard against a computation calling itself
+      if ins.opcode == "while":
+        bodies, times = re.findall(r"body=%?([\w.\-]+)", ins.attrs), hlo.trip_count(ins, comp, self.comps)
+      else:
+        bodies, times = (hlo.branches(ins) if ins.opcode == "conditional"
+                         else re.findall(r"to_apply=%?([\w.\-]+)", ins.attrs)), 1
+      per = [(sum(fl for fl, _ in w), sum(n for _, n in w))
+             for w in ([self.issued(i, b) for i in self.comps.get(b, [])] for b in bodies)]
+      fl, n = (max(per, default=(0.0, 0)) if ins.opcode == "conditional"
+               else (sum(x[0] for x in per), sum(x[1] for x in per)))
+      self._issued[key] = (fl * times, n * times)
+    return self._issued[key]
+
+  def _shapes(self, comp: str) -> dict:
+    if comp not in self._shape_of:
+      self._shape_of[comp] = {i.name: i.shape for i in self.comps.get(comp, [])}
+    return self._shape_of[comp]
 
   def overlap(self) -> dict:
     """summary.json's `overlap`: per collective kind and mesh axis, `count` (executions per step) and `overlapped`
@@ -178,20 +179,19 @@ class Program:
     the shift's start and done, and whether that includes the step the shift can hide behind: a K/V shift leaving
     after step s depends only on the block step s reads (behind step s); a dK/dV shift is step s's result
     (behind step s + 1, which starts its block's dK/dV from zero and adds the arriving one after)."""
-    f = flops_fn(self.comps)
     tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
     rows = []
     for p in pairs:
-      if p.coll.scope not in ("cp_ring", "cp_ring_grad") or not tag.findall(p.coll.op_name):
+      found = tag.findall(p.coll.op_name) if p.coll.scope in ("cp_ring", "cp_ring_grad") else []
+      if not found:
         continue
-      pas, step = tag.findall(p.coll.op_name)[-1]
+      pas, step = found[-1]
       instrs = self.comps[p.computation]
-      shapes = {i.name: i.shape for i in instrs}
       between = instrs[p.start + 1:p.done] if not p.wraps else instrs[p.start + 1:] + instrs[:p.done]
       steps = set()
       for i in between:
         got = tag.findall(i.op_name)
-        if got and got[-1][0] == pas and (self.work(i, p.computation)[0] if i.opcode in NESTED else f(i, shapes)):
+        if got and got[-1][0] == pas and self.issued(i, p.computation)[0]:
           steps.add(int(got[-1][1]))
       grad = p.coll.scope == "cp_ring_grad"
       behind = int(step) + (1 if grad else 0)
