@@ -361,7 +361,8 @@ def test_ring_shifts_run_behind_their_steps_and_memory_is_explained():
   rows = prog.overlap()["ring_steps"]
   forward = [r for r in rows if r["pass"] == "forward"]
   assert sorted(r["step"] for r in forward) == [0, 1, 2] and all(r["hidden"] for r in forward), forward
-  assert any(r["hidden"] for r in rows if r["pass"] == "backward"), rows
+  # in backward at least one shift runs behind a ring step (the last dK/dV shift, home, hides behind anything)
+  assert any(r["hidden"] and r["can_hide_behind"] is not None for r in rows if r["pass"] == "backward"), rows
   got = memory_model.compare(cfg, memory(compiled), residuals)["components"]
   assert abs(got["working"]["error"]) < 0.10 and abs(got["peak"]["error"]) < 0.10, got
 

@@ -11,9 +11,8 @@ runs the model's own kernel; schedules/context.py), remat save_qkv_attn_out, and
 (it would otherwise rewrite the program to fit 80 GB and the compiler's figure would no longer be the program's).
 
 Each configuration's compiled peak and temporaries (the working memory) beside memory_model.compare's analytic
-ones. (It also compiles at 1/16 of the sequence and writes (temp(L) - temp(L/16)) x 16/15 as
-`activations.compiled`; that is not the activations where the peak falls in another phase at the shorter length,
-the backward instead of the loss: experiments/context/README.md.)
+ones. The layers' saved activations themselves are in the compiler's buffer assignment: add
+`+xla.flags.xla_dump_to=DIR` to a dry run and read its `*memory-usage-report.txt` (experiments/context/README.md).
 """
 from __future__ import annotations
 
@@ -29,20 +28,14 @@ BASE = ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=2", "mesh.fs
 DEGREES = (1, 2, 4)
 
 
-def compile_memory(overrides: list[str], shorter: int = 16) -> dict:
-  """Target-compile the step for `overrides`, and again at 1/`shorter` of the sequence: the compiler's memory,
-  the analytic breakdown, and the activations of both (module doc)."""
+def compile_memory(overrides: list[str]) -> dict:
+  """Target-compile the step for `overrides`: the compiler's memory beside the analytic breakdown (module doc)."""
   from shardlab.analysis import memory_model as MM
   cfg, compiled, secs = _compile(overrides)
-  ws = compiled["gemm_workspace"]
-  short = _compile(overrides + [f"model.seq_len={cfg.model.seq_len // shorter}"])[1]
-  a = MM.breakdown(cfg)   # per-token estimate: cuDNN's attention keeps its own O(L) set (as costmodel.predict_run)
-  measured = (compiled["temp"] - short["temp"]) * shorter / (shorter - 1)
   return {"devices": cfg.mesh.n_devices, "compile_s": secs, "local_tokens": MM.local_tokens(cfg),
           "compiled": {k: compiled[k] for k in ("argument", "output", "temp", "peak")},
-          "compiled_short_sequence": {k: short[k] for k in ("argument", "output", "temp", "peak")},
-          "analytic": a, "activations": {"compiled": measured, "analytic": a["activations"]},
-          "components": MM.compare(cfg, compiled, gemm_workspace=ws)["components"]}
+          "analytic": MM.breakdown(cfg),   # per-token estimate: cuDNN's attention keeps its own set (costmodel)
+          "components": MM.compare(cfg, compiled, gemm_workspace=compiled["gemm_workspace"])["components"]}
 
 
 def _compile(overrides: list[str]):
@@ -69,24 +62,18 @@ def main() -> None:
   out = {}
   for c in DEGREES:
     r = out[c] = compile_memory(BASE + [f"mesh.context={c}"] + extra)
-    act = r["activations"]
-    print(f"context {c}: {r['devices']} H100s, {r['local_tokens']} tokens per device; peak {r['compiled']['peak'] / 1e9:.2f} GB;"
-          f" activations compiled {act['compiled'] / 1e9:.2f} GB, model {act['analytic'] / 1e9:.2f} GB "
-          f"({act['analytic'] / act['compiled'] - 1:+.1%}); peak model {r['components']['peak']['analytic'] / 1e9:.2f} GB "
-          f"({r['components']['peak']['error']:+.1%}), working {r['components']['working']['error']:+.1%}  "
+    peak = r["components"]["peak"]
+    print(f"context {c}: {r['devices']} H100s, {r['local_tokens']} tokens per device; peak {peak['compiled'] / 1e9:.2f} GB"
+          f" compiled, {peak['analytic'] / 1e9:.2f} GB model ({peak['error']:+.1%}); working "
+          f"{r['components']['working']['error']:+.1%}; model activations {r['analytic']['activations'] / 1e9:.2f} GB  "
           f"[{r['compile_s']} s]", flush=True)
   one = out[1]
   for c in DEGREES[1:]:
     r = out[c]
-    ratio = r["activations"]["compiled"] / one["activations"]["compiled"]
-    removed = one["compiled"]["peak"] - r["compiled"]["peak"]
-    model_removed = one["activations"]["analytic"] - r["activations"]["analytic"]
-    r["vs_context_1"] = {"activation_ratio_compiled": ratio,
-                         "activation_ratio_analytic": r["activations"]["analytic"] / one["activations"]["analytic"],
-                         "peak_removed_compiled": removed, "peak_removed_analytic": model_removed}
-    print(f"context {c} / context 1: activations x{ratio:.3f} compiled, x{r['vs_context_1']['activation_ratio_analytic']:.3f}"
-          f" model; peak removed {removed / 1e9:.2f} GB compiled, {model_removed / 1e9:.2f} GB model "
-          f"({model_removed / removed - 1:+.1%})")
+    r["vs_context_1"] = {"peak_ratio_compiled": r["compiled"]["peak"] / one["compiled"]["peak"],
+                         "activation_ratio_analytic": r["analytic"]["activations"] / one["analytic"]["activations"]}
+    print(f"context {c} / context 1: peak x{r['vs_context_1']['peak_ratio_compiled']:.3f} compiled; model activations "
+          f"x{r['vs_context_1']['activation_ratio_analytic']:.3f}")
   (HERE / "memory.json").write_text(json.dumps(
       {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv), "overrides": BASE + extra,
        "contexts": out}, indent=1))

@@ -165,7 +165,8 @@ def ring_plan(parts: int, local: int, block: int, balanced: bool) -> tuple:
   from the positions the data gives each device (contiguous, or zigzag when balanced: ContextConfig.order).
   Step s runs a loop of exactly visible[s] pairs on every device: the visible ones first, then (on a device with
   fewer) wholly masked ones that add nothing. A static trip count, no branch: the program holds the count, and
-  a step takes its busiest device's work, the pace a ring runs at."""
+  a step takes its busiest device's work, the pace a ring runs at. The count assumes the data's order: positions
+  in another order could have more visible pairs than it and lose the rest."""
   half = local // 2 if balanced else local
   n = max(d for d in range(1, min(block, half) + 1) if half % d == 0)
   order = zigzag(local * parts, parts) if balanced else np.arange(local * parts)
