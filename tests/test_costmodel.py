@@ -32,6 +32,20 @@ def test_collective_costs_follow_anchors():
   assert t("all-gather", V, 1, "fsdp", H100, {}) == 0.0
 
 
+def test_a_collective_is_charted_by_its_mesh_axis_whatever_placed_it():
+  """A user's TP class names its own scopes (docs/schedules.md): its collectives over `tensor` are tensor
+  communication in the timeline as much as the built-in ones; FSDP's gathers and reductions keep their classes."""
+  from shardlab.analysis import timeline as TL
+  from shardlab.analysis.hlo import Collective
+  from shardlab.axes import CONTEXT, FSDP, TENSOR
+  cat = lambda kind, axis, scope: TL.category(TL.Task("comm", [], coll=Collective(kind, axis, "bf16", 2, 2, 1, 1,
+                                                                                       scope, "c", "x")))
+  assert cat("all-gather", TENSOR, "my_own_gather") == cat("all-gather", TENSOR, "tp_all_gather") == TENSOR
+  assert cat("collective-permute", CONTEXT, "ring_kv") == CONTEXT
+  assert cat("all-gather", FSDP, "anything") == "fsdp all-gather" and cat("all-reduce", FSDP, "x") == FSDP
+  assert cat("all-reduce", f"{FSDP}+{TENSOR}", "loss_sum") == "other comm"
+
+
 def test_replay_overlaps_independent_work_and_serializes_dependencies():
   from shardlab.analysis import timeline as TL
   from shardlab.analysis.hlo import Collective

@@ -54,6 +54,9 @@ COMMANDS = {
     "python -m shardlab dry_run=true compile_for=target hardware=h100 model=llama2_7b mesh=8x1 precision=bf16 "
     "train.batch_size=32 model.attention=dot_product schedule=fsdp_prefetch "
     "schedule.remat=save_matmuls_attn_out xla=maxtext_a3": "target",
+    # docs/analysis.md
+    "python -m shardlab dry_run=true compile_for=target hardware=h100 model=llama3_8b model.seq_len=2048 "
+    "precision=bf16 train.batch_size=4 schedule=fsdp_prefetch mesh=4x2": "target",
     # docs/failure_handling.md, docs/schedules.md
     "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50": COVERED,
     "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50 checkpoint.resume=true": COVERED,
@@ -112,6 +115,10 @@ def test_target_dry_runs_run_as_written(command, tmp_path):
   s = json.loads((tmp_path / "summary.json").read_text())
   assert s["memory"]["fits"] and s["prediction"]["model"].startswith("calibrated")
   assert s["overlap"]["available"]                   # TPU programs too (docs/targets.md)
+  assert s["ledger"]["differences"] == [] and s["audit"]["unplanned"] == []   # every byte explained
+  if "model=llama3_8b" in command:                   # docs/analysis.md's table of rewrites
+    narrowed = [r for r in s["ledger"]["rewrites"] if r["rewrite"] == "dtype narrowed"]
+    assert [(r["program"]["bytes"], r["compiled"]["bytes"]) for r in narrowed] == [(21726769152, 10863384576)]
   if "model=llama2_7b" in command:
     assert round(s["prediction"]["t_overlapped_s"], 2) == round(MAXTEXT["step_s"], 2)
     assert round(s["memory"]["peak"] / 1e9, 1) == MAXTEXT["peak_gb"]

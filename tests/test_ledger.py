@@ -160,7 +160,8 @@ def test_compiled_ledger_equals_program_and_hand_count_and_nothing_unplanned(pre
     return
   assert unplanned == [], f"{preset}: collectives not placed through shardlab.collectives"
   prog = program_rows((2, 4), knobs)
-  assert ledger.compare(prog, compiled) == []
+  rec = ledger.reconcile(prog, compiled)
+  assert rec.differences == [] and {r["rewrite"] for r in rec.rewrites} <= {"combined"}   # XLA:CPU, f32
   a, b = ledger.totals(prog), ledger.totals(compiled)
   assert all(a[key]["count"] == b[key]["count"] for key in a if key[0] != "all-reduce"), (a, b)
   assert {key: t["bytes"] for key, t in b.items()} == {
@@ -281,3 +282,43 @@ def test_ffn_compiled_ledger_equals_program_and_nothing_unplanned(preset):
   assert ledger.compare(program_rows((2, 4), knobs, FFN), compiled) == []
   assert {key: t["bytes"] for key, t in ledger.totals(compiled).items()} == {
       key: t["bytes"] for key, t in ffn_hand_ledger((2, 4), dict(knobs)).items()}
+
+
+def _row(kind, axis, dtype, n, full, count=1, arrays=1):
+  from shardlab.analysis import hlo, ledger
+  return ledger.Row(kind, axis, dtype, "fsdp_all_gather", False, n, arrays, count, full, hlo.moved_bytes(kind, full, n))
+
+
+def test_reconcile_names_each_compiler_rewrite_and_reports_the_rest():
+  """The rewrites the H100 and TPU compilers make, each named with its bytes (elements of the whole array
+  conserved); a byte no rule pairs, or more executions than placed, stays a difference."""
+  from shardlab.analysis import ledger
+  placed = [_row("all-gather", "fsdp", "f32", 4, 4096, count=3), _row("reduce-scatter", "fsdp", "f32", 4, 4096),
+            _row("reduce-scatter", "tensor", "bf16", 2, 2048, count=2), _row("all-gather", "tensor", "f32", 2, 64)]
+  compiled = [_row("all-gather", "fsdp", "bf16", 4, 2048 * 3, arrays=3),             # 3 gathers combined, as bf16
+              _row("all-reduce", "fsdp", "f32", 4, 4096),                            # reduce-scatter as all-reduce
+              _row("reduce-scatter", "tensor", "bf16", 2, 2048, count=2),
+              _row("all-reduce", "tensor", "f32", 2, 64)]                            # a small gather, reduced
+  rec = ledger.reconcile(placed, compiled)
+  assert rec.differences == [] and rec.unexplained == set()
+  got = {(r["rewrite"], r["axis"]): r for r in rec.rewrites}
+  assert set(got) == {("dtype narrowed", "fsdp"), ("reduce-scatter as all-reduce", "fsdp"), ("combined", "fsdp"),
+                      ("all-gather as all-reduce", "tensor")}
+  n = got[("dtype narrowed", "fsdp")]
+  assert (n["program"]["bytes"], n["compiled"]["bytes"]) == (3 * 3072, 3 * 1536) and n["elements"] == 3 * 1024
+  r = got[("reduce-scatter as all-reduce", "fsdp")]
+  assert r["compiled"]["bytes"] == 2 * r["program"]["bytes"] == 2 * 3072
+  assert got[("combined", "fsdp")]["program"]["executions"] == 4 and got[("combined", "fsdp")]["compiled"] == {
+      "executions": 2, "arrays": 4}
+  assert ledger.per_axis(placed, compiled)["fsdp"] == {"placed_bytes": 4 * 3072, "compiled_bytes": 3 * 1536 + 6144}
+
+  extra = compiled + [_row("all-to-all", "tensor", "bf16", 2, 64)]                   # nobody placed it
+  rec = ledger.reconcile(placed, extra)
+  assert rec.unexplained == {"tensor"} and rec.differences == [
+      "all-to-all/tensor/bf16: 32 bytes (32 elements) moved that the program did not place",
+      "tensor: the compiled program runs 4 collectives per step, the program places 3"]
+  summed = ledger.reconcile([_row("all-reduce", "fsdp", "f32", 8, 4, count=3)], [_row("all-reduce", "fsdp", "f32", 8, 8)])
+  assert summed.differences == [] and summed.rewrites[0]["rewrite"] == "all-reduce on fewer elements"
+  assert summed.rewrites[0]["elements"] == 1 and summed.rewrites[0]["program"]["bytes"] == 7   # 3 scalars reduced as 2
+  missing = ledger.reconcile(placed, compiled[:2])                                  # the tensor axis dropped
+  assert missing.unexplained == {"tensor"} and all("placed that" in d for d in missing.differences)

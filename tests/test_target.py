@@ -13,6 +13,7 @@ pytest.importorskip("jax_cuda12_plugin", reason="target compilation needs the cu
 
 from conftest import load_preset, preset_names, tiny_config  # noqa: E402
 from shardlab.testing import abstract_batch  # noqa: E402
+from shardlab.axes import FSDP  # noqa: E402
 from shardlab.trainer import build  # noqa: E402
 from shardlab.analysis.confirm import confirm_layouts  # noqa: E402
 
@@ -65,7 +66,7 @@ def test_target_ledger_equals_program(preset):
   assert prog.platform == "gpu" and prog.scheduled
   rows = ledger.from_hlo(prog.collectives)
   assert ledger.compare(program, rows) == []
-  audit = costmodel.reconcile_audit(prog.audit(), program, rows, prog)
+  audit = costmodel.reconcile_audit(prog.audit(), ledger.reconcile(program, rows), prog)
   assert audit["unplanned"] == []
   assert len(prog.async_pairs()) == len(prog.collectives)   # every collective: one start/done pair
 
@@ -210,16 +211,27 @@ def _target_presets():
 @pytest.mark.parametrize("preset", _target_presets())
 def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp_path):
   """compile_for=target dry runs on every hardware preset that names a target (h100, h200, h100_multinode,
-  tpu_v5p, tpu_v5e): the step compiles with that target's compiler and is analyzed."""
+  tpu_v5p, tpu_v5e): the step compiles with that target's compiler and is analyzed, and the ledger explains
+  every byte the compiler changed. bf16 with f32 master weights: both compilers gather the weights as bf16 (the
+  convert moved in front of the all-gather); libtpu also reduces some reduce-scatters and small all-gathers
+  as all-reduces, and splits a collective over fused continuations (one chain, counted once)."""
   import importlib.util
   from conftest import compose
   from shardlab.config import to_config
   from shardlab.trainer import train
-  cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false"))
+  cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false",
+                          "precision=bf16", "schedule=fsdp_prefetch"))
   if importlib.util.find_spec("libtpu" if cfg.hardware.target_platform == "tpu" else "jax_cuda12_plugin") is None:
     pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
   summary = train(cfg, tmp_path / "run")
   assert summary["status"] == "ok" and summary["target"]["devices"] == 8, summary.get("target")
+  led = summary["ledger"]
+  assert led["differences"] == [] and summary["audit"]["unplanned"] == [], (led, summary["audit"])
+  narrowed = [r for r in led["rewrites"] if r["rewrite"] == "dtype narrowed" and r["axis"] == FSDP]
+  assert narrowed and narrowed[0]["program"]["dtype"] == "f32" and narrowed[0]["compiled"]["dtype"] == "bf16"
+  assert narrowed[0]["compiled"]["bytes"] * 2 == narrowed[0]["program"]["bytes"]
+  axes = led["per_axis"]
+  assert axes[FSDP]["compiled_bytes"] < axes[FSDP]["placed_bytes"]
   from shardlab.run import numbers          # what the dry run prints: the target's memory against HBM, named
   lines = numbers(summary)
   assert lines[0].startswith(f"shardlab: prediction for {preset} (calibrated model over the ")
@@ -512,3 +524,25 @@ ENTRY %main (x: f32[]) -> (s32[], f32[]) {{
   assert hlo.multiplicities(comps, entry)["body"] == trips
   with pytest.raises(ValueError, match="no known trip count"):       # a body that does not count up: refused
     hlo.trip_count(loop, entry, hlo.parse(re.sub(r"add\((%ic?), %c\)", r"multiply(\1, %c)", text))[0])
+
+
+@pytest.mark.parametrize("preset", ["h100", "tpu_v5p"])
+def test_gspmd_baseline_compiles_for_each_target_with_its_attention_kernel(preset, tmp_path):
+  """The compiler's baseline runs the same attention kernel as the explicit schedules: on the H100 target cuDNN's
+  fused attention (a shard_map over batch and heads; JAX's cuDNN partitioner refuses a head-sharded operand),
+  on v5p the blockwise kernel; every collective is the compiler's (the audit lists them all as unplanned)."""
+  import importlib.util
+  from conftest import compose
+  from shardlab.config import to_config
+  from shardlab.trainer import train
+  attention = "dot_product" if preset == "h100" else "blockwise"
+  dump = [f"+xla.flags.xla_dump_to={tmp_path / 'dump'}"] if preset == "h100" else []
+  cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false",
+                          "precision=bf16", "schedule=gspmd", f"model.attention={attention}", *dump))
+  if importlib.util.find_spec("libtpu" if cfg.hardware.target_platform == "tpu" else "jax_cuda12_plugin") is None:
+    pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
+  summary = train(cfg, tmp_path / "run")
+  assert summary["status"] == "ok" and summary["audit"]["unplanned"] and summary["ledger"]["program"] == {}
+  if preset == "h100":
+    hlo = "".join(p.read_text() for p in (tmp_path / "dump").glob("*after_optimizations.txt"))
+    assert "__cudnn$fmha" in hlo

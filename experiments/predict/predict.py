@@ -40,11 +40,10 @@ MACHINES = {
     "h100": ["compile_for=target", "hardware=h100", "model.attention=dot_product", "cpu_devices=8", "mesh.fsdp=4",
              "mesh.tensor=2", "train.batch_size=32"],
     # TPU: jax.nn.dot_product_attention has no fused TPU implementation (XLA's materialises the [B, H, L, L]
-    # scores), so the memory-efficient blockwise attention. Compiled by XLA:CPU on 64 fake devices and costed by
-    # the peak-rate model: compile_for=target compiles with libtpu (TPU_PROBE below: libtpu's memory of the
-    # baseline, and whether shardlab parses that program), but these rows do not cost libtpu's program.
-    "tpu_v5p": ["hardware=tpu_v5p", "model.attention=blockwise", "cpu_devices=64", "mesh.fsdp=16", "mesh.tensor=4",
-                "mesh.fsdp_ici_axes=2", "train.batch_size=256"],
+    # scores), so the memory-efficient blockwise attention. Compiled by libtpu for a v5p slice of 64 chips
+    # (4x4x4) and costed by the calibrated replay of libtpu's own order, as the H100 rows are.
+    "tpu_v5p": ["compile_for=target", "hardware=tpu_v5p", "model.attention=blockwise", "mesh.fsdp=16",
+                "mesh.tensor=4", "mesh.fsdp_ici_axes=2", "train.batch_size=256"],
 }
 VARIANTS = {"fsdp_prefetch+bf16_gather": ["schedule=fsdp_prefetch", "schedule.gather_dtype=compute"]}
 OVERRIDES: dict = {}
@@ -64,10 +63,6 @@ LLAMA2_7B_RUNS = {
         "model.attention=dot_product", "schedule.remat=save_matmuls_attn_out", "schedule=fsdp_prefetch",
         "xla=maxtext_a3"],
 }
-# libtpu's memory of one TPU configuration: its compile works; shardlab's analysis of the program does not (yet).
-TPU_PROBE = ("tpu_v5p", "baseline")
-
-
 def presets() -> dict:
   names = sorted(p.stem for p in (CONF_DIR / "schedule").glob("*.yaml"))
   return {**{n: [f"schedule={n}"] for n in names}, **VARIANTS}
@@ -111,56 +106,6 @@ def run_all(only: list[str], machines: list[str], force: bool) -> None:
     (out / "predict.json").write_text(json.dumps({"args": args, "rc": p.returncode, "wall_s": wall,
                                                   "stderr_tail": tail}, indent=1))
     print(f"  rc {p.returncode}, {wall:.0f} s" + (f": {tail[-1]}" if p.returncode and tail else ""), flush=True)
-  if (not machines or TPU_PROBE[0] in machines) and (not only or TPU_PROBE[1] in only):
-    tpu_probe(force)
-
-
-def probe_args() -> list[str]:
-  m, name = TPU_PROBE
-  return [*COMMON, *MACHINES[m], *presets()[name], "compile_for=target"]
-
-
-def tpu_probe(force: bool) -> None:
-  """The TPU configuration compiled by libtpu (deviceless): its memory_analysis, in a subprocess of its own."""
-  f = RUNS / f"{TPU_PROBE[0]}_libtpu" / TPU_PROBE[1] / "memory.json"
-  if not force and f.exists() and json.loads(f.read_text()).get("args") == probe_args():
-    print(f"done already: {f.relative_to(ROOT)}", flush=True)
-    return
-  f.parent.mkdir(parents=True, exist_ok=True)
-  print("libtpu compile: " + " ".join(probe_args()), flush=True)
-  t0 = time.perf_counter()
-  p = subprocess.run([sys.executable, __file__, "--probe-child", str(f)], cwd=ROOT, check=False,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  if p.returncode:
-    tail = [l for l in p.stderr.splitlines() if l.strip()][-3:]
-    f.write_text(json.dumps({"args": probe_args(), "status": "error",
-                             "error": tail[-1] if tail else f"rc {p.returncode}",
-                             "wall_s": time.perf_counter() - t0}, indent=1))
-  print(f"  rc {p.returncode}, {time.perf_counter() - t0:.0f} s", flush=True)
-
-
-def probe_child(path: str) -> None:
-  from hydra import compose, initialize_config_dir
-  from shardlab import run as R, target as TG
-  from shardlab.analysis.program import memory
-  from shardlab.config import register_configs, to_config
-  register_configs()
-  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-    cfg = to_config(compose("config", overrides=[a for a in probe_args() if not a.startswith("cpu_devices")]))
-  t0 = time.perf_counter()
-  devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
-  built = R.build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
-  compiled = TG.compile_(R.lower(built), cfg.xla.flags)
-  compile_s = time.perf_counter() - t0
-  status, error = "ok", None
-  try:                                  # what compile_for=target's analysis does first: parse the program
-    from shardlab.analysis.program import Program
-    Program.of(compiled, built["mesh"])
-  except Exception as e:                # noqa: BLE001  (recorded: why the TPU rows are not target-compiled)
-    status, error = "analysis_error", f"{type(e).__name__}: {e}"
-  Path(path).write_text(json.dumps({"args": probe_args(), "status": status, "analysis_error": error,
-                                    "memory": memory(compiled), "hbm_bytes": cfg.hardware.hbm_bytes,
-                                    "device_kind": devs[0].device_kind, "compile_s": compile_s}, indent=1))
 
 
 def load(f: Path) -> dict:
@@ -176,10 +121,11 @@ def load(f: Path) -> dict:
 
 
 def row(name: str, s: dict) -> dict:
-  # bytes of the traced program (XLA:CPU widens bf16 collectives); gspmd places none, so its compiled ones (+)
-  comm = s["ledger"]["program"] or s["ledger"]["compiled"]
+  # bytes per device per step over each axis: as the program placed them and as the target's program moves them
+  # (ledger.per_axis, after the compiler's rewrites); gspmd places none (+), the compiler places them all
+  per = s["ledger"]["per_axis"]
   p = s["prediction"]
-  moved = lambda axis: sum(t["bytes"] for a in comm.values() for t in a.get(axis, {}).values()) / 1e9
+  moved = lambda axis, side="compiled_bytes": per.get(axis, {}).get(side, 0) / 1e9
   if not s["ledger"]["program"]:
     name += " (+)"
   ceiling = p.get("ceiling", p)                  # calibrated (target) runs keep the peak-rate replay as ceiling
@@ -190,7 +136,9 @@ def row(name: str, s: dict) -> dict:
           "exposed_comm_ms": p["exposed_comm_s"] * 1e3, "mfu": p["mfu"],
           "ceiling_ms": ceiling["t_overlapped_s"] * 1e3, "ceiling_mfu": ceiling["mfu"],
           "critical_ms": {k: v * 1e3 for k, v in ceiling["critical_path_s"].items()}, "gb_fsdp": moved("fsdp"),
-          "gb_tensor": moved("tensor"), "peak_gb": s["memory"]["peak"] / 1e9, "fits": s["memory"].get("fits"),
+          "gb_tensor": moved("tensor"), "gb_fsdp_placed": moved("fsdp", "placed_bytes"),
+          "gb_tensor_placed": moved("tensor", "placed_bytes"), "rewrites": s["ledger"]["rewrites"],
+          "differences": s["ledger"]["differences"], "peak_gb": s["memory"]["peak"] / 1e9, "fits": s["memory"].get("fits"),
           "compiled_by": s["memory"].get("compiled_by", "cpu"), "model": p.get("model", "peak-rate"),
           "analytic_gb": s["memory"]["analytic"]["total"] / 1e9, "compile_s": s["compile_time_s"]}
 
@@ -245,29 +193,35 @@ def table() -> list[str]:
               (f"Compiled by {'XLA:CPU (fake CPU devices)' if by == 'cpu' else 'the target compiler (' + by + ')'}; "
                f"prediction: {ok[0]['model']}." if ok else "No run finished."), "",
               "| schedule | compute ms (matmuls) | fsdp comm ms | tensor comm ms | serial ms | **predicted ms** "
-              "| exposed ms | MFU | peak-rate ms (MFU) | critical path at peak rate: compute / fsdp / tensor ms "
-              "| GB fsdp | GB tensor | peak GB compiled | analytic GB | compile s |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| **/ gspmd** | exposed ms | MFU | peak-rate ms (MFU) "
+              "| critical path at peak rate: compute / fsdp / tensor ms | GB fsdp placed -> moved "
+              "| GB tensor placed -> moved | ledger explained | peak GB compiled | analytic GB | compile s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    gspmd = next((r for r in ok if r["schedule"].startswith("gspmd")), None)
     for r in rows:
       if "error" in r:
-        lines.append(error_row(r["schedule"], r, 16, f"{machine} {r['schedule']}"))
+        lines.append(error_row(r["schedule"], r, 18, f"{machine} {r['schedule']}"))
         continue
       fits = "" if r["fits"] is None else (" (fits)" if r["fits"] else " (**over**)")
+      ratio = f"{r['t_overlapped_ms'] / gspmd['t_overlapped_ms']:.2f}" if gspmd else "n/a"
+      placed = lambda axis: "-" if r["schedule"].endswith("(+)") else f"{r[f'gb_{axis}_placed']:.1f}"
+      explained = "n/a (+)" if r["schedule"].endswith("(+)") else (
+          "yes" if not r["differences"] else f"**{len(r['differences'])} unexplained**")
       lines.append(f"| {r['schedule']} | {r['t_compute_ms']:.0f} ({r['t_gemm_ms'] or r['t_compute_ms']:.0f}) "
                    f"| {r['t_comm_fsdp_ms']:.1f} | {r['t_comm_tensor_ms']:.1f} "
-                   f"| {r['t_serial_ms']:.0f} | **{r['t_overlapped_ms']:.0f}** | {r['exposed_comm_ms']:.1f} "
+                   f"| {r['t_serial_ms']:.0f} | **{r['t_overlapped_ms']:.0f}** | **{ratio}** "
+                   f"| {r['exposed_comm_ms']:.1f} "
                    f"| {r['mfu']:.0%} | {r['ceiling_ms']:.0f} ({r['ceiling_mfu']:.0%}) "
                    f"| {r['critical_ms']['compute']:.0f} / {r['critical_ms'].get('fsdp', 0):.0f} / "
                    f"{r['critical_ms'].get('tensor', 0):.0f} "
-                   f"| {r['gb_fsdp']:.1f} | {r['gb_tensor']:.1f} | {r['peak_gb']:.1f}{fits} "
+                   f"| {placed('fsdp')} -> {r['gb_fsdp']:.1f} | {placed('tensor')} -> {r['gb_tensor']:.1f} "
+                   f"| {explained} | {r['peak_gb']:.1f}{fits} "
                    f"| {r['analytic_gb']:.1f} | {r['compile_s']:.0f} |")
     notes = [f"{n}: {' '.join(v)}" for (m, n), v in OVERRIDES.items() if m == machine]
     if any("(+)" in r["schedule"] for r in ok):
-      notes.append("(+) compiler-placed: bytes as the compiler placed them" +
-                   (" (XLA:CPU widens bf16 collectives to f32)" if by == "cpu" else ""))
+      notes.append("(+) compiler-placed: bytes as the compiler placed them; the ledger has nothing placed to "
+                   "explain")
     lines += [f"\\* {'; '.join(notes)}", ""] if notes else [""]
-    if machine == TPU_PROBE[0]:
-      lines += probe_lines(results)
   lines += memory_table(results)
   (HERE / "results.json").write_text(json.dumps(results, indent=1))
   (HERE / "results.md").write_text("\n".join(lines))
@@ -276,23 +230,6 @@ def table() -> list[str]:
 
 
 GB = 1e9
-
-
-def probe_lines(results: dict) -> list[str]:
-  f = RUNS / f"{TPU_PROBE[0]}_libtpu" / TPU_PROBE[1] / "memory.json"
-  if not f.exists():
-    NOT_RUN.append("libtpu probe")
-    return ["libtpu compile of the baseline: not run (run predict.py without --table).", ""]
-  p = json.loads(f.read_text())
-  results[f"{TPU_PROBE[0]}_libtpu"] = p
-  if p["status"] == "error":
-    return [f"libtpu compile of the {TPU_PROBE[1]}: failed: {p['error'][:200]}", ""]
-  m = p["memory"]
-  return [f"The same {TPU_PROBE[1]} compiled by libtpu ({p['device_kind']}, `compile_for=target`, "
-          f"{p['compile_s']:.0f} s): arguments {m['argument'] / GB:.1f} / temp {m['temp'] / GB:.1f} / "
-          f"**peak {m['peak'] / GB:.1f} GB** per chip ({'fits' if m['peak'] <= p['hbm_bytes'] else '**over**'} "
-          f"{p['hbm_bytes'] / GB:.0f} GB). shardlab's analysis of that program: "
-          + (f"`{p['analysis_error']}`." if p["analysis_error"] else "ok."), ""]
 
 
 def memory_table(results: dict) -> list[str]:
@@ -331,9 +268,6 @@ def memory_table(results: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-  if sys.argv[1:2] == ["--probe-child"]:
-    probe_child(sys.argv[2])
-    sys.exit(0)
   machines = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--machine=")]
   if "--table" not in sys.argv:
     run_all([a for a in sys.argv[1:] if not a.startswith("-")], machines, "--force" in sys.argv)

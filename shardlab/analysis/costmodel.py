@@ -200,11 +200,13 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
     TL.plot(evs, out / "timeline.png", title(cfg, pred))
   rows = ledger.from_hlo(prog.collectives)
-  led = {"program": None, "compiled": ledger.nested(rows), "differences": None}
+  led = {"program": None, "compiled": ledger.nested(rows), "rewrites": None, "differences": None, "per_axis": None}
   audit = dict(analysis.get("audit") or prog.audit())
   if program is not None:
-    led.update(program=ledger.nested(program), differences=ledger.compare(program, rows))
-    audit = reconcile_audit(audit, program, rows, prog)
+    rec = ledger.reconcile(program, rows)
+    led.update(program=ledger.nested(program), rewrites=rec.rewrites, differences=rec.differences,
+               per_axis=ledger.per_axis(program, rows))
+    audit = reconcile_audit(audit, rec, prog)
   own_kernel = cfg.mesh.context == 1 or cfg.context.impl == "ulysses"   # a ring or all_gather runs its own
   if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product" and own_kernel:
     residuals = None   # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records
@@ -217,17 +219,19 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   return {"prediction": pred, "memory": mem, "ledger": led, "audit": audit}
 
 
-def reconcile_audit(audit: dict, program: list, rows: list, prog) -> dict:
-  """A collective the compiler built by combining several planned ones (GPU: all-reduces concatenated into one
-  buffer) carries no op_name, hence no scope. It is `combined`, not unplanned, when its kind, axis and dtype move
-  exactly the bytes the traced program placed; anything else without a scope stays unplanned."""
-  bad = {tuple(d.split(":")[0].split("/")) for d in ledger.compare(program, rows)}
+def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
+  """A collective the compiler built from planned ones (combined several into one buffer, turned a
+  reduce-scatter into an all-reduce) carries no op_name, hence no scope. It is listed under `combined`, with the
+  ledger rewrites that explain it, when the ledger's reconciliation explains every byte of its axis; anything
+  else without a scope stays unplanned."""
   names = {c.name: c for c in prog.collectives}
   keep, combined = [], []
   for u in audit["unplanned"]:
     c = names.get(u["name"])
-    if c is not None and not c.op_name and (c.kind, c.axis, c.dtype) not in bad:
-      combined.append(u)
+    if c is not None and not c.op_name and c.axis not in rec.unexplained:
+      why = sorted({r["rewrite"] for r in rec.rewrites if r["axis"] == c.axis and
+                    (r["rewrite"] == "combined" or (r["compiled"]["kind"], r["compiled"]["dtype"]) == (c.kind, c.dtype))})
+      combined.append({**u, "rewrite": why})
     else:
       keep.append(u)
   return {**audit, "unplanned": keep, "combined": combined}

@@ -269,10 +269,15 @@ class Collective:
   name: str
   arrays: int = 1       # arrays it carries (more than 1 when XLA combined several collectives into one)
   op_name: str = ""     # the jax op_name path ('transpose(' in it: a backward-pass collective)
+  parts: tuple = ()     # ((dtype, bytes_full, arrays), ..) when a combined collective carries several dtypes
 
   @property
   def total_bytes(self) -> int:
     return self.bytes_moved * self.count
+
+  def by_dtype(self) -> list[tuple[str, int, int]]:
+    """[(dtype, bytes_full, arrays)]: one entry, or one per dtype of a combined collective's arrays."""
+    return list(self.parts) or [(self.dtype, self.bytes_full, self.arrays)]
 
 
 def moved_bytes(kind: str, full: int, n: int) -> int:
@@ -306,13 +311,20 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
   """`collectives` of an already parsed program. An async pair (`all-gather-start` .. `all-gather-done`, as GPU
   programs have) is one collective: its start. `device_ids`: the mesh, or its device ids with its axis_names."""
   device_ids, axis_names = mesh_ids(device_ids, axis_names)
-  out = []
+  out, chains = [], set()
   for comp, instrs in comps.items():
     shapes = {i.name: i.shape for i in instrs}
     for ins in instrs:
       kind = ins.opcode.removesuffix("-start")
       if kind not in COLLECTIVES or mult.get(comp, 0) == 0:
         continue
+      # libtpu's async collective fusion splits one collective over a start fusion and its continuations, each
+      # holding a copy of the instruction marked with the same chain_id: one collective, counted once
+      chain = re.search(r'chain_id="(\d+)"', ins.attrs)
+      if chain and chain.group(1) in chains:
+        continue
+      if chain:
+        chains.add(chain.group(1))
       if kind == "collective-permute":
         groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", ins.attrs.split("source_target_pairs=")[1])]
         n = _ring_size(groups, device_ids, axis_names)
@@ -326,12 +338,29 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
       full = shape_bytes(ins.shape) if kind == "all-gather" else operand_bytes
       if kind == "all-gather" and ins.opcode.endswith("-start"):   # async (GPU): the result tuple holds the operand
         full = operand_bytes * n
-      dtype = re.search(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[", ins.shape).group(1)
+      # a reduction's dtype is its operand's: libtpu folds a convert into an all-reduce (bf16 operand, f32 result)
+      typed = shapes.get(ins.operands[0], ins.shape) if kind != "all-gather" and ins.operands else ins.shape
+      dtype = re.search(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[", typed).group(1)
       scope = scope_of(ins.op_name)
       out.append(Collective(kind, axis_of(groups, device_ids, axis_names), dtype, n, full,
                             moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name, len(ins.operands),
-                            ins.op_name))
+                            ins.op_name, _parts([shapes.get(o, "") for o in ins.operands], full)))
   return out
+
+
+def _parts(operands: list[str], full: int) -> tuple:
+  """A combined collective's arrays by dtype, ((dtype, bytes_full, arrays), ..), its `full` bytes split in
+  proportion to the operands' bytes; () when they share one dtype (the GPU combiner joins a bf16 weight's
+  gather and an f32 one's)."""
+  split: dict = {}
+  for shape in operands:
+    for dtype, _ in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
+      b, k = split.get(dtype, (0, 0))
+      split[dtype] = (b + shape_bytes(shape), k + 1)
+  total = sum(b for b, _ in split.values())
+  if len(split) < 2 or not total:
+    return ()
+  return tuple((d, full * b // total, k) for d, (b, k) in sorted(split.items()))
 
 
 def _ring_size(pairs, device_ids, axis_names) -> int:

@@ -119,9 +119,10 @@ def _has_collective(jaxpr) -> bool:
 
 
 def from_hlo(colls: list[hlo.Collective]) -> list[Row]:
-  """hlo.collectives(...) as ledger rows."""
-  return [Row(c.kind, c.axis, c.dtype, c.scope, "transpose(" in c.op_name, c.group_size, c.arrays, c.count,
-              c.bytes_full, c.bytes_moved) for c in colls if c.group_size > 1]
+  """hlo.collectives(...) as ledger rows (a combined collective carrying several dtypes: a row per dtype)."""
+  return [Row(c.kind, c.axis, dtype, c.scope, "transpose(" in c.op_name, c.group_size, arrays, c.count,
+              full, hlo.moved_bytes(c.kind, full, c.group_size))
+          for c in colls if c.group_size > 1 for dtype, full, arrays in c.by_dtype()]
 
 
 # ---- views ----
@@ -152,18 +153,116 @@ def nested(rows: list[Row]) -> dict:
   return out
 
 
+# What a target compiler may do to a placed collective, in the order the reconciliation tries them (a pair of
+# program and compiled (kind, dtype) on one mesh axis; elements of the whole array V are conserved):
+#   as placed                     same kind and dtype (executions may drop: `combined` below)
+#   dtype narrowed / widened      same kind, another dtype: XLA moved the convert across the collective (the H100
+#                                 and TPU compilers gather f32 weights as bf16 when only their bf16 copy is read;
+#                                 XLA:CPU has no bf16 collectives and widens them to f32)
+#   reduce-scatter as all-reduce  libtpu reduces small or awkwardly shaped arrays whole and slices its shard
+#                                 afterwards: 2 V (n-1)/n moved for the V (n-1)/n placed (any dtype change beside)
+#   all-gather as all-reduce      libtpu gathers small arrays (norm scales) as an all-reduce of the zero-padded
+#                                 whole: 2 V (n-1)/n moved for V (n-1)/n
+# and, for what no pair explains on an axis whose compiled collectives are all explained:
+#   all-reduce on fewer elements  XLA's AllReduceReassociate sums the operands of all-reduces whose results are
+#                                 added, then reduces once (the grad norm's partial sums, when a size-1 axis makes
+#                                 their groups equal); libtpu reduces a tensor-replicated gradient over `tensor`
+#                                 after its reduce-scatter over `fsdp`, on the shard
+REWRITES = (("as placed", lambda pk, pd, ck, cd: pk == ck and pd == cd),
+            ("dtype", lambda pk, pd, ck, cd: pk == ck and pd != cd),
+            ("reduce-scatter as all-reduce", lambda pk, pd, ck, cd: pk == "reduce-scatter" and ck == "all-reduce"),
+            ("all-gather as all-reduce", lambda pk, pd, ck, cd: pk == "all-gather" and ck == "all-reduce"))
+
+
+def _pools(rows: list[Row]) -> dict:
+  """{axis: {(kind, dtype): {"elements", "bytes", "count", "arrays"}}}: elements of the whole arrays V over
+  every execution (what a rewrite conserves), bytes sent per device."""
+  out: dict = {}
+  for r in rows:
+    p = out.setdefault(r.axis, {}).setdefault((r.kind, r.dtype), {"elements": 0, "bytes": 0, "count": 0, "arrays": 0})
+    p["elements"] += r.count * r.bytes_full // hlo.DTYPE_BYTES.get(r.dtype, 4)
+    p["bytes"] += r.total_bytes
+    p["count"] += r.count
+    p["arrays"] += r.count * r.arrays
+  return out
+
+
+@dataclass
+class Reconciled:
+  rewrites: list[dict]     # JSON-ready: {"rewrite", "axis", "elements", "program": {..}, "compiled": {..}}
+  differences: list[str]   # human-readable; [] when every byte is explained
+  unexplained: set         # the mesh axes the differences are on
+
+
+def reconcile(program: list[Row], compiled: list[Row]) -> Reconciled:
+  """The rewrites and differences between the traced program's ledger and the compiled one. Per mesh axis, every
+  element the program placed is paired with an element the compiled program moves, by the first rule of
+  REWRITES that pairs their (kind, dtype); each pairing other than "as placed" is a rewrite with the program's
+  and the compiled bytes. Fewer executions than placed, bytes paired, is the compiler's combiner (several arrays
+  in one instruction): a `combined` rewrite. `differences` (human-readable, [] when every byte is explained):
+  elements left unpaired on either side, and an axis whose compiled program runs more collectives than placed."""
+  P, C = _pools(program), _pools(compiled)
+  rewrites, bad, axes = [], [], set()
+  for axis in sorted(set(P) | set(C)):
+    before = len(bad)
+    p = {k: dict(v, left=v["elements"]) for k, v in P.get(axis, {}).items()}
+    c = {k: dict(v, left=v["elements"]) for k, v in C.get(axis, {}).items()}
+    for name, pairs in REWRITES:
+      for (pk, pd), a in sorted(p.items()):
+        for (ck, cd), b in sorted(c.items()):
+          m = min(a["left"], b["left"])
+          if m <= 0 or not pairs(pk, pd, ck, cd):
+            continue
+          a["left"] -= m
+          b["left"] -= m
+          if name == "as placed":
+            continue
+          what = name
+          if pd != cd:
+            change = "narrowed" if hlo.DTYPE_BYTES.get(cd, 4) < hlo.DTYPE_BYTES.get(pd, 4) else "widened"
+            what = f"dtype {change}" if name == "dtype" else f"{name}, dtype {change}"
+          rewrites.append({"rewrite": what, "axis": axis, "elements": m,
+                           "program": {"kind": pk, "dtype": pd, "bytes": a["bytes"] * m // a["elements"]},
+                           "compiled": {"kind": ck, "dtype": cd, "bytes": b["bytes"] * m // b["elements"]}})
+    if not any(b["left"] for b in c.values()):
+      for (pk, pd), a in sorted(p.items()):
+        if pk == "all-reduce" and a["left"]:
+          rewrites.append({"rewrite": "all-reduce on fewer elements", "axis": axis, "elements": a["left"],
+                           "program": {"kind": pk, "dtype": pd, "bytes": a["bytes"] * a["left"] // a["elements"]},
+                           "compiled": {"kind": pk, "dtype": pd, "bytes": 0}})
+          a["left"] = 0
+    for side, pool, other in (("program", p, "the compiled program does not move"),
+                              ("compiled", c, "the program did not place")):
+      for (kind, dtype), v in sorted(pool.items()):
+        if v["left"]:
+          bad.append(f"{kind}/{axis}/{dtype}: {v['bytes'] * v['left'] // v['elements']} bytes ({v['left']} elements) "
+                     f"{'placed that' if side == 'program' else 'moved that'} {other}")
+    placed, runs = sum(v["count"] for v in p.values()), sum(v["count"] for v in c.values())
+    if runs > placed:
+      bad.append(f"{axis}: the compiled program runs {runs} collectives per step, the program places {placed}")
+    elif runs < placed:
+      rewrites.append({"rewrite": "combined", "axis": axis, "program": {"executions": placed},
+                       "compiled": {"executions": runs,
+                                    "arrays": sum(v["arrays"] for v in c.values())}})
+    if len(bad) > before:
+      axes.add(axis)
+  return Reconciled(rewrites, bad, axes)
+
+
 def compare(program: list[Row], compiled: list[Row]) -> list[str]:
-  """Differences between the two ledgers, per (kind, axis, dtype): bytes and arrays must agree; executions may
-  differ only where XLA combined several all-reduces (or all-gathers, reduce-scatters) into one tuple-shaped
-  instruction, which leaves bytes and arrays unchanged. Returns human-readable mismatches ([] if none)."""
-  a, b = totals(program, ("kind", "axis", "dtype")), totals(compiled, ("kind", "axis", "dtype"))
-  bad = []
-  for key in sorted(set(a) | set(b)):
-    pa, pb = a.get(key, {"count": 0, "arrays": 0, "bytes": 0}), b.get(key, {"count": 0, "arrays": 0, "bytes": 0})
-    combined = pb["count"] < pa["count"]         # GPU combiners may also concatenate arrays into one buffer
-    if pa["bytes"] != pb["bytes"] or (pa["arrays"] != pb["arrays"] and not combined) or pb["count"] > pa["count"]:
-      bad.append(f"{'/'.join(key)}: program {pa} vs compiled {pb}")
-  return bad
+  """The differences of `reconcile`: [] when every byte the compiled program moves is one the program placed,
+  as placed or through a named compiler rewrite."""
+  return reconcile(program, compiled).differences
+
+
+def per_axis(program: list[Row], compiled: list[Row]) -> dict:
+  """{axis: {"placed_bytes", "compiled_bytes"}}: bytes sent per device per step, as the program placed them
+  and as the compiled program moves them (after the compiler's rewrites)."""
+  out: dict = {}
+  for side, rows in (("placed_bytes", program), ("compiled_bytes", compiled)):
+    for r in rows:
+      out.setdefault(r.axis, {"placed_bytes": 0, "compiled_bytes": 0})[side] += r.total_bytes
+  return dict(sorted(out.items()))
 
 
 def dtype_scale(program: list[Row], compiled: list[Row]) -> dict:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardlab.analysis import hlo
-from shardlab.axes import FSDP, TENSOR
+from shardlab.axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 
 
 @dataclass
@@ -231,21 +231,20 @@ def length(intervals: list[tuple]) -> float:
 # ---- outputs: Chrome / Perfetto trace events and a Gantt chart ----
 
 COLORS = {"compute fwd": "#4c72b0", "compute bwd": "#8172b3", "fsdp all-gather": "#dd8452",
-          "fsdp reduce-scatter": "#c44e52", TENSOR: "#55a868", "other comm": "#937860"}
-
-
-TP_SCOPES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce", "tp_enter", "ring_shift", "ag_matmul_ring",
-             "matmul_rs_ring")
+          "fsdp reduce-scatter": "#c44e52", FSDP: "#da8bc3", TENSOR: "#55a868", CONTEXT: "#64b5cd",
+          PIPELINE: "#ccb974", DATA: "#8c8c8c", "other comm": "#937860"}
 
 
 def category(t: Task) -> str:
-  """The colour class of a task in the chart."""
+  """The colour class of a task in the chart: compute (forward or backward), FSDP's gathers and reductions, and
+  every other collective by the mesh axis it runs over (whatever schedule or TP class placed it; a collective
+  over several axes is "other comm")."""
   if t.kind == "compute":
     return "compute bwd" if t.backward else "compute fwd"
   c = t.coll
   if c.axis == FSDP and c.kind in ("all-gather", "reduce-scatter"):
     return f"fsdp {c.kind}"
-  return TENSOR if c.scope in TP_SCOPES else "other comm"
+  return c.axis if c.axis in COLORS else "other comm"
 
 
 def events(tasks: list[Task], r: Replay, duration: list[float], rows: list[str]) -> list[dict]:

@@ -7,6 +7,7 @@ what hand placement buys. Knobs: `tp` (allgather: sequence-parallel activations 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from shardlab.layout import Layout, honoured
 from shardlab.mesh import ConfigError
 from shardlab.params import declare
 from shardlab.schedules.explicit import _remat_policy
-from shardlab.schedules.parallel import accumulate, microbatches, plain
+from shardlab.schedules.parallel import accumulate, attention, microbatches, plain
 from shardlab.schedules.tp import IdentityOps
 
 class ConstrainedOps(IdentityOps):
@@ -107,8 +108,24 @@ class GSPMDSchedule:
     takes rows j, j+k, ...: every device keeps its own rows (the batch stays sharded)."""
     def loss_fn(p, b):
       p = jax.tree.map(lambda a: a.astype(self.dtype), p)
-      return M.loss(plain(self.model, p, self.ops, self.policy), self.model, b, n_tokens)
+      return M.loss(dataclasses.replace(plain(self.model, p, self.ops, self.policy), attend=self.attend()),
+                    self.model, b, n_tokens)
     k = self.cfg.microbatches
     rows = lambda a: (a[None] if k == 1 else
                       self.ops.c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, self.ops.batch)))
     return accumulate(jax.value_and_grad(loss_fn), params, microbatches(batch, k, rows))
+
+  def attend(self):
+    """Attention as a careful GSPMD user runs it (MaxText's attention_op wraps its fused kernels the same way): a
+    shard_map over the batch rows and the heads each device already holds, so the kernel sees whole local heads
+    and needs no collective. JAX's cuDNN partitioner refuses a head-sharded operand ("Sharding on head dim is not
+    allowed"), and XLA's own attention is partitioned the same way. Where `tensor` does not divide the key/value
+    heads, the plain call (the partitioner's choice)."""
+    inner = attention(self.model)
+    t = dict(self.ops.mesh.shape).get(TENSOR, 1)
+    if self.model.kv_heads % t or self.model.n_heads % t:
+      return inner
+    spec = P(self.ops.batch, None, TENSOR, None)
+    local = jax.shard_map(lambda q, k, v: inner(q, k, v, None), mesh=self.ops.mesh, in_specs=(spec,) * 3,
+                          out_specs=spec)
+    return lambda q, k, v, positions: local(q, k, v)
