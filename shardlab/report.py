@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shardlab.axes import CLASSIC, names as axis_names
 from shardlab.outputs import PREDICTION_MODELS, prediction_label
-from shardlab.sweep import _bytes_per_axis, _fmt
+from shardlab.sweep import bytes_per_axis, fmt
 
 
 def load_jobs(d: Path) -> list[dict]:
@@ -118,7 +118,7 @@ def figures(jobs: list[dict], out: Path) -> list[str]:
   plt.close(fig)
   made.append("step_time.png")
 
-  per_axis = [_bytes_per_axis(j["summary"].get("comm") or {}) for j in ok]
+  per_axis = [bytes_per_axis(j["summary"].get("comm") or {}) for j in ok]
   axes = sorted({a for p in per_axis for a in p})
   fig, ax = plt.subplots(figsize=(width, 4.8))
   _bar(ax, labels, {a: [p.get(a) for p in per_axis] for a in axes}, "MiB per device per step",
@@ -158,21 +158,21 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
            "model each row names: " + "; ".join(f"{k}: {v}" for k, v in PREDICTION_MODELS.items())
            + " (a run compiled for its target is predicted by the calibrated model, a local program by the "
            "peak-rate one).", ""]
-  per_axis = [_bytes_per_axis(j["summary"].get("comm") or {}) for j in jobs]
+  per_axis = [bytes_per_axis(j["summary"].get("comm") or {}) for j in jobs]
   axes = [a for a in axis_names() if a in CLASSIC or any(a in b for b in per_axis)]   # every axis present
   cols = ["run", "status", "final loss", "step ms (measured)", "prediction", "pred. ms (overlap)", "pred. ms (serial)",
           *[f"MiB {a}" for a in axes], "peak MiB", "error"]
   lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for j in jobs:
     s, p = j["summary"], j["summary"].get("prediction") or {}
-    b = _bytes_per_axis(s.get("comm") or {})
+    b = bytes_per_axis(s.get("comm") or {})
     ms = lambda v: None if v is None else v * 1e3
     mib = lambda v: None if v is None else v / 2**20
     row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")),
            prediction_label(s) if p else None, ms(p.get("t_overlapped_s")),
            ms(p.get("t_serial_s")), *[mib(b.get(a)) for a in axes], mib((s.get("memory") or {}).get("peak")),
            s.get("error")]
-    lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
+    lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
   lines.append("")
   for name in made:
     lines += [f"![{name}]({name})", ""]

@@ -28,7 +28,9 @@ def columns(rows: list[dict]) -> list[str]:
   return COLUMNS[:i] + axes + COLUMNS[i + len(CLASSIC):]
 
 
-def _bytes_per_axis(comm: dict) -> dict:
+def bytes_per_axis(comm: dict) -> dict:
+  """{axis: bytes sent per device per step} from a summary's `comm` ({kind: {axis: {"bytes", ..}}}); a
+  collective over several axes counts on each."""
   out: dict = {}
   for per_axis in comm.values():
     for axis, row in per_axis.items():
@@ -57,7 +59,7 @@ def job_row(job_dir: Path) -> dict:
     row.setdefault("error", "summary.json is not a JSON object")
     return row
   pred = s.get("prediction") or {}
-  per_axis = _bytes_per_axis(s.get("comm", {}))
+  per_axis = bytes_per_axis(s.get("comm", {}))
   row.update(status=s.get("status"), final_loss=s.get("final_loss"), step_time_s_median=s.get("step_time_s_median"),
              tokens_per_s=s.get("tokens_per_s_median"),
              **{f"bytes_{a}": per_axis.get(a) for a in dict.fromkeys([*CLASSIC, *per_axis])},
@@ -75,7 +77,8 @@ def collect(sweep_dir) -> list[dict]:
   return [job_row(d) for d in sorted(jobs, key=num)]
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
+  """A table cell: empty for None, 4 significant digits for a float, pipes and newlines escaped."""
   if v is None:
     return ""
   if isinstance(v, float):
@@ -97,7 +100,7 @@ def write(sweep_dir) -> list[dict]:
     w.writerow({k: r.get(k) for k in cols})
   write_atomic(d / "summary.csv", buf.getvalue())
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
+  lines += ["| " + " | ".join(fmt(r.get(k)) for k in cols) + " |" for r in rows]
   ok = sum(r["status"] == "ok" for r in rows)
   write_atomic(d / "summary.md", f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
                                 f"machine; predicted_step_s is the cost model's, on `hardware`, by `prediction_model` "

@@ -151,7 +151,7 @@ def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
   from shardlab import model as M, params as PM
   from shardlab.analysis.planner import activation_elements_per_token
   from shardlab.config import ModelConfig
-  from shardlab.schedules.explicit import KNOBS, _remat_policy
+  from shardlab.schedules.explicit import KNOBS, remat_policy
   from shardlab.schedules.parallel import Parallel, attention as model_attention
   from shardlab.schedules.tp import IdentityOps
   m = ModelConfig(d_model=64, d_ff=128, n_heads=8, n_kv_heads=2, seq_len=32, attention=attention,
@@ -162,7 +162,7 @@ def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
   ctx = Parallel(IdentityOps(), None, None, model_attention(m))
   f = lambda x, w: M.layer(ctx, m, x, w, jnp.arange(m.seq_len))
   for remat in KNOBS["remat"]:
-    policy = _remat_policy(remat)
+    policy = remat_policy(remat)
     g = f if policy is None else jax.checkpoint(f, policy=policy)
     saved = jax.tree.leaves(jax.eval_shape(lambda x, w: jax.vjp(g, x, w)[1], x, w))
     got = sum(math.prod(a.shape) for a in saved if B in a.shape) / (B * m.seq_len)

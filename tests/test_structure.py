@@ -47,3 +47,70 @@ def test_the_wheel_ships_conf_inside_the_package(tmp_path):
   names = set(zipfile.ZipFile(next(tmp_path.glob("shardlab-*.whl"))).namelist())
   want = {"shardlab/conf/" + p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml")}
   assert want and want <= names, sorted(want - names)[:5]
+
+
+def _imports() -> tuple[dict, dict]:
+  """({module: the shardlab modules it imports, in functions too}, {module: parsed tree}); `from pkg import mod`
+  is an import of mod, and a module's own package __init__ (run first anyway) is left out."""
+  import ast
+  mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+          for p in (ROOT / "shardlab").rglob("*.py")}
+  graph, trees = {}, {}
+  for m, p in mods.items():
+    trees[m] = tree = ast.parse(p.read_text())
+    out = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods] or [node.module]
+      else:
+        continue
+      out |= {n for n in names if n in mods and n != m and not m.startswith(n + ".")}
+    graph[m] = out
+  return graph, trees
+
+
+def test_no_import_circle_and_analysis_imports_nothing_above_it():
+  """The import graph of shardlab/ (imports inside functions included) has no circle, and nothing in analysis/
+  imports the application layer (the trainer, the run and plan entry points, preflight, sweeps, reports)."""
+  graph, _ = _imports()
+  seen, done, circles = set(), set(), []
+
+  def visit(m, path):
+    if m in path:
+      circles.append(path[path.index(m):] + [m])
+      return
+    if m in done:
+      return
+    for n in sorted(graph[m]):
+      visit(n, path + [m])
+    done.add(m)
+  for m in sorted(graph):
+    visit(m, [])
+  assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])
+  above = {f"shardlab.{m}" for m in ("trainer", "run", "plan", "preflight", "sweep", "report", "train")}
+  upward = {m: sorted(graph[m] & above) for m in graph if m.startswith("shardlab.analysis") and graph[m] & above}
+  assert not upward, upward
+
+
+def test_no_private_name_crosses_a_module_boundary():
+  """`from shardlab.x import _name` and `x._name` from another module: a private name used outside its module
+  (the private JAX API is the one exception, behind shardlab/jax_private.py)."""
+  import ast
+  graph, trees = _imports()
+  crossings = []
+  for m, tree in trees.items():
+    aliases = {}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardlab"):
+        for a in node.names:
+          if f"{node.module}.{a.name}" in graph:
+            aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+          elif a.name.startswith("_"):
+            crossings.append(f"{m} imports {node.module}.{a.name}")
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+          and node.attr.startswith("_") and not node.attr.startswith("__")):
+        crossings.append(f"{m} uses {aliases[node.value.id]}.{node.attr}")
+  assert not crossings, crossings

@@ -60,7 +60,8 @@ KNOBS = {"tp": tuple(TP), "grad_reduce": ("per_layer", "next_layer", "deferred")
          "remat": tuple(REMAT), "gather_dtype": ("param", "compute")}
 
 
-def _remat_policy(remat: str):
+def remat_policy(remat: str):
+  """schedule.remat -> a jax.checkpoint policy (None: save everything; full: save nothing; else the named set)."""
   if remat == "none":
     return None
   if remat == "full":
@@ -308,7 +309,7 @@ class ExplicitSchedule:
     self.layout = layout or Layout()
     self.ops = make_tp(cfg.tp, self.layout)
     self.decls = declare(model, layout=self.layout)
-    self.policy = _remat_policy(cfg.remat)
+    self.policy = remat_policy(cfg.remat)
     self.cp = CP.make(context or ContextConfig(), model, self.layout)   # attention across `context`
     self.residuals: list | None = None   # a list while recording_residuals() is active
     self.pipe = pipeline or PipelineConfig()   # the pipeline schedule (schedules/pipeline.py) when mesh.pipeline > 1

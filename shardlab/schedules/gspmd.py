@@ -20,7 +20,7 @@ from shardlab.data import Batch
 from shardlab.layout import Layout, honoured
 from shardlab.mesh import ConfigError
 from shardlab.params import declare
-from shardlab.schedules.explicit import _remat_policy
+from shardlab.schedules.explicit import remat_policy
 from shardlab.schedules.parallel import accumulate, attention, microbatches, plain
 from shardlab.schedules.tp import IdentityOps
 
@@ -77,7 +77,7 @@ class GSPMDSchedule:
     self.layout = layout or Layout()
     self.decls = declare(model, layout=self.layout)
     self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather", layout=self.layout)
-    self.policy = _remat_policy(cfg.remat)
+    self.policy = remat_policy(cfg.remat)
 
   @contextlib.contextmanager
   def recording_residuals(self):
