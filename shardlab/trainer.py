@@ -103,7 +103,7 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   if pipe is not None:                            # the table replayed with the compiled slots: pipeline.png
     import jax
     from shardlab.analysis import pipeline_cost
-    from shardlab.analysis.costmodel import link_axes
+    from shardlab.analysis.links import link_axes
     analysis["pipeline_prediction"], replayed = pipeline_cost.predict(prog, cfg, link_axes(cfg), pipe.ticks())
     if jax.process_index() == 0:
       Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -170,8 +170,8 @@ def test_data_axis_across_nodes_is_costed_at_the_nodes_nics():
   axis joins one GPU per node, so it gets that GPU's NIC share (dcn_bandwidth, 50 GB/s: Scaling Book gpus.md).
   On one node (2x2x2) every axis is NVLink; on a TPU torus the data axis uses ICI like the others."""
   from conftest import compose
-  from shardlab.analysis.calibrated import axis_bandwidth
-  from shardlab.analysis.costmodel import link_axes
+  from shardlab.analysis.links import axis_bandwidth
+  from shardlab.analysis.links import link_axes
   from shardlab.config import to_config
   cfg = to_config(compose("hardware=h100", "mesh.data=8", "mesh.fsdp=8", "mesh.tensor=1"))
   links, hw = link_axes(cfg), cfg.hardware

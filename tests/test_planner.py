@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.analysis import planner
+from shardlab.analysis import links, planner
 from shardlab.config import CONF_DIR, Config, MeshConfig, ModelConfig, PrecisionConfig, ScheduleConfig, TrainConfig
 from shardlab.hardware import HardwareConfig
 from shardlab.plan import compose
@@ -130,6 +130,15 @@ def test_planned_parameter_count_counts_grouped_query_attention(preset, publishe
   assert planner.attention_params(m) == d * h * k + 2 * d * g * k + h * k * d
   if g < h:
     assert planner.param_count(dataclasses.replace(m, n_kv_heads=0)) / published > 1.09   # the MHA count
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+def test_closed_form_parameter_count_is_the_declarations(preset):
+  """One count of parameters: the planner's closed form (plain Python, the book's formulas) equals the sum of
+  the shapes the model declares (params.declare, what a run allocates), for every model preset."""
+  from shardlab import params as PM
+  m = compose([f"model={preset}"]).model
+  assert planner.param_count(m) == PM.count(PM.declare(m))
 
 
 def test_replicated_kv_heads_are_gathered_whole():
@@ -338,17 +347,17 @@ def _book_exercise(seq_len=32_768):
 
 
 def test_torus_placement_and_gpu_switch_bandwidths():
-  assert planner.default_torus(V5P, 4096) == (16, 16, 16)
+  assert links.default_torus(V5P, 4096) == (16, 16, 16)
   # tensor 4 inside one torus axis, fsdp 1024 over the rest: the book's M_X = 2, M_Y = 1 (sqrt(... * 2 ...)).
-  assert [m for m, _ in planner.torus_axes([4, 1024, 1], (16, 16, 16))] == [1, 2, 1]
-  assert [m for m, _ in planner.torus_axes([1, 4096, 1], (16, 16, 16))] == [1, 3, 1]   # "3 axes": 2550 / 3
-  assert planner.torus_axes([1, 3, 1], (16, 16, 16)) is None
+  assert [m for m, _ in links.torus_axes([4, 1024, 1], (16, 16, 16))] == [1, 2, 1]
+  assert [m for m, _ in links.torus_axes([1, 4096, 1], (16, 16, 16))] == [1, 3, 1]   # "3 axes": 2550 / 3
+  assert links.torus_axes([1, 3, 1], (16, 16, 16)) is None
   # GPU: NVLink inside the node; the data axis of one GPU per node gets that GPU's NIC (50 GB/s); an axis with all
   # 8 GPUs of each node in it gets the node's 400 GB/s (gpus.md; the h100_multinode preset's W).
   h100 = compose(["hardware=h100"]).hardware
-  assert planner.switch_bandwidths(h100, [1, 8, 8]) == [4.5e11, 4.5e11, 5e10]
-  assert planner.switch_bandwidths(h100, [1, 64, 1]) == [4.5e11, 4e11, 4.5e11]
-  assert planner.switch_bandwidths(h100, [2, 4, 8]) == [4.5e11, 4.5e11, 5e10]
+  assert links.switch_bandwidths(h100, [1, 8, 8]) == [4.5e11, 4.5e11, 5e10]
+  assert links.switch_bandwidths(h100, [1, 64, 1]) == [4.5e11, 4e11, 4.5e11]
+  assert links.switch_bandwidths(h100, [2, 4, 8]) == [4.5e11, 4.5e11, 5e10]
 
 
 def test_search_works_the_scaling_book_exercise():

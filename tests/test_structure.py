@@ -92,6 +92,11 @@ def test_no_import_circle_and_analysis_imports_nothing_above_it():
   above = {f"shardlab.{m}" for m in ("trainer", "run", "plan", "preflight", "sweep", "report", "train")}
   upward = {m: sorted(graph[m] & above) for m in graph if m.startswith("shardlab.analysis") and graph[m] & above}
   assert not upward, upward
+  from shardlab.analysis import LAYERS          # inside analysis/: each module imports only from earlier layers
+  rank = {f"shardlab.analysis.{m}": i for i, layer in enumerate(LAYERS) for m in layer}
+  assert set(rank) == {m for m in graph if m.startswith("shardlab.analysis.")}, "a module missing from LAYERS"
+  up = {m: sorted(n for n in graph[m] if rank.get(n, -1) >= rank[m]) for m in rank}
+  assert not any(up.values()), {m: n for m, n in up.items() if n}
 
 
 def test_no_private_name_crosses_a_module_boundary():

@@ -1,6 +1,22 @@
-"""Reading compiled programs: the program object (program.py), ledger, audit, overlap, memory, the cost models
-(costmodel.py: peak-rate ceiling; calibrated.py: the target's scheduled order at achieved rates), the timeline,
-the planner, and `predict_fn`, which costs any jitted function on a real target."""
+"""Reading compiled programs and predicting what they cost, in layers: each module imports only modules of the
+layers before its own (LAYERS, checked by tests/test_structure.py), and nothing here imports the trainer, the entry
+points, preflight or Hydra.
+
+  hlo.py            HLO text -> computations, instructions, collectives (axis, bytes, trip counts), matmul FLOPs
+  program.py        a compiled step parsed once: its collectives, async pairs, scheduled order, the audit
+  ledger.py         the traced program's collectives against the compiled ones, the compiler's rewrites named
+  links.py          the links under each mesh axis (torus axes spanned, NVLink or NICs) and their bytes/s
+  timeline.py       the step's dependency graph and its replay (and the Gantt chart, the Chrome trace)
+  planner.py        closed forms (the Scaling Book's) and the layout search
+  memory_model.py   the analytic memory per device, beside the compiler's
+  calibrated.py     the target's scheduled order replayed at achieved rates
+  costmodel.py      the peak-rate replay, and a run's prediction, ledger and memory (predict_run)
+  pipeline_cost.py, context_cost.py   a pipeline's table and the context strategies, costed
+  predict.py        `predict_fn`: any jitted function costed on a target; plan_figure.py: the planner's figure
+  confirm.py        the planner's best layouts compiled for the target (the step builder passed in)"""
+
+LAYERS = (("hlo",), ("program", "ledger", "links", "timeline"), ("planner",), ("memory_model", "calibrated"),
+          ("costmodel", "pipeline_cost", "context_cost"), ("predict", "plan_figure", "confirm"))
 
 
 def __getattr__(name):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from shardlab.analysis import hlo
 from shardlab.analysis.program import FREE, flops_fn
 from shardlab.analysis.hlo import dims
+from shardlab.analysis.links import axis_bandwidth
 
 
 @dataclass
@@ -41,16 +42,6 @@ class Replayed:
   t_exposed_comm_s: float      # the compute stream waiting for a collective
   kernels: int
   events: list                 # timeline events (the format of timeline.events)
-
-
-def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
-  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus). On a
-  switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
-  (HSDP's data axis, typically) gets the nodes' NICs, not NVLink; an axis made of several takes the slowest."""
-  over = ici_axes.get("bytes_per_s")
-  if over:
-    return min(over.get(a, hw.ici_bandwidth) for a in axis.split("+"))
-  return hw.axis_bandwidth(sum(ici_axes.get(a, 1) for a in axis.split("+")))
 
 
 def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:

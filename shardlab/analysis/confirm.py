@@ -33,6 +33,7 @@ def compile_on_target(cfg, build) -> dict[str, Any]:
   application's step builder (shardlab.trainer.build), passed in so that analysis/ imports nothing above it."""
   from shardlab import params as PM, target as TG
   from shardlab.analysis import costmodel, memory_model
+  from shardlab.analysis.links import link_axes
   from shardlab.analysis.program import Program
   hw, n = cfg.hardware, cfg.mesh.n_devices
   topo = TG.check(hw, n)
@@ -45,7 +46,7 @@ def compile_on_target(cfg, build) -> dict[str, Any]:
   prog = Program.of(compiled, b["mesh"])
   mem = prog.memory()
   flops = 6 * PM.count(b["decls"]) * cfg.train.batch_size * cfg.model.seq_len / n
-  pred, _ = costmodel.predict(prog, b["mesh"], hw, costmodel.link_axes(cfg), flops)
+  pred, _ = costmodel.predict(prog, b["mesh"], hw, link_axes(cfg), flops)
   return {"memory": mem, "memory_analytic": memory_model.breakdown(cfg), "fits": mem["peak"] <= hw.hbm_bytes,
           "headroom_bytes": hw.hbm_bytes - mem["peak"], "prediction": pred, "target": TG.describe(devs, topo),
           "compile_time_s": seconds}

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardlab.analysis import planner as PL
+from shardlab.analysis.links import mesh_links
 from shardlab.axes import CONTEXT, FSDP, TENSOR
 
 STRATEGIES = ("all_gather", "ring", "ulysses")
@@ -240,7 +241,7 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
   e = PL.dtype_bytes(cfg.precision.compute_dtype)
   tokens = MM.local_tokens(cfg)
   a = attn_of(m, tokens // (m.seq_len // C), C, T, e)
-  bw = PL.mesh_links(cfg)[1].get(CONTEXT, hw.ici_bandwidth)
+  bw = mesh_links(cfg)[1].get(CONTEXT, hw.ici_bandwidth)
   lt = layer_time(strategy, a, hw, bw, cfg.context.load_balance, skips)
   dense = 6.0 * tokens * (m.n_layers * PL.layer_params(m) + m.vocab_size * m.d_model) / T
   t_dense = dense / (hw.peak_flops * hw.gemm_efficiency)

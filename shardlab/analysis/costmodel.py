@@ -33,18 +33,8 @@ import json
 from pathlib import Path
 
 from shardlab.analysis import hlo, ledger, timeline as TL
-from shardlab.analysis.calibrated import axis_bandwidth
+from shardlab.analysis.links import axis_bandwidth, link_axes
 from shardlab.axes import FSDP, TENSOR
-
-
-def link_axes(cfg) -> dict:
-  """What the cost model knows of each mesh axis of cfg.mesh: the physical interconnect axes it spans (a torus's
-  M_X, M_Y; mesh.*_ici_axes) and, on a switch (GPU nodes), its bytes/s: NVLink inside a node, the nodes' NICs
-  for an axis that spans nodes (planner.mesh_links; axes laid out tensor innermost, then fsdp, data). On a torus
-  the bandwidth follows from the axes spanned (axis_bandwidth: they add up for a combined axis)."""
-  from shardlab.analysis.planner import mesh_links
-  ici, bws = mesh_links(cfg)
-  return ici if cfg.hardware.torus else {**ici, "bytes_per_s": bws}
 
 
 def collective_seconds(kind: str, bytes_moved: float, n: int, axis: str, hw, ici_axes: dict) -> float:

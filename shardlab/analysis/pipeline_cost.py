@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from shardlab.analysis import hlo
 from shardlab.axes import PIPELINE
-from shardlab.analysis.calibrated import axis_bandwidth
+from shardlab.analysis.links import axis_bandwidth
 
 
 def slot_seconds(prog, hw, ici: dict) -> dict:

@@ -1,0 +1,99 @@
+"""What the cost models know of the links under each mesh axis, in one place: the torus a TPU slice is laid out
+on and the physical axes each mesh axis spans (Scaling Book, tpus.md and sharding.md), the GPU switch's NVLink
+inside a node and the nodes' NICs across them (gpus.md), and from those a mesh axis's bytes/s. The planner
+(closed forms), the peak-rate and calibrated replays, the pipeline and the context cost models all read these.
+"""
+from __future__ import annotations
+
+import math
+
+from shardlab.axes import CLASSIC, names
+
+
+# Torus rank of the TPU presets (Scaling Book, tpus.md: v4 and v5p are 3D tori, v5e and v6e 2D).
+TORUS_RANK = {"tpu_v4": 3, "tpu_v5p": 3, "tpu_v5e": 2, "tpu_v6e": 2}
+
+
+def default_torus(hw, n: int) -> tuple[int, ...]:
+  """The most nearly cubic torus of n chips with the preset's rank: 4096 -> 16x16x16 on v5p, 256 -> 16x16 on
+  v5e (prime factors, largest first, each onto the smallest axis so far)."""
+  dims, left, f = [1] * TORUS_RANK.get(hw.name, 3), n, 2
+  factors = []
+  while left > 1:
+    while left % f == 0:
+      factors.append(f)
+      left //= f
+    f += 1
+  for f in sorted(factors, reverse=True):
+    dims[dims.index(min(dims))] *= f
+  return tuple(sorted(dims, reverse=True))
+
+
+def torus_axes(sizes: list[int], dims: tuple[int, ...]) -> list[tuple[int, float]] | None:
+  """(M, hops) of each mesh axis (sizes innermost first) laid out in order over the torus. M: the whole torus
+  axes (wraparound rings) it covers, at least 1; tensor 4, fsdp 1024 on 16x16x16: tensor takes 4 of the first
+  axis (M_Y = 1), fsdp the other 4 of it and the two other axes (M_X = 2), the book's M_X M_Y = 2 for X = 1024,
+  Y = 4. hops: the latency of one collective, a ring per physical axis spanned, the sum of their sizes / 2.
+  None when the sizes do not tile the dims."""
+  left, out = list(dims), []
+  for size in sizes:
+    need, whole, hops = size, 0, 0.0
+    for i, r in enumerate(left):
+      g = math.gcd(need, r)
+      if g > 1:
+        whole += g == dims[i]
+        hops += g / 2
+        left[i] //= g
+        need //= g
+    if need != 1:
+      return None
+    out.append((max(1, whole), hops))
+  return out
+
+
+def switch_bandwidths(hw, sizes: list[int]) -> list[float]:
+  """Bytes/s of each mesh axis (innermost first) on a GPU switch: inside a node every axis gets the GPU's NVLink
+  egress (ici_bandwidth); an axis that crosses nodes gets the NICs of its g members in each node, g x
+  dcn_bandwidth (gpus.md: 8 x 400 Gbps = 400 GB/s per node, so the data axis of one GPU per node gets 50 GB/s).
+  Presets without a node size (domain_devices 0) or NICs give every axis ici_bandwidth."""
+  dom, inner, out = hw.domain_devices, 1, []
+  for size in sizes:
+    if size == 1 or not dom or not hw.dcn_bandwidth or inner * size <= dom:
+      out.append(hw.ici_bandwidth)
+    else:
+      out.append(min(hw.ici_bandwidth, max(1, dom // inner) * hw.dcn_bandwidth))
+    inner *= size
+  return out
+
+
+def mesh_links(cfg) -> tuple[dict[str, int], dict[str, float]]:
+  """({axis: physical interconnect axes it spans (mesh.<axis>_ici_axes)}, {axis: bytes/s}) for every axis of
+  cfg.mesh's classic three and any other it has (> 1), innermost first: on a switch each axis gets
+  switch_bandwidths' share (an outer axis the nodes' NICs once it spans nodes), on a torus its links
+  (hardware.axis_bandwidth)."""
+  mesh, hw = cfg.mesh, cfg.hardware
+  sizes = {**{a: 1 for a in CLASSIC}, **mesh.shape}
+  inner_first = [a for a in reversed(names()) if a in sizes]
+  ici = {a: mesh.ici_axes(a) for a in inner_first}
+  if hw.torus:
+    return ici, {a: hw.axis_bandwidth(n) for a, n in ici.items()}
+  return ici, dict(zip(inner_first, switch_bandwidths(hw, [sizes[a] for a in inner_first])))
+
+
+def link_axes(cfg) -> dict:
+  """What the cost model knows of each mesh axis of cfg.mesh: the physical interconnect axes it spans (a torus's
+  M_X, M_Y; mesh.*_ici_axes) and, on a switch (GPU nodes), its bytes/s: NVLink inside a node, the nodes' NICs
+  for an axis that spans nodes (mesh_links; axes laid out tensor innermost, then fsdp, data). On a torus
+  the bandwidth follows from the axes spanned (axis_bandwidth: they add up for a combined axis)."""
+  ici, bws = mesh_links(cfg)
+  return ici if cfg.hardware.torus else {**ici, "bytes_per_s": bws}
+
+
+def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
+  """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus). On a
+  switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
+  (HSDP's data axis, typically) gets the nodes' NICs, not NVLink; an axis made of several takes the slowest."""
+  over = ici_axes.get("bytes_per_s")
+  if over:
+    return min(over.get(a, hw.ici_bandwidth) for a in axis.split("+"))
+  return hw.axis_bandwidth(sum(ici_axes.get(a, 1) for a in axis.split("+")))
