@@ -182,6 +182,11 @@ def _flash_bwd(n, res, do_BLHK):
   qb, dob, kb, vb = blocks(q_BLGRK, n), blocks(do_BLGRK, n), blocks(k_BLGK, n), blocks(v_BLGK, n)
   delta_b = jnp.einsum("ibngr->ibgrn", blocks(delta_BLGR, n))
 
+  # Every matmul in the compute dtype with float32 accumulation, P and dS cast down first (as FlashAttention-2's
+  # backward does, arXiv:2307.08691 Algorithm 2): a bf16 run's backward runs at the bf16 rate, not float32's.
+  dt = q_BLGRK.dtype
+  mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+
   def step(carry, ij):
     (dk_BMGK, dv_BMGK), dq_b, dk_b, dv_b = carry
     i, j = ij
@@ -189,11 +194,11 @@ def _flash_bwd(n, res, do_BLHK):
     dk_BMGK, dv_BMGK = jnp.where(first, 0.0, dk_BMGK), jnp.where(first, 0.0, dv_BMGK)
     q_BNGRK, do_BNGRK, k_BMGK, v_BMGK = at(qb, i), at(dob, i), at(kb, j), at(vb, j)
     p = jnp.exp(_scores(q_BNGRK, k_BMGK, i, j) - at(lse_b, i)[..., None])           # p[B, G, R, N, M]
-    dv_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", p, do_BNGRK.astype(jnp.float32))
-    dp = jnp.einsum("bngrk,bmgk->bgrnm", do_BNGRK, v_BMGK, preferred_element_type=jnp.float32)
-    ds = p * (dp - at(delta_b, i)[..., None]) / jnp.sqrt(K)
-    dq_b = set_at(dq_b, at(dq_b, i) + jnp.einsum("bgrnm,bmgk->bngrk", ds, k_BMGK.astype(jnp.float32)), i)
-    dk_BMGK += jnp.einsum("bgrnm,bngrk->bmgk", ds, q_BNGRK.astype(jnp.float32))
+    dv_BMGK += mm("bgrnm,bngrk->bmgk", p.astype(dt), do_BNGRK)
+    dp = mm("bngrk,bmgk->bgrnm", do_BNGRK, v_BMGK)
+    ds = (p * (dp - at(delta_b, i)[..., None]) / jnp.sqrt(K)).astype(dt)
+    dq_b = set_at(dq_b, at(dq_b, i) + mm("bgrnm,bmgk->bngrk", ds, k_BMGK), i)
+    dk_BMGK += mm("bgrnm,bngrk->bmgk", ds, q_BNGRK)
     last = i == nb - 1                               # key block j's last query block
     dk_b = set_at(dk_b, jnp.where(last, dk_BMGK, at(dk_b, j)), j)
     dv_b = set_at(dv_b, jnp.where(last, dv_BMGK, at(dv_b, j)), j)

@@ -201,3 +201,24 @@ def test_bad_attention_settings_fail_in_one_line(overrides, message):
   with pytest.raises(ConfigError) as e:
     validate(cfg, 8)
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_blockwise_matmuls_run_in_the_compute_dtype():
+  """A bf16 run's blockwise attention does every matmul, forward and backward, on bf16 operands with float32
+  accumulation (P and dS cast down first, as FlashAttention-2's backward): none in float32, which a GPU runs at
+  a fraction of the bf16 rate."""
+  import jax
+  import jax.numpy as jnp
+  from jax.extend.core import jaxprs_in_params
+  from shardlab import attention as A
+  x = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: A.blockwise(q, k, v, 16).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+  def dots(j):
+    for e in j.eqns:
+      if e.primitive.name == "dot_general":
+        yield tuple(str(v.aval.dtype) for v in e.invars)
+      for sub in jaxprs_in_params(e.params):
+        yield from dots(sub)
+  found = list(dots(jax.make_jaxpr(grad)(x, x, x).jaxpr))
+  assert len(found) >= 6 and set(found) == {("bfloat16", "bfloat16")}, found

@@ -220,7 +220,7 @@ def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)             # a row with no visible key yet
       p = jnp.exp(s - m_safe[..., None])
       corr = jnp.exp(m_i - m_safe)
-      pv = jnp.einsum("bgrnm,bmgk->bgrnk", p, A.at(vb, j).astype(jnp.float32))
+      pv = jnp.einsum("bgrnm,bmgk->bgrnk", p.astype(vb.dtype), A.at(vb, j), preferred_element_type=jnp.float32)
       return (A.set_at(m, m_new, i), A.set_at(l, A.at(l, i) * corr + jnp.sum(p, axis=-1), i),
               A.set_at(acc, A.at(acc, i) * corr[..., None] + pv, i)), None
 
@@ -271,9 +271,13 @@ def _ring_bwd(axis, plan, res, do_BLHK):
   B, L, H, K = q_BLHK.shape
   G = k_BLGK.shape[2]
   R, nb = H // G, L // n
-  grouped = lambda x: A.blocks(x.reshape(B, L, G, R, K).astype(jnp.float32), n)   # [nb, B, n, G, R, K]
+  grouped = lambda x: A.blocks(x.reshape(B, L, G, R, K), n)                        # [nb, B, n, G, R, K]
   qb, dob, pq = grouped(q_BLHK), grouped(do_BLHK), pos_L.reshape(nb, n)
-  delta = jnp.einsum("ibngr->ibgrn", jnp.sum(dob * grouped(o_BLHK), axis=-1))       # [nb, B, G, R, n]
+  f32 = lambda x: x.astype(jnp.float32)
+  delta = jnp.einsum("ibngr->ibgrn", jnp.sum(f32(dob) * f32(grouped(o_BLHK)), axis=-1))   # [nb, B, G, R, n]
+  # matmuls in the compute dtype with float32 accumulation, P and dS cast down first (FlashAttention-2's backward)
+  dt = q_BLHK.dtype
+  mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
   axes = A.varying(q_BLHK, k_BLGK, v_BLGK, pos_L, do_BLHK)
   dq = A.varying_zeros(qb.shape, axes)
   kv, dkv = jnp.stack([k_BLGK, v_BLGK]), None
@@ -285,14 +289,14 @@ def _ring_bwd(axis, plan, res, do_BLHK):
       dq, dk, dv = carry
       i, j = ij
       q_i, do_i = A.at(qb, i), A.at(dob, i)
-      k_j, v_j = A.at(kb, j).astype(jnp.float32), A.at(vb, j).astype(jnp.float32)
+      k_j, v_j = A.at(kb, j), A.at(vb, j)
       s, mask = _sub_scores(q_i, k_j, A.at(pq, i), A.at(pk, j))
       p = jnp.where(mask, jnp.exp(s - A.at(lse, i)[..., None]), 0.0)
-      dp = jnp.einsum("bngrk,bmgk->bgrnm", do_i, v_j)
-      ds = p * (dp - A.at(delta, i)[..., None]) / np.sqrt(K)
-      return (A.set_at(dq, A.at(dq, i) + jnp.einsum("bgrnm,bmgk->bngrk", ds, k_j), i),
-              A.set_at(dk, A.at(dk, j) + jnp.einsum("bgrnm,bngrk->bmgk", ds, q_i), j),
-              A.set_at(dv, A.at(dv, j) + jnp.einsum("bgrnm,bngrk->bmgk", p, do_i), j)), None
+      dp = mm("bngrk,bmgk->bgrnm", do_i, v_j)
+      ds = (p * (dp - A.at(delta, i)[..., None]) / np.sqrt(K)).astype(dt)
+      return (A.set_at(dq, A.at(dq, i) + mm("bgrnm,bmgk->bngrk", ds, k_j), i),
+              A.set_at(dk, A.at(dk, j) + mm("bgrnm,bngrk->bmgk", ds, q_i), j),
+              A.set_at(dv, A.at(dv, j) + mm("bgrnm,bngrk->bmgk", p.astype(dt), do_i), j)), None
 
     with jax.named_scope(f"ring_bwd_step{step}"):
       if step < len(visible) - 1:
