@@ -66,3 +66,30 @@ def test_gspmd_collectives_are_all_unplanned():
   compiled, _ = compiled_grads((2, 4), tuple(sorted(knobs.items())))
   colls = hlo.collectives(compiled.as_text(), mesh_of(2, 4))
   assert colls and len(audit(colls)["unplanned"]) == len(colls)
+
+
+@pytest.mark.parametrize("strides,padding,lhs_dilation,rhs_dilation", [
+    ((1,), [(0, 0)], (1,), (1,)), ((2,), [(3, 1)], (1,), (1,)), ((1,), [(15, 15)], (1,), (1,)),
+    ((3,), [(0, 2)], (4,), (1,)), ((1,), [(2, 2)], (1,), (2,))])
+def test_convolution_flops_equal_xlas_count(strides, padding, lhs_dilation, rhs_dilation):
+  """libtpu writes every matmul as a convolution (a batch dim as a padded, reversed window: one valid tap per
+  output): its FLOPs, counted from the window's valid taps, equal XLA's own cost analysis for strides, padding
+  and dilations, including the one-input-position window libtpu uses for a batch dim."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from shardlab.analysis import hlo
+  checked = 0
+  for length, window in ((16, 16), (1, 16), (10, 3)):
+    f = jax.jit(lambda a, b: lax.conv_general_dilated(
+        a, b, strides, padding, lhs_dilation, rhs_dilation, dimension_numbers=("NCH", "OIH", "NCH")))
+    x, w = jax.ShapeDtypeStruct((2, 5, length), jnp.float32), jax.ShapeDtypeStruct((7, 5, window), jnp.float32)
+    compiled = f.lower(x, w).compile()
+    xla = compiled.cost_analysis().get("flops")
+    if xla is None:     # a window longer than the padded input: an empty output, no convolution left
+      continue
+    comps, entry = hlo.parse(compiled.as_text())
+    shapes, flops = {i.name: i.shape for i in comps[entry]}, hlo.flops_fn(comps)
+    assert sum(flops(i, shapes) for i in comps[entry]) == xla > 0, (length, window)
+    checked += 1
+  assert checked >= 1

@@ -232,6 +232,9 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
   assert narrowed[0]["compiled"]["bytes"] * 2 == narrowed[0]["program"]["bytes"]
   axes = led["per_axis"]
   assert axes[FSDP]["compiled_bytes"] < axes[FSDP]["placed_bytes"]
+  # the matmuls are costed as matmuls on every target (libtpu's are convolutions: hlo.conv_flops)
+  pred = summary["prediction"]
+  assert pred["t_gemm_s"] > 0 and pred["ceiling"]["matmul_flops_per_device"] > 0, pred
   from shardlab.run import numbers          # what the dry run prints: the target's memory against HBM, named
   lines = numbers(summary)
   assert lines[0].startswith(f"shardlab: prediction for {preset} (calibrated model over the ")

@@ -475,6 +475,38 @@ def dot_flops(ins: Instr, shapes: dict) -> float:
   return 2.0 * math.prod(dims(ins.shape)) * contracted
 
 
+def conv_flops(ins: Instr, shapes: dict) -> float:
+  """A convolution's multiply-adds x 2. libtpu writes every matmul as one (dim_labels: lhs b/f/spatial, rhs
+  i/o/spatial, output b/f/spatial): a batch dim of the dot becomes a spatial dim whose window, padding and
+  reversal let each output position meet one input position. So per spatial dim d, V_d = the (output position,
+  window tap) pairs that land on a real (not padded, not dilated-in) input element; FLOPs = 2 x (output batch x
+  output features) x (the rhs's input features: contracted per group) x prod V_d (XLA's HloCostAnalysis counts
+  the valid taps alike)."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+  if not labels or len(ins.operands) < 2:
+    return 0.0
+  lhs_l, rhs_l, out_l = labels.groups()
+  lhs, rhs, out = dims(shapes.get(ins.operands[0], "")), dims(shapes.get(ins.operands[1], "")), dims(ins.shape)
+  if not (lhs and rhs and out):
+    return 0.0
+  spatial = [c for c in out_l if c.isdigit()]
+  window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+  field = lambda name, n, default: (
+      [int(v) for v in re.search(rf"\b{name}=([\dx_]+)", window.group(1)).group(1).replace("_", "x").split("x")]
+      if window and re.search(rf"\b{name}=", window.group(1)) else [default] * n)
+  n = len(spatial)
+  size, stride = field("size", n, 1), field("stride", n, 1)
+  pad = field("pad", 2 * n, 0)
+  lhs_dil, rhs_dil = field("lhs_dilate", n, 1), field("rhs_dilate", n, 1)
+  taps = 1
+  for d, c in enumerate(spatial):
+    n_in, n_out = lhs[lhs_l.index(c)], out[out_l.index(c)]
+    o = np.arange(n_out)[:, None]
+    i = o * stride[d] + np.arange(size[d])[None, :] * rhs_dil[d] - pad[2 * d]
+    taps *= int(np.count_nonzero((i >= 0) & (i % lhs_dil[d] == 0) & (i // lhs_dil[d] < n_in)))
+  return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
+
+
 def gemm_call_flops(ins: Instr, shapes: dict) -> float:
   """A cuBLAS custom call: its backend_config holds the dot's dimension numbers; the result is the tuple's first
   array (a workspace follows)."""
@@ -512,6 +544,8 @@ def flops_fn(comps: dict):
   def of_ins(ins, shapes):
     if ins.opcode == "dot":
       return dot_flops(ins, shapes)
+    if ins.opcode == "convolution":
+      return conv_flops(ins, shapes)
     if is_gemm_call(ins):
       return gemm_call_flops(ins, shapes)
     if is_attention_call(ins):
