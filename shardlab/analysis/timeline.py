@@ -296,10 +296,10 @@ def plot(evs: list[dict], path, title: str, zoom: tuple[float, float] = (0.15, 0
     ax.set_xlim(lo * scale, hi * scale)
     ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
-  axes[0].set_title(title, fontsize=10, loc="left", pad=22)
+  fig.suptitle(title, fontsize=10, x=0.01, ha="left")        # its own line: the legend sits below it
   axes[1].set_title(f"zoom: {zoom[0]:.0%}-{zoom[1]:.0%} of the step", fontsize=9, loc="left")
-  present = {e["cat"] for e in evs}
-  axes[0].legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k in present],
-                 loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=6, frameon=False)
+  handles = [Patch(color=c, label=k) for k, c in COLORS.items() if k in {e["cat"] for e in evs}]
+  axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles) or 1,
+                 frameon=False)
   fig.savefig(path, dpi=110)
   plt.close(fig)
