@@ -317,7 +317,8 @@ def test_reconcile_names_each_compiler_rewrite_and_reports_the_rest():
   assert rec.unexplained == {"tensor"} and rec.differences == [
       "all-to-all/tensor/bf16: 32 bytes (32 elements) moved that the program did not place",
       "tensor: the compiled program runs 4 collectives per step, the program places 3"]
-  summed = ledger.reconcile([_row("all-reduce", "fsdp", "f32", 8, 4, count=3)], [_row("all-reduce", "fsdp", "f32", 8, 8)])
+  summed = ledger.reconcile([_row("all-reduce", "fsdp", "f32", 8, 4, count=3)],
+                            [_row("all-reduce", "fsdp", "f32", 8, 8)])
   assert summed.differences == [] and summed.rewrites[0]["rewrite"] == "all-reduce on fewer elements"
   assert summed.rewrites[0]["elements"] == 1 and summed.rewrites[0]["program"]["bytes"] == 7   # 3 scalars reduced as 2
   missing = ledger.reconcile(placed, compiled[:2])                                  # the tensor axis dropped

@@ -141,7 +141,8 @@ def row(name: str, s: dict) -> dict:
           "gb_tensor": moved("tensor"), "gb_fsdp_placed": moved("fsdp", "placed_bytes"),
           "gb_tensor_placed": moved("tensor", "placed_bytes"), "rewrites": s["ledger"]["rewrites"],
           "gb_other": sum(moved(a) for a in per if a not in ("fsdp", "tensor")),
-          "differences": s["ledger"]["differences"], "peak_gb": s["memory"]["peak"] / 1e9, "fits": s["memory"].get("fits"),
+          "differences": s["ledger"]["differences"], "peak_gb": s["memory"]["peak"] / 1e9,
+          "fits": s["memory"].get("fits"),
           "compiled_by": s["memory"].get("compiled_by", "cpu"), "model": p.get("model", "peak-rate"),
           "analytic_gb": s["memory"]["analytic"]["total"] / 1e9, "compile_s": s["compile_time_s"]}
 

@@ -219,8 +219,9 @@ def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
   for u in audit["unplanned"]:
     c = names.get(u["name"])
     if c is not None and not c.op_name and c.axis not in rec.unexplained:
-      why = sorted({r["rewrite"] for r in rec.rewrites if r["axis"] == c.axis and
-                    (r["rewrite"] == "combined" or (r["compiled"]["kind"], r["compiled"]["dtype"]) == (c.kind, c.dtype))})
+      made = lambda r: (r["rewrite"] == "combined"
+                        or (r["compiled"]["kind"], r["compiled"]["dtype"]) == (c.kind, c.dtype))
+      why = sorted({r["rewrite"] for r in rec.rewrites if r["axis"] == c.axis and made(r)})
       combined.append({**u, "rewrite": why})
     else:
       keep.append(u)
