@@ -321,5 +321,13 @@ def test_reconcile_names_each_compiler_rewrite_and_reports_the_rest():
                             [_row("all-reduce", "fsdp", "f32", 8, 8)])
   assert summed.differences == [] and summed.rewrites[0]["rewrite"] == "all-reduce on fewer elements"
   assert summed.rewrites[0]["elements"] == 1 and summed.rewrites[0]["program"]["bytes"] == 7   # 3 scalars reduced as 2
+  # libtpu's padded all-reduce-scatter: V = 64 rows over 4 as 4 x 17 padded rows, 4 rows realigned by a permute
+  rs = [_row("reduce-scatter", "fsdp", "f32", 4, 4 * 64)]
+  padded = [_row("all-reduce", "fsdp", "f32", 4, 4 * 68), _row("collective-permute", "fsdp", "f32", 4, 4 * 4)]
+  rec = ledger.reconcile(rs, padded)
+  assert rec.differences == [] and [r["rewrite"] for r in rec.rewrites] == [
+      "reduce-scatter as all-reduce", "reduce-scatter padded to equal shards", "reduce-scatter's rows realigned"]
+  too_much = [_row("all-reduce", "fsdp", "f32", 4, 4 * 64), _row("collective-permute", "fsdp", "f32", 4, 4 * 32)]
+  assert ledger.reconcile(rs, too_much).differences                                 # more than a shard: reported
   missing = ledger.reconcile(placed, compiled[:2])                                  # the tensor axis dropped
   assert missing.unexplained == {"tensor"} and all("placed that" in d for d in missing.differences)
