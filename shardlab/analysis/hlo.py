@@ -321,10 +321,11 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
       # libtpu's async collective fusion splits one collective over a start fusion and its continuations, each
       # holding a copy of the instruction marked with the same chain_id: one collective, counted once
       chain = re.search(r'chain_id="(\d+)"', ins.attrs)
-      if chain and chain.group(1) in chains:
-        continue
-      if chain:
-        chains.add(chain.group(1))
+      if chain:   # the copies share the chain, the array (dtype and dims, whatever the layout) and the groups
+        key = (chain.group(1), re.sub(r"\{[^}]*\}", "", ins.shape), str(_groups(ins)))
+        if key in chains:
+          continue
+        chains.add(key)
       if kind == "collective-permute":
         groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", ins.attrs.split("source_target_pairs=")[1])]
         n = _ring_size(groups, device_ids, axis_names)
@@ -354,9 +355,9 @@ def _parts(operands: list[str], full: int) -> tuple:
   gather and an f32 one's)."""
   split: dict = {}
   for shape in operands:
-    for dtype, _ in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
+    for dtype, d in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
       b, k = split.get(dtype, (0, 0))
-      split[dtype] = (b + shape_bytes(shape), k + 1)
+      split[dtype] = (b + shape_bytes(f"{dtype}[{d}]"), k + 1)     # this array's bytes, not the whole tuple's
   total = sum(b for b, _ in split.values())
   if len(split) < 2 or not total:
     return ()
