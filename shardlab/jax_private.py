@@ -5,7 +5,9 @@ Written for jax 0.10.2:
   counts only collectives whose results are used (XLA removes the others), and the memory breakdown counts only
   the residuals a layer's backward reads;
 - the distributed runtime's module and its global state (shardlab/distributed.py: the coordination service
-  hosted in a child process, and the key-value client for barriers and heartbeats).
+  hosted in a child process, and the key-value client for barriers and heartbeats);
+- the persistent compilation cache's write (`compilation_cache.put_executable_and_time`), wrapped so that some
+  executables are not stored (shardlab.mesh.guard_persistent_cache).
 Another JAX version: check these still exist and behave the same (tests/test_ledger.py, tests/test_target.py's
 memory tests and tests/test_distributed.py fail if they do not), then add it to TESTED.
 """
@@ -36,3 +38,21 @@ def distributed_module():
 def dce_used_inputs(jaxpr) -> list[bool]:
   """Per input of `jaxpr`: whether any of its outputs depends on it."""
   return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1]
+
+
+def skip_cache_writes(refuse) -> None:
+  """JAX's persistent compilation cache stores no executable that `refuse(platform, hlo_text)` refuses (its
+  backend's platform, "cpu", "gpu"..., and its optimized HLO text)
+  (they are compiled afresh by every process that needs them); the others are stored as before. Idempotent."""
+  from jax._src import compilation_cache as cc
+  put = cc.put_executable_and_time
+  if getattr(put, "refuse", None) is not None:
+    put.refuse = refuse
+    return
+
+  def guarded(cache_key, module_name, executable, backend, compile_time):
+    if guarded.refuse(backend.platform, "\n".join(m.to_string() for m in executable.hlo_modules())):
+      return
+    put(cache_key, module_name, executable, backend, compile_time)
+  guarded.refuse = refuse
+  cc.put_executable_and_time = guarded

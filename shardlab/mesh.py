@@ -32,10 +32,25 @@ def set_cpu_devices(n: int) -> None:
       # Installed GPU/TPU plugins (the target-compilation extras) would otherwise try to start, and log, here.
       jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
+    guard_persistent_cache()
   except RuntimeError:  # the backend already started (a second run in one process)
     have = len(jax.devices("cpu"))
     raise ConfigError(f"cpu_devices={n}: JAX already started with {have} CPU devices in this process; "
                       f"run one process per device count (sweeps: hydra/launcher=submitit_local)") from None
+
+
+def guard_persistent_cache() -> None:
+  """Keep out of JAX's persistent compilation cache (when one is set: JAX_COMPILATION_CACHE_DIR; the tests share
+  one across processes) every XLA:CPU program whose collectives sit in more than one computation (a loop body or
+  a branch, and outside it): jaxlib 0.10.2 restores a cached CPU program's collectives in order only within each
+  computation (its thunk deserializer gives every nested sequence its own `kCollectiveCommunicator` resource:
+  xla/backends/cpu/runtime/thunk_proto_serdes.cc), so two devices may start two collectives in different orders;
+  every collective of a CPU program has channel_id 1, and they wait for each other until the rendezvous times out
+  and aborts the process (the pipeline executor's tick loop, loaded from the cache: 40 s, then "Fatal Python error: Aborted").
+  Those programs compile afresh in every process; the others are cached as before. set_cpu_devices calls it."""
+  from shardlab.analysis.hlo import collective_computations
+  from shardlab.jax_private import skip_cache_writes
+  skip_cache_writes(lambda platform, text: platform == "cpu" and len(collective_computations(text)) > 1)
 
 
 def accelerator_present() -> bool:

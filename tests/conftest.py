@@ -10,7 +10,8 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # One persistent compilation cache for the whole run, shared by both xdist workers and every subprocess
 # (CLI runs, sweeps, several processes): each distinct program is compiled once per test session.
-_CACHE = Path(tempfile.gettempdir()) / f"shardlab-test-jax-cache-{os.getuid()}"
+# (v2: written under mesh.guard_persistent_cache, which keeps out what XLA:CPU cannot restore safely)
+_CACHE = Path(tempfile.gettempdir()) / f"shardlab-test-jax-cache-v2-{os.getuid()}"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

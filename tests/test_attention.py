@@ -149,7 +149,7 @@ def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
   weight has); per-sequence tables (RoPE's cos/sin, norm scales) and the weights are left out."""
   import math
   from shardlab import model as M, params as PM
-  from shardlab.analysis.planner import activation_elements_per_token
+  from shardlab.analysis.memory_model import activation_elements_per_token
   from shardlab.config import ModelConfig
   from shardlab.schedules.explicit import KNOBS, remat_policy
   from shardlab.schedules.parallel import Parallel, attention as model_attention

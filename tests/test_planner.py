@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.analysis import links, planner
+from shardlab.analysis import memory_model as MM
 from shardlab.config import CONF_DIR, Config, MeshConfig, ModelConfig, PrecisionConfig, ScheduleConfig, TrainConfig
 from shardlab.hardware import HardwareConfig
 from shardlab.plan import compose
@@ -201,14 +202,15 @@ def test_layer_times_agree_with_closed_forms():
 def test_memory_zero3_divides_state_not_activations():
   # 16 B/param of fp32 state over all N devices; activations follow the local batch B / X, not FSDP.
   def mem(fsdp, tokens):
-    return planner.memory_per_device(Config(mesh=MeshConfig(fsdp=fsdp, tensor=2), model=LLAMA2_13B, precision=BF16,
+    return MM.breakdown(Config(mesh=MeshConfig(fsdp=fsdp, tensor=2), model=LLAMA2_13B, precision=BF16,
                                             train=TrainConfig(global_batch_tokens=tokens)))
   a, b = mem(64, 64 * 4096), mem(128, 128 * 4096)
   p = planner.param_count(LLAMA2_13B)
-  assert a["master_params"] + a["grads"] + a["optimizer"] == pytest.approx(16 * p / 128)
+  # exact local shards: the norm scales [D] are replicated over tensor (a few KB beyond 16 P / N)
+  assert a["master_params"] + a["grads"] + a["optimizer"] == pytest.approx(16 * p / 128, rel=1e-4)
   assert b["optimizer"] == pytest.approx(a["optimizer"] / 2)
   assert b["activations"] == pytest.approx(a["activations"])
-  assert a["total"] == pytest.approx(sum(v for k, v in a.items() if k != "total"))
+  assert a["total"] <= sum(v for k, v in a.items() if k != "total")    # the peak: not every part lives at once
   assert planner.min_devices_to_fit(p, 80e9) == math.ceil(16 * p / 80e9) == 3
 
 
@@ -260,7 +262,7 @@ def test_batch_window_is_the_memory_boundary():
     assert seqs >= mb and seqs % mb == 0
 
     def total(s):
-      return planner.memory_per_device(planner.override(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
+      return MM.breakdown(planner.override(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
     assert total(seqs) <= V5P.hbm_bytes < total(seqs + mb)
     assert w["max_batch_per_device_tokens"] == seqs * 4096 / 4
     assert seqs * 4096 / 4 <= w["max_batch_per_device_tokens_unrounded"] < (seqs + mb) * 4096 / 4
@@ -273,36 +275,43 @@ def test_microbatches_fit_the_global_batch():
   cfg = _cfg(LLAMA2_13B, V5P, 64, 4, 16 * 64 * 4096)
   k = planner.microbatches_to_fit(cfg)
   assert k is not None and k > 1 and 16 % k == 0
-  mem = lambda mb: planner.memory_per_device(planner.override(cfg, schedule={"microbatches": mb}))["total"]
+  mem = lambda mb: MM.breakdown(planner.override(cfg, schedule={"microbatches": mb}))["total"]
   smaller = max(d for d in range(1, k) if 16 % d == 0)
   assert mem(k) <= V5P.hbm_bytes < mem(smaller)
   assert planner.plan(cfg)["microbatches"] == k and not planner.plan(cfg)["fits_in_hbm"]
   # The gradient accumulator of microbatching is counted: one more sharded copy of the fp32 gradients.
-  one, two = (planner.memory_per_device(planner.override(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
+  one, two = (MM.breakdown(planner.override(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
   assert two["grads"] == pytest.approx(2 * one["grads"])
 
 
 def test_calibrated_batch_window_against_cpu_compiles():
   """What this checks: planner.calibrated_batch_window, the window of a line through compiled peaks at two batch
   sizes, on XLA:CPU (the tiny model on 4x2): its max batch fits the budget and one more sequence per shard does
-  not, by two further compiles; and the analytic model's batch-independent bytes (state, gathered weights) are
-  the compile's. What it does not check: the analytic window (XLA:CPU keeps ~2.6x the analytic activations per
-  sequence: docs/planning.md), nor the target. The issue's route, the window confirmed by compiling for the
+  not, by two further compiles; the analytic training state is the compile's (its arguments less the batch);
+  the analytic line's fixed bytes (memory_affine) lie above the compiled line's (461 KB against 324 KB here: the
+  model holds the gathered weights and a layer's whole gradient at once) and within 1.5x. What it does not
+  check: the analytic window (XLA:CPU keeps ~2.6x the analytic activations per sequence: docs/planning.md), nor
+  the target. The issue's route, the window confirmed by compiling for the
   target, is tests/test_target.py::test_batch_window_confirmed_by_compiling_for_the_target."""
   from shardlab.analysis.program import memory
   from shardlab.run import build
 
-  def peak(seqs):          # sequences per fsdp shard -> compiled peak bytes per device
+  def compiled(seqs):      # sequences per fsdp shard -> compiled memory per device
     cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), train=TrainConfig(batch_size=4 * seqs))
     b = build(cfg)
-    return memory(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile())["peak"]
+    return cfg, memory(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile())
+
+  def peak(seqs):
+    return compiled(seqs)[1]["peak"]
 
   cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2))
+  state = MM.compare(*compiled(1))["components"]["state"]
+  assert state["analytic"] == pytest.approx(state["compiled"], rel=0.01)
   measured = {1: peak(1), 4: peak(4)}
   slope = (measured[4] - measured[1]) / 3
   fixed = measured[1] - slope
   analytic_fixed, analytic_per_seq = planner.memory_affine(cfg)
-  assert analytic_fixed == pytest.approx(fixed, rel=0.1)
+  assert fixed <= analytic_fixed <= 1.5 * fixed
   budget = fixed + 6.5 * slope                       # between 6 and 7 sequences per shard on the line
   w = planner.calibrated_batch_window(planner.override(cfg, hardware={"hbm_bytes": budget}), measured)
   seqs = w["max_sequences_per_fsdp_shard"]
@@ -398,7 +407,7 @@ def test_hsdp_replicates_state_over_data_and_reduces_gradients_over_it():
   layouts = {(l["data"], l["fsdp"], l["tensor"]): l for l in planner.search(cfg)}
   p = planner.param_count(LLAMA2_13B)
   for d, f, t in [(4, 256, 4), (1, 1024, 4)]:
-    mem = planner.memory_per_device(planner.override(cfg, mesh={"fsdp": f, "tensor": t},
+    mem = MM.breakdown(planner.override(cfg, mesh={"fsdp": f, "tensor": t},
                                                   train={"global_batch_tokens": 3e6 / d}))
     assert close(mem["master_params"] + mem["grads"] + mem["optimizer"], 16 * p / (f * t))
     assert layouts[(d, f, t)]["memory_per_device_bytes"] == pytest.approx(mem["total"])
@@ -507,7 +516,7 @@ def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():
   assert f["activations_per_device_bytes"] < g["activations_per_device_bytes"]
   assert f["memory_per_device_bytes"] < g["memory_per_device_bytes"]
   mem = planner.pipeline_memory(cfg, 1, 4, 2, P, "gpipe", M)
-  stage = planner.memory_per_device(planner.override(cfg, model={"n_layers": 20}, mesh={"fsdp": 4, "tensor": 2},
+  stage = MM.breakdown(planner.override(cfg, model={"n_layers": 20}, mesh={"fsdp": 4, "tensor": 2},
                                                      schedule={"microbatches": 1}))
   assert mem["optimizer"] == stage["optimizer"] and mem["master_params"] == stage["master_params"]
   # the pipeline axis is the outermost: on nodes of 8, 4 stages of 8 GPUs cross nodes (the NICs), the others not

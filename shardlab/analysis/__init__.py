@@ -7,15 +7,15 @@ points, preflight or Hydra.
   ledger.py         the traced program's collectives against the compiled ones, the compiler's rewrites named
   links.py          the links under each mesh axis (torus axes spanned, NVLink or NICs) and their bytes/s
   timeline.py       the step's dependency graph and its replay (and the Gantt chart, the Chrome trace)
+  memory_model.py   the one analytic memory per device (the planner's too), beside the compiler's
   planner.py        closed forms (the Scaling Book's) and the layout search
-  memory_model.py   the analytic memory per device, beside the compiler's
   calibrated.py     the target's scheduled order replayed at achieved rates
   costmodel.py      the peak-rate replay, and a run's prediction, ledger and memory (predict_run)
   pipeline_cost.py, context_cost.py   a pipeline's table and the context strategies, costed
   predict.py        `predict_fn`: any jitted function costed on a target; plan_figure.py: the planner's figure
   confirm.py        the planner's best layouts compiled for the target (the step builder passed in)"""
 
-LAYERS = (("hlo",), ("program", "ledger", "links", "timeline"), ("planner",), ("memory_model", "calibrated"),
+LAYERS = (("hlo",), ("program", "ledger", "links", "timeline", "memory_model"), ("planner",), ("calibrated",),
           ("costmodel", "pipeline_cost", "context_cost"), ("predict", "plan_figure", "confirm"))
 
 

@@ -371,6 +371,13 @@ def _ring_size(pairs, device_ids, axis_names) -> int:
   return math.prod(ids.shape[axis_names.index(a)] for a in axis.split("+")) if axis != "?" else 0
 
 
+def collective_computations(text: str) -> list[str]:
+  """The computations of an HLO module that hold a collective (a loop body, a branch, the entry...), in order."""
+  comps, _ = parse(text)
+  kinds = {*COLLECTIVES, *(k + "-start" for k in COLLECTIVES)}
+  return [c for c, instrs in comps.items() if any(i.opcode in kinds for i in instrs)]
+
+
 def ledger(colls: list[Collective]) -> dict:
   """{kind: {axis: {"count": executions per step, "bytes": bytes sent per device per step}}}."""
   out: dict = {}

@@ -1,4 +1,6 @@
-"""Analytic memory per device for the configured schedule, beside what the compiler reports
+"""The one analytic memory per device for the configured schedule: what the planner searches layouts and batch
+windows with (analysis/planner.py), what the preflight check holds against HBM, and what every run reports beside
+what the compiler reports
 (`compiled.memory_analysis()`, program.memory): their ratio says how much the compiler adds (temporaries,
 copies, fusion buffers) or saves (buffer reuse) against the textbook count.
 
@@ -8,8 +10,8 @@ depth k, every layer when they are kept for backward or gathered once per step) 
 Local sizes here are exact (from the parameter declarations and the mesh). Activations: with one layer's
 residuals read off the traced step (run.lower, schedules.explicit.Stage.residual_bytes: the shapes and dtypes AD keeps
 on a device), n_layers x the saved set + one layer's set without remat (held while that layer's backward runs);
-without a trace (the planner, the preflight check), the planner's per-token estimate
-(planner.activation_elements_per_token), divided over `tensor` except, under the all-reduce (Megatron)
+without a trace (the planner, the preflight check), a per-token estimate
+(activation_elements_per_token, below), divided over `tensor` except, under the all-reduce (Megatron)
 contraction, the residual stream it keeps whole (`_replicated_per_token`). The loss holds the logits in the
 compute dtype and their float32 softmax (then cotangent) where the backward starts: 8 bytes per local logit in
 float32, 6 in bfloat16 (the H100 compiler's figure for llama3_8b's 128256-word vocabulary at 8K-32K tokens per
@@ -35,16 +37,69 @@ float32 partial products (4 x the output at [512, 1024]); the model presets' wei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
 import jax
 
 from shardlab import params as PM
-from shardlab.analysis.planner import activation_elements_per_token, dtype_bytes
 from shardlab.layout import from_config
 from shardlab.axes import PIPELINE
 from shardlab.mesh import TENSOR
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(name: str) -> int:
+  if name not in DTYPE_BYTES:
+    raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}")
+  return DTYPE_BYTES[name]
+
+
+def global_tokens(cfg) -> int:
+  """B, in tokens: train.global_batch_tokens, or batch_size * seq_len when that is 0."""
+  return cfg.train.global_batch_tokens or cfg.train.batch_size * cfg.model.seq_len
+
+
+REMAT_POLICIES = ("none", "full", "save_matmuls", "save_qkv_proj", "save_qkv_attn_out", "save_matmuls_attn_out")
+
+
+def activation_elements_per_token(model, remat: str) -> int:
+  """Elements one layer saves for backward, per token, before TP sharding: what JAX's AD keeps for shardlab's
+  layer (tests/test_attention.py checks every policy against the residuals of one layer's jax.vjp). An
+  estimate of memory still: dtypes differ (norm statistics and softmax are float32) and XLA may fuse.
+
+  Q = H K = D query features, KV = 2 G K key/value features (G = model.kv_heads: grouped-query attention).
+  transformer, remat=none: each RMSNorm its input, normalized and scaled outputs and 2 statistics (3D + 2, twice),
+    Q and KV after RoPE, the attention output D and its softmax state S, SwiGLU 6F (gate and up, the sigmoid, the
+    SiLU, the product, the down-projection's input) -> 8D + KV + 6F + 4 + S, where S is
+    - plain: 4 H T + 2 H (the [B, H, T, T] scores and probabilities: the only T^2 term), and
+    - blockwise: H (the log-sum-exp; O(T) memory), dot_product: H (cuDNN flash attention's statistics; on CPU
+      XLA's implementation keeps the scores like plain).
+  save_matmuls: layer input D and the projections' outputs (Q D, KV, out-proj D, in-proj 2F) -> 3D + KV + 2F.
+  save_qkv_proj: layer input D, Q D and KV -> 2D + KV.
+  save_qkv_attn_out: save_qkv_proj + the attention output D (+ H for blockwise, its log-sum-exp).
+  save_matmuls_attn_out: save_matmuls + the attention output D (+ H for blockwise).
+  remat=full: the layer input D only (one layer's full set is recomputed at a time; see `breakdown`).
+  ffn: input D and hidden F (the book's "checkpoint after the big matmuls"), D with remat=full.
+  """
+  d, f = model.d_model, model.d_ff
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unknown schedule.remat {remat!r}; expected {' | '.join(REMAT_POLICIES)}")
+  if model.kind == "ffn":
+    return d if remat == "full" else d + f
+  h = model.n_heads
+  kv = 2 * (getattr(model, "n_kv_heads", 0) or h) * (d // h)
+  attention = getattr(model, "attention", "plain")
+  if attention not in ("plain", "blockwise", "dot_product"):
+    raise ValueError(f"unknown model.attention {attention!r}; expected plain | blockwise | dot_product")
+  stats = 4 * h * model.seq_len + 2 * h if attention == "plain" else h
+  lse = h if attention == "blockwise" else 0        # kept with the attention output (a named residual)
+  return {"none": 8 * d + kv + 6 * f + 4 + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
+          "save_qkv_attn_out": 3 * d + kv + lse, "save_matmuls_attn_out": 4 * d + kv + 2 * f + lse,
+          "full": d}[remat]
 
 
 def breakdown(cfg, residuals: dict | None = None) -> dict:
@@ -141,11 +196,12 @@ def peak(parts: dict, logits: int, one_pass: bool) -> int:
   return state + common + logits + backward
 
 
-def local_tokens(cfg) -> int:
-  """Tokens per device of one microbatch: the sequences its batch axes leave it, x the L/C tokens of each that
-  its sequence (`length`) axes leave it."""
-  return (cfg.train.batch_size // split(cfg, "batch") // microbatches(cfg)
-          * (cfg.model.seq_len // split(cfg, "length")))
+def local_tokens(cfg) -> float:
+  """Tokens per device of one microbatch: the sequences its batch axes leave it (of the global batch,
+  global_tokens), x the L/C tokens of each that its sequence (`length`) axes leave it. A whole number on a mesh
+  that divides the batch; the planner asks about batches that do not (a fraction of a sequence per shard)."""
+  t = global_tokens(cfg) / split(cfg, "batch") / microbatches(cfg) / split(cfg, "length")
+  return int(t) if t == int(t) else t
 
 
 def stages(cfg) -> int:
@@ -165,10 +221,14 @@ def pipeline_buffers(cfg) -> dict:
   saved set); `x`, residual-stream blocks of one microbatch (every microbatch's embedding and its input
   gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of
   per-layer output gradients kept for a split-off weight gradient (zero-bubble)."""
+  P = stages(cfg)
+  return _buffers(cfg.pipeline.impl, P, cfg.pipeline.count(P), cfg.pipeline.virtual_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _buffers(impl: str, P: int, M: int, V: int) -> dict:
   from shardlab.schedules.pipeline import Plan, load_table
-  P, V = stages(cfg), cfg.pipeline.virtual_stages
-  M = cfg.pipeline.count(P)
-  return Plan(load_table(cfg.pipeline.impl, P, M, V), M, V).buffers()
+  return Plan(load_table(impl, P, M, V), M, V).buffers()
 
 
 def split(cfg, logical: str) -> int:
@@ -204,7 +264,7 @@ def ring_steps(tp: str, tensor: int) -> int:
 
 
 def _replicated_per_token(model, remat: str) -> int:
-  """Of a layer's saved elements per token (planner.activation_elements_per_token), those of the residual
+  """Of a layer's saved elements per token (activation_elements_per_token), those of the residual
   stream, which the all-reduce contraction keeps whole on every `tensor` device: the RMSNorms' inputs, outputs
   and statistics (remat=none), the layer input and, when saved, the output projections' results (after the
   all-reduce)."""

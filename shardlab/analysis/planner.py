@@ -28,7 +28,7 @@ stage's per-microbatch slot times from this module's block roofline (F = n_layer
 microbatch's per-device tokens, B its backward, or B and W for a table that splits the weight gradient off; the
 head in F) and the send of one microbatch's residual stream over the pipeline axis's bandwidth, replayed through
 the schedule's own tick table as the executor runs it (replay(build(...), sync=True): neighbour-synchronised
-ticks, so the bubble is the executor's, not the closed form's), / train.mfu. Memory per stage: memory_per_device's
+ticks, so the bubble is the executor's, not the closed form's), / train.mfu. Memory per stage: memory_model.breakdown's
 terms for the stage's layers, with activations for the most microbatch-chunks a stage holds in flight by the
 table (in_flight) at one microbatch's tokens, plus the residual-stream buffers the executor allocates
 (evaluate_pipeline, pipeline_memory). These are predictions of the closed forms and the replay, like every other
@@ -43,17 +43,12 @@ from typing import Any
 
 from shardlab import params as PM
 from shardlab.axes import CLASSIC, DATA, FSDP, PIPELINE, TENSOR, names, shape_of
+from shardlab.analysis import memory_model as MM
 from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths, torus_axes
+from shardlab.analysis.memory_model import dtype_bytes, global_tokens
 from shardlab.layout import from_config
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
-
-
-def dtype_bytes(name: str) -> int:
-  if name not in DTYPE_BYTES:
-    raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}")
-  return DTYPE_BYTES[name]
 
 
 # ---------------------------------------------------------------------------------------------------- parameters
@@ -108,93 +103,7 @@ def param_count(model) -> int:
   return model.n_layers * layer_params(model) + embed_params(model)
 
 
-def global_tokens(cfg) -> int:
-  """B, in tokens: train.global_batch_tokens, or batch_size * seq_len when that is 0."""
-  return cfg.train.global_batch_tokens or cfg.train.batch_size * cfg.model.seq_len
-
-
 # -------------------------------------------------------------------------------------------------------- memory
-
-REMAT_POLICIES = ("none", "full", "save_matmuls", "save_qkv_proj", "save_qkv_attn_out", "save_matmuls_attn_out")
-
-
-def activation_elements_per_token(model, remat: str) -> int:
-  """Elements one layer saves for backward, per token, before TP sharding: what JAX's AD keeps for shardlab's
-  layer (tests/test_attention.py checks every policy against the residuals of one layer's jax.vjp). An
-  estimate of memory still: dtypes differ (norm statistics and softmax are float32) and XLA may fuse.
-
-  Q = H K = D query features, KV = 2 G K key/value features (G = model.kv_heads: grouped-query attention).
-  transformer, remat=none: each RMSNorm its input, normalized and scaled outputs and 2 statistics (3D + 2, twice),
-    Q and KV after RoPE, the attention output D and its softmax state S, SwiGLU 6F (gate and up, the sigmoid, the
-    SiLU, the product, the down-projection's input) -> 8D + KV + 6F + 4 + S, where S is
-    - plain: 4 H T + 2 H (the [B, H, T, T] scores and probabilities: the only T^2 term), and
-    - blockwise: H (the log-sum-exp; O(T) memory), dot_product: H (cuDNN flash attention's statistics; on CPU
-      XLA's implementation keeps the scores like plain).
-  save_matmuls: layer input D and the projections' outputs (Q D, KV, out-proj D, in-proj 2F) -> 3D + KV + 2F.
-  save_qkv_proj: layer input D, Q D and KV -> 2D + KV.
-  save_qkv_attn_out: save_qkv_proj + the attention output D (+ H for blockwise, its log-sum-exp).
-  save_matmuls_attn_out: save_matmuls + the attention output D (+ H for blockwise).
-  remat=full: the layer input D only (one layer's full set is recomputed at a time; see `memory_per_device`).
-  ffn: input D and hidden F (the book's "checkpoint after the big matmuls"), D with remat=full.
-  """
-  d, f = model.d_model, model.d_ff
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"unknown schedule.remat {remat!r}; expected {' | '.join(REMAT_POLICIES)}")
-  if model.kind == "ffn":
-    return d if remat == "full" else d + f
-  h = model.n_heads
-  kv = 2 * (getattr(model, "n_kv_heads", 0) or h) * (d // h)
-  attention = getattr(model, "attention", "plain")
-  if attention not in ("plain", "blockwise", "dot_product"):
-    raise ValueError(f"unknown model.attention {attention!r}; expected plain | blockwise | dot_product")
-  stats = 4 * h * model.seq_len + 2 * h if attention == "plain" else h
-  lse = h if attention == "blockwise" else 0        # kept with the attention output (a named residual)
-  return {"none": 8 * d + kv + 6 * f + 4 + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
-          "save_qkv_attn_out": 3 * d + kv + lse, "save_matmuls_attn_out": 4 * d + kv + 2 * f + lse,
-          "full": d}[remat]
-
-
-def memory_per_device(cfg) -> dict[str, float]:
-  """Bytes per device, FSDP (ZeRO-3) over all N = X Y devices.
-
-  master_params, grads, optimizer: the training state, param_dtype (fp32: 4 + 4 + 2*4 = 16 B/param), / N.
-  compute_params: the transient gathered weights [D, F_Y]: one layer at prefetch 0, k+1 at depth k, every layer
-    when schedule.reshard_after_forward is false; in the gather dtype plus its compute-dtype cast when they
-    differ (or only the cast copy when X = 1). The embedding [V, D_Y] is counted when it is the larger buffer.
-  activations: what backward needs, for the local batch B / X / microbatches tokens (/ C more: `context` splits
-    each sequence), / Y (heads, F and, with sequence parallelism, the residual are sharded over tensor). FSDP
-    shards state, not activations: these do not shrink with more FSDP at a fixed per-device batch. Plus fp32
-    logits [B_X, V_Y].
-  grads: plus the gradient accumulator when schedule.microbatches > 1.
-  Every term but activations is independent of the batch; activations are linear in it (see batch_window).
-  """
-  m, mesh, prec, sched = cfg.model, cfg.mesh, cfg.precision, cfg.schedule
-  x, y = mesh.fsdp, mesh.tensor
-  n = x * y
-  p = param_count(m)
-  pb, cb = dtype_bytes(prec.param_dtype), dtype_bytes(prec.compute_dtype)
-  gb = pb if sched.gather_dtype == "param" else cb
-
-  live_layers = min(m.n_layers, sched.prefetch + 1) if sched.reshard_after_forward else m.n_layers
-  gathered = max(live_layers * block_shard_params(m, y), m.vocab_size * m.d_model / y if m.kind != "ffn" else 0)
-  per_param = (cb if cb != pb else 0) if x == 1 else gb + (cb if cb != gb else 0)
-
-  tokens = global_tokens(cfg) / x / max(1, sched.microbatches) / max(1, mesh.context)   # context: L / C each
-  per_token = m.n_layers * activation_elements_per_token(m, sched.remat)
-  if sched.remat == "full":
-    per_token += activation_elements_per_token(m, "none")   # the one layer being recomputed
-  act = tokens * per_token * cb / y
-  if m.kind != "ffn":
-    act += tokens * m.vocab_size * 4 / y                     # fp32 logits for the loss
-
-  # Microbatches accumulate gradients: a sharded fp32 accumulator (per_layer), or, when the reduce-scatter is
-  # deferred to the end of the step, every layer's unreduced gradient W[D, F_Y] (as memory_model.breakdown).
-  accum = 0 if sched.microbatches <= 1 else p * pb / (y if sched.grad_reduce == "deferred" else n)
-  out = {"master_params": p * pb / n, "grads": p * pb / n + accum, "optimizer": 2 * p * pb / n,
-         "compute_params": gathered * per_param, "activations": act}
-  out["total"] = sum(out.values())
-  return out
-
 
 def min_devices_to_fit(n_params: int, hbm_bytes: float, bytes_per_param: float = 16) -> int:
   """Fewest devices whose HBM holds the sharded training state: ceil(bytes_per_param * P / HBM).
@@ -373,30 +282,59 @@ def override(cfg, **groups):
   return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
 
 
+def at_tokens(cfg, tokens: float):
+  """cfg with a global batch of `tokens` (0 too: train.global_batch_tokens=0 alone would mean batch_size x L)."""
+  return override(cfg, train={"global_batch_tokens": tokens, "batch_size": 0})
+
+
+def at_sequences(cfg, seqs: float):
+  """cfg with `seqs` sequences on every batch shard (data x fsdp, as its layout splits the batch)."""
+  return at_tokens(cfg, seqs * MM.split(cfg, "batch") * cfg.model.seq_len)
+
+
 def memory_affine(cfg) -> tuple[float, float]:
-  """(bytes per device independent of the batch, bytes per sequence of an fsdp shard's local batch B / X): the
-  memory of `memory_per_device` is fixed + per_sequence * B / (X L) at the configured schedule."""
-  one = memory_per_device(override(cfg, train={"global_batch_tokens": cfg.mesh.fsdp * cfg.model.seq_len}))
-  return one["total"] - one["activations"], one["activations"]
+  """(fixed bytes per device, bytes per sequence of a batch shard): the line through memory_model.breakdown at
+  one and two sequences per shard at the configured schedule, as a line through compiled peaks is drawn
+  (calibrated_batch_window). The model's peak is the larger of two lines (the logits, or the gradients being
+  made) in one pass: batch_window searches the model itself."""
+  one, two = (MM.breakdown(at_sequences(cfg, s))["total"] for s in (1, 2))
+  return 2 * one - two, two - one
 
 
 def batch_window(cfg, affine: tuple[float, float] | None = None) -> dict[str, float]:
   """The largest batch that fits in HBM on cfg.mesh: whole sequences per fsdp shard, a multiple of
-  schedule.microbatches. max_batch_per_device_tokens = sequences * L / Y (B / N, the book's per-device batch);
-  0 when not one sequence per shard fits. `..._tokens_unrounded`: the same limit in tokens, as the book counts
-  a batch (a shard holding part of a sequence needs sequence sharding, which shardlab does not do)."""
-  m, mesh, mb = cfg.model, cfg.mesh, max(1, cfg.schedule.microbatches)
+  schedule.microbatches, by memory_model.breakdown (or, given `affine`, the line fixed + per_sequence * s).
+  max_batch_per_device_tokens = sequences * L / Y (B / N, the book's per-device batch); 0 when not one sequence
+  per shard fits. `..._tokens_unrounded`: the same limit in tokens, as the book counts a batch (interpolated
+  between the last whole sequence that fits and the next; a shard holding part of a sequence needs sequence
+  sharding, which shardlab does not do)."""
+  m, mesh, mb, hbm = cfg.model, cfg.mesh, max(1, cfg.schedule.microbatches), cfg.hardware.hbm_bytes
   fixed, per_seq = affine or memory_affine(cfg)
-  seqs = max(0, math.floor((cfg.hardware.hbm_bytes - fixed) / per_seq)) if per_seq > 0 else 0
-  seqs -= seqs % mb
-  while seqs > 0 and fixed + seqs * per_seq > cfg.hardware.hbm_bytes:   # floating point at the boundary
-    seqs -= mb
-  free = max(0.0, cfg.hardware.hbm_bytes - fixed)
+  total = ((lambda s: fixed + s * per_seq) if affine else (lambda s: MM.breakdown(at_sequences(cfg, s))["total"]))
+  whole = _last_fitting(total, hbm, 1)                 # memory grows with the batch: the boundary by bisection
+  seqs = whole - whole % mb
+  step = total(whole + 1) - total(whole)
+  unrounded = whole + (hbm - total(whole)) / step if whole or total(0) <= hbm else 0.0
   return {"max_batch_per_device_tokens": seqs * m.seq_len / mesh.tensor,
-          "max_batch_per_device_tokens_unrounded": free / per_seq * m.seq_len / mesh.tensor if per_seq else 0.0,
+          "max_batch_per_device_tokens_unrounded": max(0.0, unrounded) * m.seq_len / mesh.tensor if step > 0 else 0.0,
           "max_sequences_per_fsdp_shard": seqs,
           "max_global_batch_tokens": seqs * mesh.fsdp * m.seq_len, "fixed_bytes": fixed,
           "bytes_per_local_sequence": per_seq}
+
+
+def _last_fitting(total, budget: float, lo: int) -> int:
+  """The largest s >= 0 with total(s) <= budget (0 when total(lo) does not fit); total grows with s."""
+  if total(lo) > budget:
+    return 0
+  hi = 2 * lo
+  while total(hi) <= budget:
+    lo, hi = hi, 2 * hi
+    if hi > 1 << 40:
+      return lo
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid)
+  return lo
 
 
 def calibrated_batch_window(cfg, peaks: dict[int, float]) -> dict[str, float]:
@@ -418,7 +356,7 @@ def microbatches_to_fit(cfg) -> int | None:
   local = global_tokens(cfg) / cfg.mesh.fsdp / cfg.model.seq_len
   whole = local >= 1 and local == int(local)
   for k in (_divisors(int(local)) if whole else [1]):
-    if memory_per_device(override(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
+    if MM.breakdown(override(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
       return k
   return None
 
@@ -466,12 +404,12 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   k = max(1, cfg.schedule.microbatches)
   step = (m.n_layers * block.step(b, k) + embed.step(b, k)) / cfg.train.mfu
   ratios = block.comm_to_math(b / k)         # per microbatch: what one pass's communication hides behind
-  mem = memory_per_device(sub)
+  mem = MM.breakdown(sub)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
 
   why = _sharding_problems(cfg, shape_of({DATA: data, FSDP: fsdp, TENSOR: tensor}))
-  k_fit = 1 if mem["total"] <= hbm else microbatches_to_fit(sub) if state + mem["compute_params"] < hbm else None
+  k_fit = 1 if mem["total"] <= hbm else microbatches_to_fit(sub)
   if mem["total"] > hbm:
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
                f"{state / 1e9:.1f} GB: {state * fsdp * tensor / param_count(m):.3g} B/param / fsdp x tensor = "
@@ -590,7 +528,7 @@ def _choose(cfg, place: tuple, remats: tuple[str, ...], microbatches: int | None
   fitting, least = [], (math.inf, None)
   for remat in remats:
     for k in counts:
-      total = memory_per_device(override(sub, schedule={"remat": remat, "microbatches": k}))["total"]
+      total = MM.breakdown(override(sub, schedule={"remat": remat, "microbatches": k}))["total"]
       least = min(least, (total, (remat, k)), key=lambda t: t[0])
       if total <= cfg.hardware.hbm_bytes:
         fitting.append((remat, k))
@@ -665,34 +603,16 @@ def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[
 
 def pipeline_memory(cfg, data: int, fsdp: int, tensor: int, P: int, name: str, M: int,
                     tokens: float | None = None) -> dict[str, float]:
-  """Bytes per device on a pipeline stage: memory_per_device's terms for the stage's n_layers / P layers (state,
-  gathered weights; the embeddings are replicated over pipeline, so every stage holds them; no gradient
-  accumulator: a pipeline accumulates into the gradients), activations replaced by what the stage holds by the
-  schedule's table: in_flight microbatch-chunks of n_layers / (P V) layers' residuals, each at one microbatch's
-  tokens per fsdp shard (B / data / fsdp / M) / tensor, + one layer's full set under remat=full, + the
-  residual-stream blocks of one microbatch the executor keeps (every microbatch's embedding and input gradient,
-  received activations and gradients, the sends: / tensor when sequence-parallel) + a split weight gradient's
-  per-layer output gradients (zero-bubble) + one microbatch's float32 logits on the last stage."""
-  m, sched = cfg.model, cfg.schedule
-  V = pipeline_virtual_stages(name)
-  tab = pipeline_table(name, P, M, V)
+  """Bytes per device on a pipeline stage: memory_model.breakdown of cfg on P stages by the named schedule (V =
+  pipeline_virtual_stages) at M microbatches, each stage a data x fsdp x tensor mesh, at `tokens` (default
+  cfg's global batch): the stage's n_layers / P layers of state and gathered weights, the embeddings every
+  stage holds, and the activations the executor allocates from the schedule's table (in-flight microbatch-chunks
+  of residuals, residual-stream blocks, a split weight gradient's output gradients, one microbatch's logits)."""
   tokens = global_tokens(cfg) if tokens is None else tokens
-  stage = override(cfg, model={"n_layers": m.n_layers // P}, mesh={FSDP: fsdp, TENSOR: tensor},
-                   schedule={"microbatches": 1}, train={"global_batch_tokens": tokens / data})
-  out = memory_per_device(stage)
-  cb = dtype_bytes(cfg.precision.compute_dtype)
-  t_mb = tokens / (data * fsdp * M)
-  k = m.n_layers // (P * V)
-  act = tab["in_flight"] * k * t_mb * activation_elements_per_token(m, sched.remat) * cb / tensor
-  if sched.remat == "full":
-    act += t_mb * activation_elements_per_token(m, "none") * cb / tensor   # the one layer being recomputed
-  x = t_mb * m.d_model * cb / (tensor if sched.tp != "allreduce" else 1)
-  act += (tab["x"] + tab["w"] * k) * x
-  if m.kind != "ffn":
-    act += t_mb * m.vocab_size * 4 / tensor                                 # one microbatch's fp32 logits
-  out["activations"] = act
-  out["total"] = sum(v for key, v in out.items() if key != "total")
-  return out
+  stage = override(cfg, mesh={PIPELINE: P, FSDP: fsdp, TENSOR: tensor, DATA: 1},
+                   pipeline={"name": name, "impl": name, "microbatches": M,
+                             "virtual_stages": pipeline_virtual_stages(name)}, schedule={"microbatches": 1})
+  return MM.breakdown(at_tokens(stage, tokens / data))
 
 
 def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str, Any]:
@@ -846,7 +766,7 @@ def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
 def _pipeline_batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
   """batch_range of a pipeline layout at its M: a batch shard's microbatch is whole sequences, so global batches
   step by data fsdp M sequences; compute-bound from the critical per-device batch of one microbatch's pass, fits
-  up to the largest such batch its stage holds in HBM (pipeline_memory is affine in the batch)."""
+  up to the largest such batch its stage holds in HBM (pipeline_memory grows with the batch)."""
   L, M, P = cfg.model.seq_len, layout["microbatches"], layout[PIPELINE]
   unit = layout[DATA] * layout[FSDP] * M * L            # tokens: one more sequence per shard per microbatch
   crit = layout["critical_batch_per_device"]["this_mesh"]
@@ -854,10 +774,7 @@ def _pipeline_batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
   low = None if crit is None else max(1, math.ceil(crit * n * M / unit - 1e-9)) * unit
   c = override(cfg, schedule={"remat": layout["remat"]})
   mem = lambda t: pipeline_memory(c, layout[DATA], layout[FSDP], layout[TENSOR], P, layout["schedule"], M, t)["total"]
-  one, two = mem(unit), mem(2 * unit)
-  seqs = max(0, math.floor((cfg.hardware.hbm_bytes - (2 * one - two)) / (two - one))) if two > one else 0
-  while seqs > 0 and mem(seqs * unit) > cfg.hardware.hbm_bytes:
-    seqs -= 1
+  seqs = _last_fitting(lambda s: mem(s * unit), cfg.hardware.hbm_bytes, 1)
   return {"compute_bound_from_tokens": low, "fits_per_pass_tokens": seqs * unit,
           "compute_bound_from_sequences": None if low is None else low // L,
           "fits_per_pass_sequences": seqs * unit // L,
@@ -946,7 +863,7 @@ def plan(cfg) -> dict[str, Any]:
       w_bytes * embed_params(m) / y, x, w_x, hw.hop_latency_s))
   t_math = 6 * p * tokens / (n * hw.peak_flops)
   t_comm = {FSDP: m.n_layers * per_layer[FSDP] + emb_fsdp, TENSOR: m.n_layers * per_layer[TENSOR]}
-  mem = memory_per_device(cfg)
+  mem = MM.breakdown(cfg)
 
   warnings = []
   if hw.domain_devices and n > hw.domain_devices and not hw.dcn_bandwidth:
