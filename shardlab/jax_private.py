@@ -56,3 +56,9 @@ def skip_cache_writes(refuse) -> None:
     put(cache_key, module_name, executable, backend, compile_time)
   guarded.refuse = refuse
   cc.put_executable_and_time = guarded
+
+
+def cache_write_refuser():
+  """The `refuse` skip_cache_writes installed, or None."""
+  from jax._src import compilation_cache as cc
+  return getattr(cc.put_executable_and_time, "refuse", None)

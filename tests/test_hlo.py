@@ -93,3 +93,30 @@ def test_convolution_flops_equal_xlas_count(strides, padding, lhs_dilation, rhs_
     assert sum(flops(i, shapes) for i in comps[entry]) == xla > 0, (length, window)
     checked += 1
   assert checked >= 1
+
+
+def test_cpu_programs_with_collectives_in_a_loop_and_outside_stay_out_of_the_persistent_cache():
+  """jaxlib 0.10.2 restores a cached XLA:CPU program's collectives in order only within each computation
+  (mesh.guard_persistent_cache): a psum in a scan's body and one outside it are two computations with
+  collectives, so that program is not stored; a flat program with two psums is one computation and is stored."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from shardlab.analysis.hlo import collective_computations
+  from shardlab.axes import FSDP
+  from shardlab.testing import mesh_of
+  mesh = mesh_of(8, 1)
+
+  def looped(x):
+    y = jax.lax.scan(lambda c, _: (c + jax.lax.psum(c, FSDP), None), x, None, length=3)[0]
+    return jax.lax.psum(y * 2.0, FSDP)
+
+  def flat(x):
+    return jax.lax.psum(jax.lax.psum(x, FSDP) * 2.0, FSDP)
+
+  texts = {f.__name__: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(FSDP), out_specs=P())).lower(
+      jnp.ones((8, 4))).compile().as_text() for f in (looped, flat)}
+  assert len(collective_computations(texts["looped"])) == 2 and len(collective_computations(texts["flat"])) == 1
+  from shardlab.jax_private import cache_write_refuser
+  refuse = cache_write_refuser()                                  # installed by set_cpu_devices (conftest)
+  assert refuse("cpu", texts["looped"]) and not refuse("cpu", texts["flat"]) and not refuse("gpu", texts["looped"])
