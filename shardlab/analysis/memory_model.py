@@ -1,8 +1,7 @@
 """The one analytic memory per device for the configured schedule: what the planner searches layouts and batch
 windows with (analysis/planner.py), what the preflight check holds against HBM, and what every run reports beside
-what the compiler reports
-(`compiled.memory_analysis()`, program.memory): their ratio says how much the compiler adds (temporaries,
-copies, fusion buffers) or saves (buffer reuse) against the textbook count.
+what the compiler reports (`compiled.memory_analysis()`, program.memory): their ratio says how much the compiler
+adds (temporaries, copies, fusion buffers) or saves (buffer reuse) against the textbook count.
 
 ZeRO-3 (arXiv:1910.02054): fp32 master weights, fp32 gradients and two fp32 Adam moments are 16 B/param,
 sharded over every device (ZeRO-3); the compute-dtype copy, the gathered weights (one layer at prefetch 0, k+1 at
