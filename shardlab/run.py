@@ -69,8 +69,10 @@ def numbers(summary: dict) -> list[str]:
   out = [f"shardlab: prediction for {hw} ({prediction_model(pred) or 'no'} model over the {program} program):"]
   analytic = (mem.get("analytic") or {}).get("total")
   if "fits" in mem:                               # the target compiler's buffers against the preset's HBM
-    out.append(f"  memory per device   {human_bytes(mem['peak'])} compiled for {program}, "
-               f"HBM {human_bytes(mem['hbm_bytes'])}: " + ("fits" if mem["fits"] else "does NOT fit")
+    held = (mem.get("allocated") or {}).get("total")
+    out.append(f"  memory per device   {human_bytes(mem['peak'])} compiled for {program}"
+               + (f" ({human_bytes(held)} in its buffer assignment)" if held else "")
+               + f", HBM {human_bytes(mem['hbm_bytes'])}: " + ("fits" if mem["fits"] else "does NOT fit")
                + (f" (analytic {human_bytes(analytic)})" if analytic else ""))
   elif mem.get("peak") is not None:               # a local program: its peak is the local compiler's
     fit = ""

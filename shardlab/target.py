@@ -99,6 +99,29 @@ def compile_(lowered, flags: dict | None = None):
     jax.config.update("jax_enable_compilation_cache", was)
 
 
+BUFFER_ASSIGNMENT = "*after_optimizations-buffer-assignment.txt"   # XLA's dump of BufferAssignment::ToString
+
+
+def compile_reading_buffers(lowered, flags: dict | None = None) -> tuple:
+  """(compile_(lowered, flags), the compiler's buffer assignment of the program or None): the text XLA's dump
+  writes (`xla_dump_to`; every allocation with its size, kind and memory space), what the target's runtime will
+  allocate. `memory_analysis()` does not say it on TPU: libtpu 0.0.42 reports 5-7 GB more temporaries than its
+  own assignment holds for the 8B step on v5p (experiments/predict/README.md), and none at all on v5e. The dump
+  goes to a temporary directory, removed after, or to the one `flags` names (kept)."""
+  import tempfile
+  import time
+  flags = dict(flags or {})
+  own = flags.get("xla_dump_to")
+  with tempfile.TemporaryDirectory(prefix="shardlab-dump-") as tmp:
+    where = Path(own or tmp)
+    flags.setdefault("xla_dump_to", tmp)
+    t0 = time.time()
+    compiled = compile_(lowered, flags)
+    files = [f for f in where.glob(BUFFER_ASSIGNMENT) if f.stat().st_mtime >= t0 - 1]
+    text = max(files, key=lambda f: f.stat().st_size).read_text() if files else None
+  return compiled, text
+
+
 def check_flags(flags: dict) -> None:
   """XLA takes every option in `flags`: a trivial program compiled with them on the local CPU (milliseconds)
   raises the one ConfigError line compile_with gives, before the run writes or compiles anything."""

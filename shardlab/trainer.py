@@ -91,11 +91,11 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
     devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
     a = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
     t0 = time.perf_counter()
-    a["compiled"] = TG.compile_(lower(a), cfg.xla.flags)
+    a["compiled"], buffers = TG.compile_reading_buffers(lower(a), cfg.xla.flags)
     times["target"] = time.perf_counter() - t0
   else:
-    a["compiled"] = compiled
-  prog = Program.of(a["compiled"], a["mesh"])     # the compiled HLO, parsed once
+    a["compiled"], buffers = compiled, None
+  prog = Program.of(a["compiled"], a["mesh"], buffers)     # the compiled HLO, parsed once
   analysis = analyze(a["compiled"], a["mesh"], prog)
   analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
   stages = getattr(a["schedule"], "stages_on", None)

@@ -120,3 +120,23 @@ def test_cpu_programs_with_collectives_in_a_loop_and_outside_stay_out_of_the_per
   from shardlab.jax_private import cache_write_refuser
   refuse = cache_write_refuser()                                  # installed by set_cpu_devices (conftest)
   assert refuse("cpu", texts["looped"]) and not refuse("cpu", texts["flat"]) and not refuse("gpu", texts["looped"])
+
+
+def test_buffer_assignment_is_read_by_kind_in_device_memory_only():
+  """hlo.allocations on lines as libtpu 0.0.42 dumps them: parameters (donated outputs among them), the one
+  preallocated temporary block, constants and thread-local scratch in HBM; VMEM (color 1) left out."""
+  from shardlab.analysis import hlo
+  text = """BufferAssignment:
+allocation 0: size 512, thread-local:
+ value: <1 foo @0> (size=512,offset=0): f32[128]{0}
+allocation 1: size 1879048192, parameter 27, shape |f32[32,1024,2,7168]| at ShapeIndex {}, maybe-live-out:
+ value: <2 p27 @0> (size=1879048192,offset=0): f32[32,1024,2,7168]{3,2,1,0:T(2,128)}
+allocation 2: size 4, parameter 0, shape |s32[]| at ShapeIndex {}:
+allocation 3: size 48370176, color 1, preallocated-temp:
+allocation 4: size 1024, constant:
+allocation 5: size 16521019648, preallocated-temp:
+allocation 6: size 8, maybe-live-out:
+allocation 7: size 1536, color 7, thread-local:
+"""
+  assert hlo.allocations(text) == {"parameter": 1879048196, "temp": 16521019656, "other": 1536,
+                                   "total": 1879048196 + 16521019656 + 1536}

@@ -235,10 +235,21 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
   # the matmuls are costed as matmuls on every target (libtpu's are convolutions: hlo.conv_flops)
   pred = summary["prediction"]
   assert pred["t_gemm_s"] > 0 and pred["ceiling"]["matmul_flops_per_device"] > 0, pred
+  # the compiler's own buffer assignment was read: its parameters are memory_analysis()'s arguments; on the GPU
+  # its total is memory_analysis()'s peak; libtpu's memory_analysis() differs from its assignment (on v5e it
+  # reports no temporaries at all), and `fits` is judged on the larger of the two
+  mem = summary["memory"]
+  held = mem["allocated"]
+  assert held["parameter"] == mem["argument"] and held["temp"] > 0, mem
+  if cfg.hardware.target_platform == "cuda":
+    assert abs(held["total"] - mem["peak"]) <= held["other"], mem
+  assert mem["components"]["allocated"]["compiled"] == held["total"]
+  assert mem["headroom_bytes"] == cfg.hardware.hbm_bytes - max(mem["peak"], held["total"])
   from shardlab.run import numbers          # what the dry run prints: the target's memory against HBM, named
   lines = numbers(summary)
   assert lines[0].startswith(f"shardlab: prediction for {preset} (calibrated model over the ")
-  assert "fits" in lines[1] and "compiled for" in lines[1] and "exposed communication" in lines[2]
+  assert "fits" in lines[1] and "compiled for" in lines[1] and "in its buffer assignment" in lines[1]
+  assert "exposed communication" in lines[2]
 
 
 @pytest.mark.parametrize("preset,mesh", [("h100_multinode", "mesh.pipeline=2 mesh.fsdp=1 mesh.tensor=8"),

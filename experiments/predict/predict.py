@@ -142,6 +142,7 @@ def row(name: str, s: dict) -> dict:
           "gb_tensor_placed": moved("tensor", "placed_bytes"), "rewrites": s["ledger"]["rewrites"],
           "gb_other": sum(moved(a) for a in per if a not in ("fsdp", "tensor")),
           "differences": s["ledger"]["differences"], "peak_gb": s["memory"]["peak"] / 1e9,
+          "allocated_gb": (s["memory"].get("allocated") or {}).get("total", float("nan")) / 1e9,
           "fits": s["memory"].get("fits"),
           "compiled_by": s["memory"].get("compiled_by", "cpu"), "model": p.get("model", "peak-rate"),
           "analytic_gb": s["memory"]["analytic"]["total"] / 1e9, "compile_s": s["compile_time_s"]}
@@ -199,13 +200,13 @@ def table() -> list[str]:
               "| schedule | compute ms (matmuls) | fsdp comm ms | tensor comm ms | serial ms | **predicted ms** "
               "| **/ gspmd** | exposed ms | MFU | peak-rate ms (MFU) "
               "| critical path at peak rate: compute / fsdp / tensor ms | GB fsdp placed -> moved "
-              "| GB tensor placed -> moved | GB moved over both (fsdp+tensor) | ledger explained | peak GB compiled "
-              "| analytic GB | compile s |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+              "| GB tensor placed -> moved | GB moved over both (fsdp+tensor) | ledger explained "
+              "| peak GB compiled (memory_analysis) | GB in the buffer assignment | analytic GB | compile s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     gspmd = next((r for r in ok if r["schedule"] == "gspmd (+)"), None)
     for r in rows:
       if "error" in r:
-        lines.append(error_row(r["schedule"], r, 19, f"{machine} {r['schedule']}"))
+        lines.append(error_row(r["schedule"], r, 20, f"{machine} {r['schedule']}"))
         continue
       fits = "" if r["fits"] is None else (" (fits)" if r["fits"] else " (**over**)")
       ratio = f"{r['t_overlapped_ms'] / gspmd['t_overlapped_ms']:.2f}" if gspmd else "n/a"
@@ -220,7 +221,7 @@ def table() -> list[str]:
                    f"| {r['critical_ms']['compute']:.0f} / {r['critical_ms'].get('fsdp', 0):.0f} / "
                    f"{r['critical_ms'].get('tensor', 0):.0f} "
                    f"| {placed('fsdp')} -> {r['gb_fsdp']:.1f} | {placed('tensor')} -> {r['gb_tensor']:.1f} "
-                   f"| {r['gb_other']:.1f} | {explained} | {r['peak_gb']:.1f}{fits} "
+                   f"| {r['gb_other']:.1f} | {explained} | {r['peak_gb']:.1f}{fits} | {r['allocated_gb']:.1f} "
                    f"| {r['analytic_gb']:.1f} | {r['compile_s']:.0f} |")
     notes = [f"{n}: {' '.join(v)}" for (m, n), v in OVERRIDES.items() if m == machine]
     if any("(+)" in r["schedule"] for r in ok):

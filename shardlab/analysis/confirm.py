@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from shardlab.analysis import costmodel
 from shardlab.axes import DATA, FSDP, TENSOR
 
 
@@ -27,12 +28,12 @@ def start_jax(cfg) -> None:
 def compile_on_target(cfg, build) -> dict[str, Any]:
   """Compile cfg's train step (cfg.mesh.fsdp x cfg.mesh.tensor, train.batch_size sequences) for cfg.hardware's
   target. Returns `memory` (the target compiler's memory_analysis per device: argument, output, temp, alias,
-  peak), `memory_analytic` (memory_model.breakdown of the same config), `fits` and `headroom_bytes` against
+  peak; `allocated`, its buffer assignment), `memory_analytic` (memory_model.breakdown of the same config), `fits` and `headroom_bytes` against
   hardware.hbm_bytes, `prediction` (the calibrated replay: t_overlapped_s, mfu, ...), `target` and
   `compile_time_s`. Raises ConfigError when the extra or the topology is missing. `build(cfg, devices)`: the
   application's step builder (shardlab.trainer.build), passed in so that analysis/ imports nothing above it."""
   from shardlab import params as PM, target as TG
-  from shardlab.analysis import costmodel, memory_model
+  from shardlab.analysis import memory_model
   from shardlab.analysis.links import link_axes
   from shardlab.analysis.program import Program
   hw, n = cfg.hardware, cfg.mesh.n_devices
@@ -41,14 +42,15 @@ def compile_on_target(cfg, build) -> dict[str, Any]:
   devs = TG.devices(hw, n)
   b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   t0 = time.perf_counter()
-  compiled = TG.compile_(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]))
+  compiled, buffers = TG.compile_reading_buffers(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]))
   seconds = time.perf_counter() - t0
-  prog = Program.of(compiled, b["mesh"])
+  prog = Program.of(compiled, b["mesh"], buffers)
   mem = prog.memory()
   flops = 6 * PM.count(b["decls"]) * cfg.train.batch_size * cfg.model.seq_len / n
   pred, _ = costmodel.predict(prog, b["mesh"], hw, link_axes(cfg), flops)
-  return {"memory": mem, "memory_analytic": memory_model.breakdown(cfg), "fits": mem["peak"] <= hw.hbm_bytes,
-          "headroom_bytes": hw.hbm_bytes - mem["peak"], "prediction": pred, "target": TG.describe(devs, topo),
+  need = costmodel.needed_bytes(mem)
+  return {"memory": mem, "memory_analytic": memory_model.breakdown(cfg), "fits": need <= hw.hbm_bytes,
+          "headroom_bytes": hw.hbm_bytes - need, "prediction": pred, "target": TG.describe(devs, topo),
           "compile_time_s": seconds}
 
 
@@ -97,7 +99,7 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[d
     pred = r["prediction"]
     out.append({**layout, "target": {
         "compiled": True, "hardware": cfg.hardware.name, **r["target"],
-        "memory_compiled_bytes": r["memory"]["peak"], "memory_compiled": r["memory"],
+        "memory_compiled_bytes": costmodel.needed_bytes(r["memory"]), "memory_compiled": r["memory"],
         "memory_analytic_bytes": r["memory_analytic"]["total"],
         "memory_closed_form_bytes": layout["memory_per_device_bytes"],
         "fits": r["fits"], "headroom_bytes": r["headroom_bytes"],
@@ -122,7 +124,7 @@ def confirm_batch_window(cfg, build, samples: tuple[int, int] = (1, 4)) -> dict[
     if seqs not in cache:
       cache[seqs] = compile_on_target(planner.override(cfg, train={"batch_size": seqs * x, "global_batch_tokens": 0}),
                                       build)
-    return cache[seqs]["memory"]["peak"]
+    return costmodel.needed_bytes(cache[seqs]["memory"])
 
   samples = tuple(max(mb, s - s % mb) for s in samples)
   line = planner.calibrated_batch_window(cfg, {s: peak(s) for s in samples})
@@ -138,7 +140,7 @@ def confirm_batch_window(cfg, build, samples: tuple[int, int] = (1, 4)) -> dict[
   a_peak = peak(a_seqs) if a_seqs > 0 else None
   return {"max_sequences_per_fsdp_shard": seqs,
           "max_batch_per_device_tokens": seqs * cfg.model.seq_len / cfg.mesh.tensor, "confirmed": fits,
-          "peaks": {s: r["memory"]["peak"] for s, r in sorted(cache.items())},
+          "peaks": {s: costmodel.needed_bytes(r["memory"]) for s, r in sorted(cache.items())},
           "line": {"fixed_bytes": line["fixed_bytes"], "bytes_per_local_sequence": line["bytes_per_local_sequence"],
                    "max_sequences_per_fsdp_shard": line["max_sequences_per_fsdp_shard"]},
           "hbm_bytes": hbm, "analytic": {"max_sequences_per_fsdp_shard": a_seqs,

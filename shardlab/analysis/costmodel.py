@@ -165,6 +165,13 @@ def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: d
   return pred, r.events
 
 
+def needed_bytes(memory: dict) -> int:
+  """The device memory a compiled program needs, as its compiler says: the larger of memory_analysis()'s peak
+  and the buffer assignment's total (`allocated`, where read). libtpu's two differ either way (v5p: the first
+  is 5-7 GB above its assignment for the 8B step; v5e: it reports no temporaries at all)."""
+  return max(memory["peak"], (memory.get("allocated") or {}).get("total", 0))
+
+
 def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None = None, prog=None) -> dict:
   """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (collectives by
   kind, axis and dtype with forward and backward bytes, from the traced program and from the compiled HLO, and
@@ -204,8 +211,9 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
                                                        memory_model.gemm_workspace_bytes(prog.text))}
   mem["compiled_by"] = prog.platform
   if prog.platform != "cpu":                     # the target compiler's buffers against the preset's HBM
-    mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=analysis["memory"]["peak"] <= cfg.hardware.hbm_bytes,
-               headroom_bytes=cfg.hardware.hbm_bytes - analysis["memory"]["peak"])
+    need = needed_bytes(analysis["memory"])
+    mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=need <= cfg.hardware.hbm_bytes,
+               headroom_bytes=cfg.hardware.hbm_bytes - need)
   return {"prediction": pred, "memory": mem, "ledger": led, "audit": audit}
 
 

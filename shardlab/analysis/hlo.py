@@ -378,6 +378,24 @@ def collective_computations(text: str) -> list[str]:
   return [c for c, instrs in comps.items() if any(i.opcode in kinds for i in instrs)]
 
 
+def allocations(buffer_assignment: str) -> dict:
+  """The device-memory (memory space 0: HBM) bytes of a compiler's buffer assignment (XLA's
+  BufferAssignment::ToString, the dump's `*-buffer-assignment.txt`), by kind: `parameter` (the arguments,
+  donated outputs among them), `temp` (the temporaries and undonated outputs; TPU: one preallocated block),
+  `other` (constants, thread-local) and `total`. Other memory spaces (TPU VMEM, SMEM) are left out."""
+  out = {"parameter": 0, "temp": 0, "other": 0}
+  for m in re.finditer(r"^allocation \d+: size (\d+)(.*?):$", buffer_assignment, re.M):
+    attrs = m.group(2)
+    color = re.search(r"\bcolor (\d+)", attrs)
+    if color and int(color.group(1)) != 0:
+      continue
+    kind = ("parameter" if re.search(r"\bparameter \d+", attrs) else
+            "other" if re.search(r"\b(constant|thread-local)\b", attrs) else "temp")
+    out[kind] += int(m.group(1))
+  out["total"] = sum(out.values())
+  return out
+
+
 def ledger(colls: list[Collective]) -> dict:
   """{kind: {axis: {"count": executions per step, "bytes": bytes sent per device per step}}}."""
   out: dict = {}

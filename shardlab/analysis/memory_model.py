@@ -283,7 +283,10 @@ def compare(cfg, compiled: dict, residuals: dict | None = None, gemm_workspace: 
   the analytic and compiled bytes and the error (analytic / compiled - 1)}. The parts a compiler reports:
   `state` (the arguments less the token batch: fp32 weights and Adam moments), `working` (its temporaries:
   gradients, gathered weights, saved activations, the logits) and `peak`. `gemm_workspace`: the scratch the
-  program's own GEMM calls declare (`gemm_workspace_bytes`), the compiler's choice, added to the working memory."""
+  program's own GEMM calls declare (`gemm_workspace_bytes`), the compiler's choice, added to the working memory.
+  Where the compiler's buffer assignment was read (`compiled["allocated"]`), `allocated`: the total against the
+  device memory that assignment holds (on TPU the figure to trust: memory_analysis() reports more than libtpu
+  assigns, experiments/predict/README.md)."""
   a = breakdown(cfg, residuals)
   total = a["total"] + gemm_workspace
   state = a["master_params"] + a["optimizer"]
@@ -291,6 +294,8 @@ def compare(cfg, compiled: dict, residuals: dict | None = None, gemm_workspace: 
   batch = (2 * cfg.train.batch_size // split(cfg, "batch") * seq + seq) * 4   # int32 inputs, targets, positions
   parts = {"state": (state, compiled["argument"] - batch), "working": (total - state, compiled["temp"]),
            "peak": (total, compiled["peak"])}
+  if compiled.get("allocated"):
+    parts["allocated"] = (total, compiled["allocated"]["total"])
   return {"analytic": a, "activations_from": "traced residuals" if residuals else "per-token estimate",
           "gemm_workspace": gemm_workspace, "compiled_over_analytic": compiled["peak"] / total if total else 0.0,
           "components": {k: {"analytic": an, "compiled": co, "error": an / co - 1 if co else None}

@@ -42,8 +42,9 @@ def predict_fn(build, hardware: str | HardwareConfig = "h100", axes: dict | None
                ici_axes: dict | None = None, model_flops: float = 0.0) -> dict:
   """Compile `build(mesh)`'s `(jitted_fn, args)` for `axes` (mesh axis name -> size, in order) laid over the
   target's devices, and predict its time. Returns `t_serial_s`, `t_overlapped_s`, `t_compute_s`, `t_comm_s` (per
-  axis), `memory` (the target compiler's memory_analysis, per device), `collectives` (the compiled ledger: kind ->
-  axis -> dtype -> count, bytes per device), `overlap`, `target`, and the whole `prediction`."""
+  axis), `memory` (the target compiler's memory_analysis per device; `allocated`: its buffer assignment),
+  `collectives` (the compiled ledger: kind -> axis -> dtype -> count, bytes per device), `overlap`, `target`, and
+  the whole `prediction`."""
   import jax
   from jax.sharding import AxisType, Mesh
 
@@ -60,8 +61,8 @@ def predict_fn(build, hardware: str | HardwareConfig = "h100", axes: dict | None
     from shardlab.mesh import ConfigError
     raise ConfigError("predict_fn: every argument build(mesh) returns needs a sharding on that mesh "
                       "(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)))")
-  compiled = TG.compile_(fn.lower(*args))
-  prog = Program.of(compiled, mesh)
+  compiled, buffers = TG.compile_reading_buffers(fn.lower(*args))
+  prog = Program.of(compiled, mesh, buffers)
   a = analyze(compiled, mesh, prog)
   pred, _ = costmodel.predict(prog, mesh, hw, ici_axes or {}, model_flops)
   return {"t_serial_s": pred["t_serial_s"], "t_overlapped_s": pred["t_overlapped_s"],

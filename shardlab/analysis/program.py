@@ -43,8 +43,9 @@ class AsyncPair:
 class Program:
   """A compiled program's HLO, parsed once (module doc)."""
 
-  def __init__(self, text: str, device_ids, axis_names: tuple, platform: str = "cpu", compiled=None):
-    self.text, self.platform, self.compiled = text, platform, compiled
+  def __init__(self, text: str, device_ids, axis_names: tuple, platform: str = "cpu", compiled=None,
+               buffers: str | None = None):
+    self.text, self.platform, self.compiled, self.buffers = text, platform, compiled, buffers
     self.device_ids, self.axis_names = device_ids, tuple(axis_names)
     self.comps, self.entry = hlo.parse(text)
     self.mult = hlo.multiplicities(self.comps, self.entry)
@@ -55,15 +56,17 @@ class Program:
     self._flops, self._issued, self._shape_of = flops_fn(self.comps), {}, {}
 
   @classmethod
-  def of(cls, compiled, mesh) -> "Program":
+  def of(cls, compiled, mesh, buffers: str | None = None) -> "Program":
+    """`buffers`: the compiler's buffer assignment of the program (target.compile_reading_buffers), if read."""
     platform = next(iter(mesh.devices.flat)).platform
-    return cls(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names), platform, compiled)
+    return cls(compiled.as_text(), mesh.device_ids, tuple(mesh.axis_names), platform, compiled, buffers)
 
   # ---- what the compiler reports ----
 
   def memory(self) -> dict:
-    """compiled.memory_analysis() per device; peak = arguments + outputs + temporaries - donated aliases."""
-    return memory(self.compiled)
+    """compiled.memory_analysis() per device; peak = arguments + outputs + temporaries - donated aliases; with
+    the compiler's buffer assignment, `allocated` too (memory())."""
+    return memory(self.compiled, self.buffers)
 
   def flops(self) -> tuple[float, str]:
     """FLOPs per device per step and where the figure comes from: the compiler's cost analysis where it gives one
@@ -206,12 +209,16 @@ class Program:
     return rows
 
 
-def memory(compiled) -> dict:
-  """compiled.memory_analysis() per device; peak = arguments + outputs + temporaries - donated aliases."""
+def memory(compiled, buffers: str | None = None) -> dict:
+  """compiled.memory_analysis() per device; peak = arguments + outputs + temporaries - donated aliases. With
+  `buffers` (the compiler's buffer assignment, target.compile_reading_buffers), `allocated`: the device memory
+  that assignment holds, by kind (hlo.allocations), the runtime's own figure where memory_analysis() differs."""
   m = compiled.memory_analysis()
   out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias",
                                                              "generated_code")}
   out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  if buffers:
+    out["allocated"] = hlo.allocations(buffers)
   return out
 
 
