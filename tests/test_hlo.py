@@ -66,6 +66,29 @@ def test_gspmd_collectives_are_all_unplanned():
   compiled, _ = compiled_grads((2, 4), tuple(sorted(knobs.items())))
   colls = hlo.collectives(compiled.as_text(), mesh_of(2, 4))
   assert colls and len(audit(colls)["unplanned"]) == len(colls)
+  # Every group is read (XLA's partitioner writes them as `mesh[..] {axes}`), and the layout's activation hints
+  # shard heads and d_ff, not head_dim: the only resharding left is the embedding lookup's (a token gather).
+  assert all(c.axis in ("fsdp", "tensor", "fsdp+tensor") for c in colls)
+  assert {c.axis for c in colls if c.kind != "all-reduce"} == {"fsdp", "tensor"}   # (read as one group: fsdp+tensor)
+  assert not [c.op_name for c in colls if c.kind in ("all-to-all", "collective-permute") and "_take" not in c.op_name]
+
+
+@pytest.mark.parametrize("text,groups", [
+    ("mesh['axis_0'=4,'axis_1'=2,'axis_2'=1] {'axis_1'}, dimensions={1}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", [list(range(8))]),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    ("mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("mesh['x'=2,'y'=2], device_ids=(3,2,1,0) {'y'}", [[3, 2], [1, 0]]),
+    ("mesh['x'=2,'y'=2] {}", [[0], [1], [2], [3]])])
+def test_mesh_replica_groups_are_read(text, groups):
+  """XLA's mesh form of replica groups (xla/hlo/ir/mesh_and_axis.cc): the devices on named axes (iota, a list,
+  or an iota transposed), grouped along the braced axes or sub-axes `'x':(pre)size`."""
+  from shardlab.analysis import hlo
+  assert hlo.mesh_groups(text) == groups
+  with pytest.raises(ValueError, match="not a form shardlab reads"):
+    hlo.mesh_groups("mesh['x'=2] ('x')")
 
 
 @pytest.mark.parametrize("strides,padding,lhs_dilation,rhs_dilation", [

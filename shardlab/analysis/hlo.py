@@ -226,9 +226,14 @@ def _increment(name: str, k: int, body: list) -> int | None:
 
 
 def _groups(ins: Instr) -> list[list[int]] | None:
+  """The device groups of a collective (positions in the program's device assignment), in any of the three forms
+  XLA prints: explicit lists, an iota (`[G,S]<=[dims]T(perm)`) or a mesh with the axes that form the groups
+  (`mesh['a'=4,'b'=2] {'b'}`). None where it names none (`{}` or no attribute: every device, one group)."""
   m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", ins.attrs)
   if m:
     return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  if "replica_groups=mesh[" in ins.attrs:
+    return mesh_groups(ins.attrs.split("replica_groups=", 1)[1])
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", ins.attrs)
   if m:
     g, s = int(m.group(1)), int(m.group(2))
@@ -238,6 +243,52 @@ def _groups(ins: Instr) -> list[list[int]] | None:
       ids = ids.transpose([int(p) for p in m.group(4).split(",")])
     return ids.reshape(g, s).tolist()
   return None
+
+
+MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}")
+
+
+def mesh_groups(text: str) -> list[list[int]]:
+  """Device groups from XLA's mesh form of replica groups (xla/hlo/ir/mesh_and_axis.cc, MeshAxesReplicaGroupList):
+  `mesh['x'=4,'y'=2][, device_ids=(..)] {'y'}`: the devices (in iota order unless device_ids lists them) laid out
+  on named axes; devices that differ only along the braced axes form a group. A braced `'x':(p)k` is a sub-axis:
+  the k-sized factor of x after a major factor p (x = p * k * rest, major to minor). The groups the H100 compiler
+  gives its own collectives (gspmd) come in this form: read as one group of every device, they were booked on
+  every axis at once."""
+  m = MESH_GROUPS.match(text)
+  if not m:
+    raise ValueError(f"replica groups {text[:80]!r}: not a form shardlab reads")
+  names, sizes = zip(*[(n.strip().strip("'\""), int(k)) for n, k in re.findall(r"([^,=]+)=(\d+)", m.group(1))])
+  refs = [re.fullmatch(r"\s*['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?\s*", r) for r in m.group(3).split(",") if r.strip()]
+  # Each axis cut into factors at every sub-axis boundary named (major-to-minor products).
+  cuts = {a: {1, k} for a, k in zip(names, sizes)}
+  for r in refs:
+    if r.group(2):
+      cuts[r.group(1)] |= {int(r.group(2)), int(r.group(2)) * int(r.group(3))}
+  factors = []                       # (axis, major product before it, size), major to minor over the whole mesh
+  for a in names:
+    b = sorted(cuts[a])
+    factors += [(a, lo, hi // lo) for lo, hi in zip(b, b[1:])]
+  n = math.prod(sizes)
+  ids = _device_order(m.group(2)) if m.group(2) else np.arange(n)
+  ids = ids.reshape([f[2] for f in factors] or [1])
+  grouped = []
+  for r in refs:
+    a, pre, k = r.group(1), int(r.group(2) or 1), int(r.group(3) or 0)
+    grouped += [i for i, f in enumerate(factors) if f[0] == a and (not k or pre <= f[1] < pre * k)]
+  other = [i for i in range(len(factors)) if i not in grouped]
+  size = math.prod(factors[i][2] for i in grouped)
+  return ids.transpose(other + grouped).reshape(-1, size).tolist()
+
+
+def _device_order(text: str) -> np.ndarray:
+  """A mesh's device_ids: a list of ids, or an iota reshaped and transposed (`[4,2]T(1,0)`), flattened."""
+  iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+  if not iota:
+    return np.array([int(d) for d in re.findall(r"\d+", text)])
+  dims = [int(d) for d in iota.group(1).split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return (ids.transpose([int(p) for p in iota.group(2).split(",")]) if iota.group(2) else ids).ravel()
 
 
 def axis_of(groups_or_pairs, device_ids: np.ndarray, axis_names: tuple) -> str:

@@ -19,18 +19,22 @@ from shardlab.config import ModelConfig, ScheduleConfig
 from shardlab.data import Batch
 from shardlab.layout import Layout, honoured
 from shardlab.mesh import ConfigError
-from shardlab.params import declare
+from shardlab.params import declare, kv_sharded
 from shardlab.schedules.explicit import remat_policy
 from shardlab.schedules.parallel import accumulate, attention, microbatches, plain
 from shardlab.schedules.tp import IdentityOps
+
+# The weight letters of the model's column contractions (shardlab/model.py) and the logical dims they name.
+WEIGHT_LETTERS = {"h": "heads", "g": "kv_heads", "f": "mlp", "v": "vocab"}
+
 
 class ConstrainedOps(IdentityOps):
   """Plain math on global arrays with the explicit schedule's activation layouts as sharding hints."""
 
   axis = TENSOR
 
-  def __init__(self, seq_parallel: bool, layout: Layout):
-    self.seq_parallel, self.layout = seq_parallel, layout
+  def __init__(self, seq_parallel: bool, layout: Layout, model: ModelConfig):
+    self.seq_parallel, self.layout, self.model = seq_parallel, layout, model
     self.seq_sharded = seq_parallel
     self.mesh = None
 
@@ -46,10 +50,28 @@ class ConstrainedOps(IdentityOps):
   def c(self, x, spec):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def columns(self, x, ws, eqs):   # each y[B_fsdp, L, .., N_tp]
-    return tuple(self.c(y, P(self.batch, *([None] * (y.ndim - 2)), TENSOR)) for y in super().columns(x, ws, eqs))
+  def columns(self, x, ws, eqs):   # each y[B_batch, L, .., N_tp, ..]
+    return tuple(self.c(y, self.spec_of(eq.split("->")[1], eq)) for y, eq in zip(super().columns(x, ws, eqs), eqs))
+
+  def spec_of(self, letters: str, eq: str) -> P:
+    """The spec of an activation with dims `letters` in contraction `eq`, from the layout: the batch letter over
+    the batch axes, each weight letter whose logical dim the layout puts on `tensor` over `tensor` (q[B, L, H_tp,
+    K] and kv[B, L, 2, G_tp, K], not their head_dim: the attention kernel then reads whole local heads, with no
+    all-to-all in between)."""
+    x_letters, w_letters = eq.split("->")[0].split(",")
+    def axis(c):
+      if c == x_letters[0]:
+        return self.batch
+      logical = WEIGHT_LETTERS.get(c) if c in w_letters else None
+      if logical == "kv_heads" and not kv_sharded(self.model, dict(self.mesh.shape).get(TENSOR, 1)):
+        return None                     # K/V heads tensor does not divide: replicated, as the declaration
+      return TENSOR if logical and TENSOR in self.layout.rule(logical) else None
+    return P(*map(axis, letters))
 
   def row(self, h, w, eq):
+    """h[B, L, .., N_tp] held as the column gave it (heads or d_ff on tensor), and so is its cotangent: without
+    it the partitioner computes dh sequence-sharded from the sequence-sharded dy and all-to-alls it back."""
+    h = self.c(h, self.spec_of(eq.split("->")[0].split(",")[0], eq))
     return self.c(super().row(h, w, eq), self.residual)
 
   def reduce(self, y):
@@ -76,7 +98,7 @@ class GSPMDSchedule:
     self.cfg, self.model, self.dtype = cfg, model, compute_dtype
     self.layout = layout or Layout()
     self.decls = declare(model, layout=self.layout)
-    self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather", layout=self.layout)
+    self.ops = ConstrainedOps(seq_parallel=cfg.tp == "allgather", layout=self.layout, model=model)
     self.policy = remat_policy(cfg.remat)
 
   @contextlib.contextmanager
