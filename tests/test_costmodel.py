@@ -18,9 +18,16 @@ def knobs(preset):
 
 def test_collective_costs_follow_anchors():
   """NCCL tests / Scaling Book: AllGather/ReduceScatter V (n-1)/n / W, AllReduce twice that, latency floor T_hop n / 2; a ring
-  ppermute uses one direction of a torus link (W/2); a mesh axis over M torus axes gets M W_ici."""
-  from shardlab.analysis.costmodel import collective_seconds as t
+  ppermute uses one direction of a torus link (W/2); a mesh axis over M torus axes gets M W_ici. At peak rates
+  (the ceiling's replay); at achieved rates the same formula adds NCCL's launch latency and divides W by the
+  link efficiency and the message-size ramp (the calibrated replay, the pipeline and context models)."""
+  from shardlab.analysis.links import collective_seconds
+  t = lambda kind, b, n, axis, hw, ici: collective_seconds(kind, b, n, axis, hw.peak(), ici)
   V = 1e9
+  h = H100
+  ramp = V / (V + h.link_half_bytes)
+  assert collective_seconds("all-gather", V, 8, "fsdp", h, {}) == pytest.approx(
+      h.collective_latency_s + V / (4.5e11 * h.link_efficiency * ramp))
   assert t("all-gather", V * 7 / 8, 8, "fsdp", H100, {}) == pytest.approx(V * 7 / 8 / 4.5e11)
   assert t("reduce-scatter", V * 7 / 8, 8, "fsdp", H100, {}) == pytest.approx(V * 7 / 8 / 4.5e11)
   assert t("all-reduce", 2 * V * 7 / 8, 8, "fsdp", H100, {}) == pytest.approx(2 * V * 7 / 8 / 4.5e11)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from shardlab.analysis import context_cost as CC
+from shardlab.analysis.links import transfer_seconds
 
 HERE = Path(__file__).parent
 PUBLISHED = {   # ring-flash-attention README, "batch api" rows on 8xH800: fraction of theoretic flash_attn
@@ -34,12 +35,12 @@ def efficiency(hw, passes: str, balanced: bool) -> float:
   work = CC.causal_work(C, balanced)
   mf, mb = CC.merge_bytes(a)
   fwd, bwd = a.block_flops() / rate, a.block_flops() * CC.BWD_OVER_FWD / rate
-  t, _ = CC.ring_pass(work, fwd, mf / hbm + hw.kernel_launch_s, CC.collective_s(2 * a.block * 2, hw.ici_bandwidth, hw))
+  t, _ = CC.ring_pass(work, fwd, mf / hbm + hw.kernel_launch_s, transfer_seconds(2 * a.block * 2, hw.ici_bandwidth, hw))
   ideal = C * 0.5 * fwd
   if passes == "fwd+bwd":
     tb, _ = CC.ring_pass(work, bwd, mb / hbm + hw.kernel_launch_s,
-                         CC.collective_s(2 * a.block * 2 + 2 * a.block * 4, hw.ici_bandwidth, hw))
-    t += tb + CC.collective_s(2 * a.block * 4, hw.ici_bandwidth, hw)
+                         transfer_seconds(2 * a.block * 2 + 2 * a.block * 4, hw.ici_bandwidth, hw))
+    t += tb + transfer_seconds(2 * a.block * 4, hw.ici_bandwidth, hw)
     ideal += C * 0.5 * bwd
   return ideal / t
 

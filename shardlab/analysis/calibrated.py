@@ -11,7 +11,8 @@ stream (NCCL runs collectives one after another on its own stream):
               any other kernel: bytes accessed / (hbm_bandwidth hbm_efficiency); each + kernel_launch_s
   -start      the collective starts when the compute stream issues it and the collective stream is free, and
               takes collective_latency_s + bytes / (W link_efficiency r(bytes)), r(S) = S / (S + link_half_bytes)
-              the ramp of bus bandwidth with message size (NCCL reaches its plateau only for large messages)
+              the ramp of bus bandwidth with message size (NCCL reaches its plateau only for large messages;
+              links.collective_seconds, the formula every cost model uses)
   -done       the compute stream waits until that collective has finished
   synchronous collective (no pair)   the compute stream waits for it whole
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from shardlab.analysis import hlo
 from shardlab.analysis.program import FREE, flops_fn
 from shardlab.analysis.hlo import dims
-from shardlab.analysis.links import axis_bandwidth
+from shardlab.analysis.links import collective_seconds
 
 
 @dataclass
@@ -52,19 +53,6 @@ def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:
     tiles = math.ceil(m / hw.gemm_tile) * math.ceil(n / (2 * hw.gemm_tile)) * math.prod(out_dims[:-2])
     q = tiles / (math.ceil(tiles / hw.compute_units) * hw.compute_units)
   return max(flops / (hw.peak_flops * hw.gemm_efficiency * q), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
-
-
-def collective_seconds(c: hlo.Collective, hw, ici_axes: dict, nbytes: float | None = None) -> float:
-  """One collective at achieved bus bandwidth (module doc); on a torus the axis' links add up (costmodel)."""
-  b = c.bytes_moved if nbytes is None else nbytes
-  if c.group_size <= 1 or b <= 0:
-    return 0.0
-  ramp = b / (b + hw.link_half_bytes) if hw.link_half_bytes else 1.0
-  w = axis_bandwidth(c.axis, hw, ici_axes) * hw.link_efficiency * ramp
-  if c.kind == "collective-permute" and hw.torus:
-    w /= 2
-  hops = c.group_size / 2 if c.kind != "collective-permute" else 1
-  return hw.collective_latency_s + max(hw.hop_latency_s * hops * (2 if c.kind == "all-reduce" else 1), b / w)
 
 
 def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
@@ -109,7 +97,8 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
   finish: dict = {}
 
   def coll_time(c):
-    return collective_seconds(c, hw, ici_axes, c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0))
+    return collective_seconds(c.kind, c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0), c.group_size,
+                              c.axis, hw, ici_axes)
 
   seen: dict = {}
 

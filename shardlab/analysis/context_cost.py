@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardlab.analysis import planner as PL
-from shardlab.analysis.links import mesh_links
+from shardlab.analysis.links import mesh_links, transfer_seconds
 from shardlab.axes import CONTEXT, FSDP, TENSOR
 
 STRATEGIES = ("all_gather", "ring", "ulysses")
@@ -150,15 +150,6 @@ def merge_bytes(a: Attn) -> tuple[float, float]:
   return out * (8 + a.e), (out + 2 * a.block) * (8 + a.e)
 
 
-def collective_s(nbytes: float, bandwidth: float, hw, hops: int = 1) -> float:
-  """One NCCL transfer at achieved bus bandwidth, in the calibrated model's form (calibrated.collective_seconds:
-  a launch latency, a hop floor, a ramp of bandwidth with message size)."""
-  if nbytes <= 0:
-    return 0.0
-  ramp = nbytes / (nbytes + hw.link_half_bytes) if hw.link_half_bytes else 1.0
-  return hw.collective_latency_s + max(hw.hop_latency_s * hops, nbytes / (bandwidth * hw.link_efficiency * ramp))
-
-
 def ring_pass(work: list[list[float]], kernel_s: float, merge_s: float, comm_s: float) -> tuple[float, float]:
   """(makespan, busiest device's compute) of one ring pass: step s costs device r work[s][r] x kernel_s, plus
   merge_s at every step after the first that has work."""
@@ -183,18 +174,18 @@ def layer_time(strategy: str, a: Attn, hw, bandwidth: float, balanced: bool, ski
   if strategy == "ring":
     mf, mb = merge_bytes(a) if merge else (0.0, 0.0)
     launch = hw.kernel_launch_s if merge else 0.0
-    kv = collective_s(2 * a.block * a.e, bandwidth, hw)                       # one shift of K and V
-    kv_dkv = collective_s(2 * a.block * a.e + 2 * a.block * 4, bandwidth, hw)  # backward: with dK, dV
+    kv = transfer_seconds(2 * a.block * a.e, bandwidth, hw)                       # one shift of K and V
+    kv_dkv = transfer_seconds(2 * a.block * a.e + 2 * a.block * 4, bandwidth, hw)  # backward: with dK, dV
     tf, cf = ring_pass(work, fwd, mf / hbm + launch, kv)
     tb, cb = ring_pass(work, bwd, mb / hbm + launch, kv_dkv)
-    home = collective_s(2 * a.block * 4, bandwidth, hw)                      # dK, dV's last shift home
+    home = transfer_seconds(2 * a.block * 4, bandwidth, hw)                      # dK, dV's last shift home
     return LayerTime(cf + cb, (C - 1) * (kv + kv_dkv) + home, tf + tb + home - cf - cb, by)
   if strategy == "all_gather":         # each device its queries against every key: the busiest device paces
     busiest = max(sum(row[r] for row in work) for r in range(C))
-    comm = 2 * collective_s(by["forward"], bandwidth, hw, C // 2)   # gathered before, scattered after: exposed
+    comm = 2 * transfer_seconds(by["forward"], bandwidth, hw, C // 2)   # gathered before, scattered after: exposed
     return LayerTime(busiest * (fwd + bwd), comm, comm, by)
   if strategy == "ulysses":            # every device the whole sequence on H/C heads: balanced in any order
-    comm = 2 * 4 * collective_s(by["forward"] / 4, bandwidth, hw, C // 2)   # q, k, v, o: on the critical path
+    comm = 2 * 4 * transfer_seconds(by["forward"] / 4, bandwidth, hw, C // 2)   # q, k, v, o: on the critical path
     return LayerTime(C * (0.5 if skips_masked else 1.0) * (fwd + bwd), comm, comm, by)
   raise ValueError(f"unknown context strategy {strategy!r}; expected {' | '.join(STRATEGIES)}")
 

@@ -1,8 +1,9 @@
 """Predicted step time on a hardware preset: each collective and matmul of the compiled step costed, the step's
 dependency graph replayed with and without overlap (timeline.py). These are MODEL PREDICTIONS, not measurements.
 
-Costs (NCCL tests doc/PERFORMANCE.md and the Scaling Book's sharding.md; n devices on the axis, W its bandwidth from `HardwareConfig.axis_bandwidth`,
-T_hop the preset's hop latency, bytes = what one device sends, ledger.py):
+Costs (links.collective_seconds at the preset's peak rates, the one collective-cost formula; NCCL tests
+doc/PERFORMANCE.md and the Scaling Book's sharding.md; n devices on the axis, W its bandwidth
+(links.axis_bandwidth), T_hop the preset's hop latency, bytes = what one device sends, ledger.py):
   AllGather, ReduceScatter   max(T_hop n / 2, bytes / W)       bytes = V (n-1)/n  (bidirectional ring)
   AllReduce                  max(T_hop n, bytes / W)           bytes = 2 V (n-1)/n (a reduce-scatter + an all-gather)
   ppermute (ring step)       max(T_hop, bytes / W_dir)         W_dir = W / 2 on a torus (one direction of its
@@ -33,19 +34,8 @@ import json
 from pathlib import Path
 
 from shardlab.analysis import hlo, ledger, timeline as TL
-from shardlab.analysis.links import axis_bandwidth, link_axes
+from shardlab.analysis.links import collective_seconds, link_axes
 from shardlab.axes import FSDP, TENSOR
-
-
-def collective_seconds(kind: str, bytes_moved: float, n: int, axis: str, hw, ici_axes: dict) -> float:
-  """One collective's time (module doc): a bandwidth term and a latency floor."""
-  if n <= 1:
-    return 0.0
-  w = axis_bandwidth(axis, hw, ici_axes)
-  if kind == "collective-permute":
-    return max(hw.hop_latency_s, bytes_moved / (w / 2 if hw.torus else w))
-  phases = 2 if kind == "all-reduce" else 1
-  return max(phases * hw.hop_latency_s * n / 2, bytes_moved / w)
 
 
 def matmul_seconds(flops: float, hw) -> float:
@@ -87,8 +77,9 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   if program is not None:
     scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives))
   bytes_of = lambda c: c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0)
+  peak = hw.peak()                   # module doc: links at their peak bus bandwidth, no launch latency
   dur = [matmul_seconds(t.flops, hw) if t.kind == "compute" else
-         collective_seconds(t.coll.kind, bytes_of(t.coll), t.coll.group_size, t.coll.axis, hw, ici_axes)
+         collective_seconds(t.coll.kind, bytes_of(t.coll), t.coll.group_size, t.coll.axis, peak, ici_axes)
          if t.kind == "comm" else 0.0 for t in tasks]
   res = [resources(t, hw) for t in tasks]
   r = TL.replay(tasks, dur, res)

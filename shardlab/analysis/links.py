@@ -89,6 +89,31 @@ def link_axes(cfg) -> dict:
   return ici if cfg.hardware.torus else {**ici, "bytes_per_s": bws}
 
 
+def transfer_seconds(nbytes: float, bandwidth: float, hw, hops: float = 1) -> float:
+  """The one collective-cost formula, every cost model's (the replays, the pipeline's and the context
+  strategies'): NCCL's launch latency, then the larger of the hop floor (hops x T_hop) and the bytes one device
+  sends at achieved bus bandwidth, W link_efficiency r(S), r(S) = S / (S + link_half_bytes) the ramp of bus
+  bandwidth with message size (NCCL tests doc/PERFORMANCE.md). At peak rates (HardwareConfig.peak: efficiency 1,
+  no ramp, no launch latency) it is the Scaling Book's max(T_hop hops, bytes / W) (sharding.md)."""
+  if nbytes <= 0:
+    return 0.0
+  ramp = nbytes / (nbytes + hw.link_half_bytes) if hw.link_half_bytes else 1.0
+  return hw.collective_latency_s + max(hw.hop_latency_s * hops, nbytes / (bandwidth * hw.link_efficiency * ramp))
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, axis: str, hw, ici_axes: dict) -> float:
+  """One collective among n devices over mesh `axis`, `nbytes` sent per device (ledger.py's bytes: V (n-1)/n
+  for an all-gather or reduce-scatter of V, twice that for an all-reduce): a bidirectional ring's hop floor
+  n / 2 hops (an all-reduce's two phases: n); a ring ppermute one hop, over one direction of a torus link (W / 2;
+  on a switch the device's egress, W). transfer_seconds does the rest."""
+  if n <= 1:
+    return 0.0
+  w = axis_bandwidth(axis, hw, ici_axes)
+  if kind == "collective-permute":
+    return transfer_seconds(nbytes, w / 2 if hw.torus else w, hw, 1)
+  return transfer_seconds(nbytes, w, hw, n / 2 * (2 if kind == "all-reduce" else 1))
+
+
 def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
   """Bytes/s of a mesh axis ('fsdp', 'tensor', or 'fsdp+tensor': the physical axes add up on a torus). On a
   switched GPU fabric `ici_axes["bytes_per_s"]` (link_axes) gives each axis its own: an axis that crosses nodes
