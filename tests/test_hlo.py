@@ -87,8 +87,13 @@ def test_mesh_replica_groups_are_read(text, groups):
   or an iota transposed), grouped along the braced axes or sub-axes `'x':(pre)size`."""
   from shardlab.analysis import hlo
   assert hlo.mesh_groups(text) == groups
+
+
+@pytest.mark.parametrize("text", ["mesh['x'=2] ('x')", "mesh['x'=2] {'z'}", "mesh[] {}"])
+def test_mesh_replica_groups_it_cannot_read_are_one_error(text):
+  from shardlab.analysis import hlo
   with pytest.raises(ValueError, match="not a form shardlab reads"):
-    hlo.mesh_groups("mesh['x'=2] ('x')")
+    hlo.mesh_groups(text)
 
 
 @pytest.mark.parametrize("strides,padding,lhs_dilation,rhs_dilation", [

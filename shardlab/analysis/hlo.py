@@ -252,14 +252,15 @@ def mesh_groups(text: str) -> list[list[int]]:
   """Device groups from XLA's mesh form of replica groups (xla/hlo/ir/mesh_and_axis.cc, MeshAxesReplicaGroupList):
   `mesh['x'=4,'y'=2][, device_ids=(..)] {'y'}`: the devices (in iota order unless device_ids lists them) laid out
   on named axes; devices that differ only along the braced axes form a group. A braced `'x':(p)k` is a sub-axis:
-  the k-sized factor of x after a major factor p (x = p * k * rest, major to minor). The groups the H100 compiler
-  gives its own collectives (gspmd) come in this form: read as one group of every device, they were booked on
-  every axis at once."""
+  the k-sized factor of x after a major factor p (x = p * k * rest, major to minor). The H100 compiler, libtpu and
+  XLA:CPU's partitioner give the collectives they place themselves (gspmd) in this form."""
   m = MESH_GROUPS.match(text)
-  if not m:
+  axes = dict((n.strip().strip("'\""), int(k)) for n, k in re.findall(r"([^,=]+)=(\d+)", m.group(1))) if m else {}
+  refs = [re.fullmatch(r"\s*['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?\s*", r)
+          for r in m.group(3).split(",") if r.strip()] if m else []
+  if not axes or any(r is None or r.group(1) not in axes for r in refs):
     raise ValueError(f"replica groups {text[:80]!r}: not a form shardlab reads")
-  names, sizes = zip(*[(n.strip().strip("'\""), int(k)) for n, k in re.findall(r"([^,=]+)=(\d+)", m.group(1))])
-  refs = [re.fullmatch(r"\s*['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?\s*", r) for r in m.group(3).split(",") if r.strip()]
+  names, sizes = tuple(axes), tuple(axes.values())
   # Each axis cut into factors at every sub-axis boundary named (major-to-minor products).
   cuts = {a: {1, k} for a, k in zip(names, sizes)}
   for r in refs:
