@@ -28,7 +28,8 @@ def pytest_addoption(parser):
   parser.addini("shardlab_devices", f"fake CPU devices for tests (default {testing.DEFAULT_DEVICES})", default="")
   parser.addini("shardlab_mesh_axes", "mesh axes the `mesh` fixture factorizes the devices into by default: 2 "
                 "(fsdp x tensor) or 3 (data x fsdp x tensor)", default="2")
-  parser.addini("shardlab_fast_compile", "compile tests with LLVM optimizations off unless XLA_FLAGS is set",
+  parser.addini("shardlab_fast_compile", "compile tests with testing.FAST_COMPILE (LLVM optimizations off, elemental "
+                "IR emitters) unless XLA_FLAGS is set",
                 type="bool", default=True)
 
 

@@ -1,13 +1,18 @@
 """8 fake CPU devices, set here, once, before anything starts JAX; strict rank promotion.
 
-Tests compile with LLVM's optimizations off (XLA's HLO passes, fusion and buffer assignment still run): it
-halves compile time, and tests check numbers, bytes and memory, never speed.
+Tests compile XLA:CPU programs with shardlab.testing.FAST_COMPILE (LLVM's optimizations off, XLA:CPU's elemental IR
+emitters instead of its MLIR fusion emitters; XLA's HLO passes, fusion decisions and buffer assignment still run):
+a third of the compile time, and tests check numbers, bytes and memory, never speed. Target compiles (GPU, TPU) are
+not affected. Subprocesses (CLI runs) inherit the flags.
 """
+import functools
 import os
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+from shardlab.testing import FAST_COMPILE   # imports no JAX
+
+os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
 # One persistent compilation cache for the whole run, shared by both xdist workers and every subprocess
 # (CLI runs, sweeps, several processes): each distinct program is compiled once per test session.
 # (v2: written under mesh.guard_persistent_cache, which keeps out what XLA:CPU cannot restore safely)
@@ -59,6 +64,13 @@ def compose(*overrides: str):
 
 
 def load_preset(name: str) -> dict:
+  """conf/schedule/NAME.yaml as Hydra composes it (a fresh copy: composed once per process, ~0.2 s each)."""
+  import copy
+  return copy.deepcopy(_preset(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _preset(name: str) -> dict:
   from omegaconf import OmegaConf
   return OmegaConf.to_container(compose(f"schedule={name}").schedule)
 

@@ -50,8 +50,14 @@ def test_knob_matrix_matches_reference(mesh_shape, knobs):
 
 
 # HSDP: a `data` axis in front (weights replicated over it, sharded over fsdp; gradients reduce-scattered over
-# fsdp, then all-reduced over data). 1x2x4 is the 2D 2x4 mesh (a data axis of 1 is none).
-HSDP_MESHES = [(2, 2, 2), (1, 2, 4), (2, 1, 4)]
+# fsdp, then all-reduced over data). 1x2x4 is not here: it is the 2D 2x4 mesh (a data axis of 1 is none, the test
+# below), which test_preset_matches_reference covers.
+HSDP_MESHES = [(2, 2, 2), (2, 1, 4)]
+
+
+def test_a_data_axis_of_one_is_the_2d_mesh():
+  from shardlab.testing import named_shape
+  assert named_shape((1, 2, 4)) == named_shape((2, 4)) == {"fsdp": 2, "tensor": 4}
 
 
 @pytest.mark.parametrize("mesh_shape", HSDP_MESHES, ids=lambda s: "x".join(map(str, s)))
