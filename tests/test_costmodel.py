@@ -189,3 +189,45 @@ def test_data_axis_across_nodes_is_costed_at_the_nodes_nics():
   assert axis_bandwidth("data", one_node.hardware, link_axes(one_node)) == one_node.hardware.ici_bandwidth
   tpu = to_config(compose("hardware=tpu_v5p", "mesh=2x2x2", "mesh.data_ici_axes=2"))
   assert axis_bandwidth("data", tpu.hardware, link_axes(tpu)) == 2 * tpu.hardware.ici_bandwidth
+
+
+def test_a_kernel_reads_only_the_slices_it_takes():
+  """calibrated.kernel_bytes: a fused parameter read through dynamic-slices counts the slices, also where a layout
+  change sits between them (libtpu's gspmd program converts a stacked [36, ...] attention mask's layout in a nested
+  fusion, then takes one block per loop trip: 1/36 of it, not all of it, per trip); a parameter any op reads whole
+  counts whole."""
+  from shardlab.analysis import calibrated, hlo
+  text = """HloModule m
+
+%inner (a: pred[36,8,128]) -> pred[36,8,128] {
+  %a = pred[36,8,128]{2,1,0} parameter(0)
+  ROOT %c = pred[36,8,128]{2,1,0} copy(%a)
+}
+
+%fused (p0: pred[36,8,128], p1: s32[], p2: f32[8,128], p3: f32[4,8,128]) -> f32[8,128] {
+  %p0 = pred[36,8,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[8,128]{1,0} parameter(2)
+  %p3 = f32[4,8,128]{2,1,0} parameter(3)
+  %relayout = pred[36,8,128]{2,1,0} fusion(%p0), kind=kLoop, calls=%inner
+  %z = s32[] constant(0)
+  %ds = pred[1,8,128]{2,1,0} dynamic-slice(%relayout, %p1, %z, %z), dynamic_slice_sizes={1,8,128}
+  %mask = pred[8,128]{1,0} bitcast(%ds)
+  %r = f32[4,8,128]{2,1,0} negate(%p3)
+  %s = f32[8,128]{1,0} reduce(%r, %z), dimensions={0}, to_apply=%inner
+  ROOT %out = f32[8,128]{1,0} select(%mask, %p2, %s)
+}
+
+ENTRY %main (x: pred[36,8,128], i: s32[], y: f32[8,128], w: f32[4,8,128]) -> f32[8,128] {
+  %x = pred[36,8,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %y = f32[8,128]{1,0} parameter(2)
+  %w = f32[4,8,128]{2,1,0} parameter(3)
+  ROOT %f = f32[8,128]{1,0} fusion(%x, %i, %y, %w), kind=kLoop, calls=%fused
+}
+"""
+  comps, entry = hlo.parse(text)
+  ins = next(i for i in comps[entry] if i.opcode == "fusion")
+  shapes = {i.name: i.shape for i in comps[entry]}
+  mask_block, index, y, w, out = 8 * 128, 4, 8 * 128 * 4, 4 * 8 * 128 * 4, 8 * 128 * 4
+  assert calibrated.kernel_bytes(ins, shapes, comps) == mask_block + index + y + w + out

@@ -17,9 +17,10 @@ stream (NCCL runs collectives one after another on its own stream):
   synchronous collective (no pair)   the compute stream waits for it whole
 
 Bytes accessed of a kernel are read from its fused computation: a parameter read only through dynamic-slices
-counts the slices, an in-place dynamic-update-slice counts the update (a layer's slice of a stacked buffer, not
-the stack). Every constant is in the hardware preset with its source (conf/hardware/). The same replay at peak
-rates (HardwareConfig.peak) is the ceiling it is compared with. MODEL PREDICTIONS, not measurements.
+(directly, or after a layout change or conversion of the same elements) counts the slices, an in-place
+dynamic-update-slice counts the update (a layer's slice of a stacked buffer, not the stack). Every constant is in
+the hardware preset with its source (conf/hardware/). The same replay at peak rates (HardwareConfig.peak) is the
+ceiling it is compared with. MODEL PREDICTIONS, not measurements.
 """
 from __future__ import annotations
 
@@ -71,12 +72,10 @@ def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
   total = 0.0
   for p in params:
     us = users.get(p.name, [])
-    if us and all(u.opcode == "dynamic-slice" for u in us):
-      total += sum(hlo.shape_bytes(u.shape) for u in us)
-    elif us and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in us):
+    if us and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in us):
       total += 0.0                                  # updated in place: only the update is touched
     else:
-      total += hlo.shape_bytes(p.shape)
+      total += hlo.shape_bytes(p.shape) * _read_fraction(p, users)
   root = body[-1] if body else None
   roots = [root] if root is not None and root.opcode != "tuple" else [
       next((i for i in body if i.name == o), None) for o in (root.operands if root is not None else [])]
@@ -84,6 +83,31 @@ def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
     if r is not None and r.opcode == "dynamic-update-slice":
       out -= hlo.shape_bytes(r.shape) - hlo.shape_bytes(inner.get(r.operands[1], ""))
   return total + max(out, 0)
+
+
+# Ops that keep every element of their operand where it was, one to one: a slice taken after them reads only those
+# elements of the operand (a nested fusion with as many elements as its operand is taken to be one of these).
+_ELEMENTWISE = frozenset({"bitcast", "copy", "convert", "fusion"})
+
+
+def _read_fraction(value: hlo.Instr, users: dict, depth: int = 0) -> float:
+  """The fraction of `value` (a fused computation's parameter, or an op on it) that the kernel reads: the
+  elements its dynamic-slices take where every use of it ends in one, directly or through _ELEMENTWISE ops of the
+  same element count (a kernel computes only the elements it writes: libtpu's programs convert a stacked mask's
+  layout in a nested fusion, then take one block of it); 1.0 where any use reads it whole."""
+  n = math.prod(dims(value.shape))
+  us = users.get(value.name, [])
+  if not us or n == 0 or depth > 8:
+    return 1.0
+  fraction = 0.0
+  for u in us:
+    if u.opcode == "dynamic-slice" and u.operands[0] == value.name:
+      fraction += math.prod(dims(u.shape)) / n
+    elif u.opcode in _ELEMENTWISE and math.prod(dims(u.shape)) == n and u.shape.count("[") == 1:
+      fraction += _read_fraction(u, users, depth + 1)
+    else:
+      return 1.0
+  return min(fraction, 1.0)
 
 
 def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) -> Replayed:
