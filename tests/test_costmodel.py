@@ -193,9 +193,9 @@ def test_data_axis_across_nodes_is_costed_at_the_nodes_nics():
 
 def test_a_kernel_reads_only_the_slices_it_takes():
   """calibrated.kernel_bytes: a fused parameter read through dynamic-slices counts the slices, also where a layout
-  change sits between them (libtpu's gspmd program converts a stacked [36, ...] attention mask's layout in a nested
-  fusion, then takes one block per loop trip: 1/36 of it, not all of it, per trip); a parameter any op reads whole
-  counts whole."""
+  change or a transpose sits between them (libtpu's gspmd program converts a stacked [36, ...] attention mask's
+  layout in a nested fusion, then takes one block per loop trip: 1/36 of it, not all of it, per trip); a parameter
+  any op reads whole counts whole."""
   from shardlab.analysis import calibrated, hlo
   text = """HloModule m
 
@@ -210,9 +210,11 @@ def test_a_kernel_reads_only_the_slices_it_takes():
   %p2 = f32[8,128]{1,0} parameter(2)
   %p3 = f32[4,8,128]{2,1,0} parameter(3)
   %relayout = pred[36,8,128]{2,1,0} fusion(%p0), kind=kLoop, calls=%inner
+  %tr = pred[36,128,8]{2,1,0} transpose(%relayout), dimensions={0,2,1}
   %z = s32[] constant(0)
-  %ds = pred[1,8,128]{2,1,0} dynamic-slice(%relayout, %p1, %z, %z), dynamic_slice_sizes={1,8,128}
-  %mask = pred[8,128]{1,0} bitcast(%ds)
+  %ds = pred[1,128,8]{2,1,0} dynamic-slice(%tr, %p1, %z, %z), dynamic_slice_sizes={1,128,8}
+  %block = pred[128,8]{1,0} bitcast(%ds)
+  %mask = pred[8,128]{1,0} transpose(%block), dimensions={1,0}
   %r = f32[4,8,128]{2,1,0} negate(%p3)
   %s = f32[8,128]{1,0} reduce(%r, %z), dimensions={0}, to_apply=%inner
   ROOT %out = f32[8,128]{1,0} select(%mask, %p2, %s)

@@ -17,7 +17,7 @@ stream (NCCL runs collectives one after another on its own stream):
   synchronous collective (no pair)   the compute stream waits for it whole
 
 Bytes accessed of a kernel are read from its fused computation: a parameter read only through dynamic-slices
-(directly, or after a layout change or conversion of the same elements) counts the slices, an in-place
+(directly, or after a layout change, conversion or transpose of the same elements) counts the slices, an in-place
 dynamic-update-slice counts the update (a layer's slice of a stacked buffer, not the stack). Every constant is in
 the hardware preset with its source (conf/hardware/). The same replay at peak rates (HardwareConfig.peak) is the
 ceiling it is compared with. MODEL PREDICTIONS, not measurements.
@@ -85,9 +85,10 @@ def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
   return total + max(out, 0)
 
 
-# Ops that keep every element of their operand where it was, one to one: a slice taken after them reads only those
-# elements of the operand (a nested fusion with as many elements as its operand is taken to be one of these).
-_ELEMENTWISE = frozenset({"bitcast", "copy", "convert", "fusion"})
+# Ops that map the elements of their operand one to one (a layout change, a conversion, a permutation): a slice
+# taken after them reads only the elements it takes of the operand (a nested fusion with as many elements as its
+# operand is taken to be one of these).
+_ELEMENTWISE = frozenset({"bitcast", "copy", "convert", "fusion", "transpose", "reshape"})
 
 
 def _read_fraction(value: hlo.Instr, users: dict, depth: int = 0) -> float:
