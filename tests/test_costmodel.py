@@ -193,37 +193,57 @@ def test_data_axis_across_nodes_is_costed_at_the_nodes_nics():
 
 def test_a_kernel_reads_only_the_slices_it_takes():
   """calibrated.kernel_bytes: a fused parameter read through dynamic-slices counts the slices, also where a layout
-  change or a transpose sits between them (libtpu's gspmd program converts a stacked [36, ...] attention mask's
+  change or a transpose sits between them (libtpu's gspmd program changes a stacked [36, ...] attention mask's
   layout in a nested fusion, then takes one block per loop trip: 1/36 of it, not all of it, per trip); a parameter
-  any op reads whole counts whole."""
+  that any op reads whole counts whole (w: also sliced, but negated whole), and so does one whose nested fusion is
+  not one to one (v: reversed before its slice)."""
+  import pytest
   from shardlab.analysis import calibrated, hlo
   text = """HloModule m
 
-%inner (a: pred[36,8,128]) -> pred[36,8,128] {
+%relayout_body (a: pred[36,8,128]) -> pred[36,8,128] {
   %a = pred[36,8,128]{2,1,0} parameter(0)
-  ROOT %c = pred[36,8,128]{2,1,0} copy(%a)
+  ROOT %c = pred[36,8,128]{1,2,0} copy(%a)
 }
 
-%fused (p0: pred[36,8,128], p1: s32[], p2: f32[8,128], p3: f32[4,8,128]) -> f32[8,128] {
+%reverse_body (b: f32[36,8,128]) -> f32[36,8,128] {
+  %b = f32[36,8,128]{2,1,0} parameter(0)
+  ROOT %r = f32[36,8,128]{2,1,0} reverse(%b), dimensions={0}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused (p0: pred[36,8,128], p1: s32[], p2: f32[36,8,128], p3: f32[4,8,128]) -> f32[8,128] {
   %p0 = pred[36,8,128]{2,1,0} parameter(0)
   %p1 = s32[] parameter(1)
-  %p2 = f32[8,128]{1,0} parameter(2)
+  %p2 = f32[36,8,128]{2,1,0} parameter(2)
   %p3 = f32[4,8,128]{2,1,0} parameter(3)
-  %relayout = pred[36,8,128]{2,1,0} fusion(%p0), kind=kLoop, calls=%inner
-  %tr = pred[36,128,8]{2,1,0} transpose(%relayout), dimensions={0,2,1}
   %z = s32[] constant(0)
+  %relayout = pred[36,8,128]{1,2,0} fusion(%p0), kind=kLoop, calls=%relayout_body
+  %tr = pred[36,128,8]{2,1,0} transpose(%relayout), dimensions={0,2,1}
   %ds = pred[1,128,8]{2,1,0} dynamic-slice(%tr, %p1, %z, %z), dynamic_slice_sizes={1,128,8}
   %block = pred[128,8]{1,0} bitcast(%ds)
   %mask = pred[8,128]{1,0} transpose(%block), dimensions={1,0}
-  %r = f32[4,8,128]{2,1,0} negate(%p3)
-  %s = f32[8,128]{1,0} reduce(%r, %z), dimensions={0}, to_apply=%inner
-  ROOT %out = f32[8,128]{1,0} select(%mask, %p2, %s)
+  %reversed = f32[36,8,128]{2,1,0} fusion(%p2), kind=kLoop, calls=%reverse_body
+  %vs = f32[1,8,128]{2,1,0} dynamic-slice(%reversed, %p1, %z, %z), dynamic_slice_sizes={1,8,128}
+  %v = f32[8,128]{1,0} bitcast(%vs)
+  %ws = f32[1,8,128]{2,1,0} dynamic-slice(%p3, %p1, %z, %z), dynamic_slice_sizes={1,8,128}
+  %w1 = f32[8,128]{1,0} bitcast(%ws)
+  %neg = f32[4,8,128]{2,1,0} negate(%p3)
+  %zero = f32[] constant(0)
+  %sum = f32[8,128]{1,0} reduce(%neg, %zero), dimensions={0}, to_apply=%add
+  %vw = f32[8,128]{1,0} add(%v, %w1)
+  ROOT %out = f32[8,128]{1,0} select(%mask, %vw, %sum)
 }
 
-ENTRY %main (x: pred[36,8,128], i: s32[], y: f32[8,128], w: f32[4,8,128]) -> f32[8,128] {
+ENTRY %main (x: pred[36,8,128], i: s32[], y: f32[36,8,128], w: f32[4,8,128]) -> f32[8,128] {
   %x = pred[36,8,128]{2,1,0} parameter(0)
   %i = s32[] parameter(1)
-  %y = f32[8,128]{1,0} parameter(2)
+  %y = f32[36,8,128]{2,1,0} parameter(2)
   %w = f32[4,8,128]{2,1,0} parameter(3)
   ROOT %f = f32[8,128]{1,0} fusion(%x, %i, %y, %w), kind=kLoop, calls=%fused
 }
@@ -231,5 +251,5 @@ ENTRY %main (x: pred[36,8,128], i: s32[], y: f32[8,128], w: f32[4,8,128]) -> f32
   comps, entry = hlo.parse(text)
   ins = next(i for i in comps[entry] if i.opcode == "fusion")
   shapes = {i.name: i.shape for i in comps[entry]}
-  mask_block, index, y, w, out = 8 * 128, 4, 8 * 128 * 4, 4 * 8 * 128 * 4, 8 * 128 * 4
-  assert calibrated.kernel_bytes(ins, shapes, comps) == mask_block + index + y + w + out
+  mask_block, index, v_whole, w_whole, out = 8 * 128, 4, 36 * 8 * 128 * 4, 4 * 8 * 128 * 4, 8 * 128 * 4
+  assert calibrated.kernel_bytes(ins, shapes, comps) == pytest.approx(mask_block + index + v_whole + w_whole + out)

@@ -75,7 +75,7 @@ def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
     if us and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in us):
       total += 0.0                                  # updated in place: only the update is touched
     else:
-      total += hlo.shape_bytes(p.shape) * _read_fraction(p, users)
+      total += hlo.shape_bytes(p.shape) * _read_fraction(p, users, comps)
   root = body[-1] if body else None
   roots = [root] if root is not None and root.opcode != "tuple" else [
       next((i for i in body if i.name == o), None) for o in (root.operands if root is not None else [])]
@@ -86,26 +86,38 @@ def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
 
 
 # Ops that map the elements of their operand one to one (a layout change, a conversion, a permutation): a slice
-# taken after them reads only the elements it takes of the operand (a nested fusion with as many elements as its
-# operand is taken to be one of these).
-_ELEMENTWISE = frozenset({"bitcast", "copy", "convert", "fusion", "transpose", "reshape"})
+# taken after them reads only the elements it takes of the operand. A nested fusion is one of them when its own
+# computation holds nothing else.
+_ONE_TO_ONE = frozenset({"bitcast", "copy", "convert", "transpose", "reshape"})
 
 
-def _read_fraction(value: hlo.Instr, users: dict, depth: int = 0) -> float:
+def _one_to_one(ins: hlo.Instr, n: int, comps: dict) -> bool:
+  """`ins` maps the n elements of its operand one to one onto its own (one array, n elements)."""
+  if ins.shape.startswith("(") or math.prod(dims(ins.shape)) != n:
+    return False
+  if ins.opcode == "fusion":
+    called = re.findall(r"calls=%?([\w.\-]+)", ins.attrs)
+    body = comps.get(called[0], []) if called else []
+    return bool(body) and all(i.opcode in _ONE_TO_ONE or i.opcode == "parameter" for i in body)
+  return ins.opcode in _ONE_TO_ONE
+
+
+def _read_fraction(value: hlo.Instr, users: dict, comps: dict, depth: int = 0) -> float:
   """The fraction of `value` (a fused computation's parameter, or an op on it) that the kernel reads: the
-  elements its dynamic-slices take where every use of it ends in one, directly or through _ELEMENTWISE ops of the
-  same element count (a kernel computes only the elements it writes: libtpu's programs convert a stacked mask's
-  layout in a nested fusion, then take one block of it); 1.0 where any use reads it whole."""
+  elements its dynamic-slices take where every use of it ends in one, directly or through one-to-one ops
+  (_ONE_TO_ONE; a kernel computes only the elements it writes: libtpu's programs change a stacked mask's layout in
+  a nested fusion, then take one block of it); 1.0 where any use reads it whole. Slices that overlap are summed
+  (an upper bound), capped at the whole."""
   n = math.prod(dims(value.shape))
   us = users.get(value.name, [])
   if not us or n == 0 or depth > 8:
     return 1.0
   fraction = 0.0
   for u in us:
-    if u.opcode == "dynamic-slice" and u.operands[0] == value.name:
+    if u.opcode == "dynamic-slice" and u.operands[0] == value.name and value.name not in u.operands[1:]:
       fraction += math.prod(dims(u.shape)) / n
-    elif u.opcode in _ELEMENTWISE and math.prod(dims(u.shape)) == n and u.shape.count("[") == 1:
-      fraction += _read_fraction(u, users, depth + 1)
+    elif _one_to_one(u, n, comps):
+      fraction += _read_fraction(u, users, comps, depth + 1)
     else:
       return 1.0
   return min(fraction, 1.0)
