@@ -629,16 +629,10 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
                       pipe_items=()):
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding
   from shardlab import params as PM, schedules, train as T
-  from shardlab.axes import TENSOR
-  from shardlab.layout import Layout
   cfg = tiny_config(dict(model_items), **dict(items))
   mesh = mesh_of(mesh_items)
-  layout = Layout() if rules is None else Layout.of(dict(rules))
-  layout.check(mesh.axis_names)
-  decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
-  params = _tiny_params(mesh_items, model_items, rules)
+  layout, decls, params = _tiny_model(mesh_items, model_items, rules)
   from shardlab.config import ContextConfig
   cp = None if context is None and not load_balance else ContextConfig(
       name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance)
@@ -656,15 +650,17 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
 
 
 @functools.lru_cache(maxsize=None)
-def _tiny_params(mesh_items, model_items=(), rules=None):
-  """The tiny model's parameters (seed 0) placed on the mesh by the layout: created once per mesh, model and layout
-  (jax arrays are immutable; every compiled step of the kit takes the same ones)."""
+def _tiny_model(mesh_items, model_items=(), rules=None):
+  """(layout, parameter declarations, parameters (seed 0) placed by the layout) of the tiny model on the mesh:
+  made once per mesh, model and layout (jax arrays are immutable; every compiled step of the kit takes them)."""
   from shardlab import params as PM
   from shardlab.axes import TENSOR
   from shardlab.layout import Layout
   cfg, mesh = tiny_config(dict(model_items)), mesh_of(mesh_items)
   layout = Layout() if rules is None else Layout.of(dict(rules))
-  return PM.init_sharded(0, PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names), cfg.model, mesh)
+  layout.check(mesh.axis_names)
+  decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
+  return layout, decls, PM.init_sharded(0, decls, cfg.model, mesh)
 
 
 def _check_claims(ledger, base, comm, label) -> None:

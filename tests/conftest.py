@@ -1,10 +1,7 @@
 """8 fake CPU devices, set here, once, before anything starts JAX; strict rank promotion.
 
-Tests compile XLA:CPU programs with shardlab.testing.FAST_COMPILE (LLVM's optimizations off, XLA:CPU's elemental IR
-emitters instead of its MLIR fusion emitters; XLA's HLO passes still run, and XLA:CPU then expands each scatter into
-a loop of its own): test_equivalence.py takes 150 CPU-seconds instead of 372, and tests check numbers, bytes and
-memory, never speed. The HLO and schedule of target compiles (GPU, TPU) do not change. Subprocesses (CLI runs)
-inherit the flags.
+Tests compile XLA:CPU programs with shardlab.testing.FAST_COMPILE (what it changes and why: its comment there); tests
+check numbers, bytes and memory, never speed. Subprocesses (CLI runs) inherit the flags.
 """
 import functools
 import os

@@ -58,7 +58,7 @@ def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:
 
 def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
   """Bytes a kernel reads and writes (module doc)."""
-  called = re.findall(r"calls=%?([\w.\-]+)", ins.attrs)
+  called = hlo.called(ins)
   out = hlo.shape_bytes(ins.shape)
   if ins.opcode != "fusion" or not called or called[0] not in comps:
     return out + sum(hlo.shape_bytes(shapes.get(o, "")) for o in ins.operands)
@@ -96,13 +96,13 @@ def _one_to_one(ins: hlo.Instr, n: int, comps: dict) -> bool:
   if ins.shape.startswith("(") or math.prod(dims(ins.shape)) != n:
     return False
   if ins.opcode == "fusion":
-    called = re.findall(r"calls=%?([\w.\-]+)", ins.attrs)
+    called = hlo.called(ins)
     body = comps.get(called[0], []) if called else []
     return bool(body) and all(i.opcode in _ONE_TO_ONE or i.opcode == "parameter" for i in body)
   return ins.opcode in _ONE_TO_ONE
 
 
-def _read_fraction(value: hlo.Instr, users: dict, comps: dict, depth: int = 0) -> float:
+def _read_fraction(value: hlo.Instr, users: dict, comps: dict) -> float:
   """The fraction of `value` (a fused computation's parameter, or an op on it) that the kernel reads: the
   elements its dynamic-slices take where every use of it ends in one, directly or through one-to-one ops
   (_ONE_TO_ONE; a kernel computes only the elements it writes: libtpu's programs change a stacked mask's layout in
@@ -110,14 +110,14 @@ def _read_fraction(value: hlo.Instr, users: dict, comps: dict, depth: int = 0) -
   (an upper bound), capped at the whole."""
   n = math.prod(dims(value.shape))
   us = users.get(value.name, [])
-  if not us or n == 0 or depth > 8:
+  if not us or n == 0:
     return 1.0
   fraction = 0.0
   for u in us:
-    if u.opcode == "dynamic-slice" and u.operands[0] == value.name and value.name not in u.operands[1:]:
+    if u.opcode == "dynamic-slice" and u.operands[0] == value.name:
       fraction += math.prod(dims(u.shape)) / n
     elif _one_to_one(u, n, comps):
-      fraction += _read_fraction(u, users, comps, depth + 1)
+      fraction += _read_fraction(u, users, comps)
     else:
       return 1.0
   return min(fraction, 1.0)

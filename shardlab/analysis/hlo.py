@@ -121,6 +121,11 @@ def branch_times(times: int, op_name: str, what: str) -> int:
   return times * n // of
 
 
+def called(ins) -> list[str]:
+  """The computations an instruction calls by `calls=` (a fusion's body, a custom call's)."""
+  return re.findall(r"calls=%?([\w.\-]+)", ins.attrs)
+
+
 def branches(ins) -> list[str]:
   """The branch computations of a conditional: `branch_computations={...}` (an index predicate, XLA:CPU) or
   `true_computation=..., false_computation=...` (a boolean one, as the GPU compiler rewrites a two-way cond)."""
@@ -468,7 +473,7 @@ def _compute_comps(comps: dict) -> set:
   def has_dot(c):
     if c not in memo:
       memo[c] = False
-      memo[c] = any(_is_dot(i) or any(has_dot(x) for x in re.findall(r"calls=%?([\w.\-]+)", i.attrs))
+      memo[c] = any(_is_dot(i) or any(has_dot(x) for x in called(i))
                     for i in comps.get(c, []))
     return memo[c]
   return {c for c in comps if has_dot(c)}
@@ -517,7 +522,7 @@ def overlap_rows(comps: dict) -> list[OverlapRow]:
     if not colls:
       continue
     is_mm = {i.name for i in instrs if _is_dot(i) or any(
-        c in dot_comps for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs))}
+        c in dot_comps for c in called(i))}
     if not is_mm:
       continue
     # HLO text lists instructions after their operands: one pass builds every ancestor set (as bitsets).
@@ -629,6 +634,6 @@ def flops_fn(comps: dict):
     if is_attention_call(ins):
       return attention_call_flops(ins)
     if ins.opcode in ("fusion", "custom-call"):
-      return sum(of_comp(c) for c in re.findall(r"calls=%?([\w.\-]+)", ins.attrs))
+      return sum(of_comp(c) for c in called(ins))
     return 0.0
   return of_ins

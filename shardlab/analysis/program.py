@@ -81,7 +81,7 @@ class Program:
     """Matmul FLOPs per device per step, every loop iteration counted."""
     f = flops_fn(self.comps)
     fused = {c for instrs in self.comps.values() for i in instrs if i.opcode in ("fusion", "custom-call")
-             for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)}   # counted through the instruction that calls them
+             for c in hlo.called(i)}   # counted through the instruction that calls them
     return sum(f(i, {x.name: x.shape for x in instrs}) * self.mult.get(c, 0)
                for c, instrs in self.comps.items() if c not in fused for i in instrs
                if i.opcode not in ("while", "call"))
