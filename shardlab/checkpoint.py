@@ -112,13 +112,35 @@ def checksums(state) -> list[int]:
   return [int(v) for v in np.asarray(_checksum_fn(leaves[0].sharding.mesh)(leaves))]
 
 
+def reorder_layers(state, order: list[int] | None, to_model: bool):
+  """`state` (parameters and optimizer state) with every stacked-layer leaf (under a `layers` key, leading dim
+  len(order)) reordered: stored -> the model's order (`to_model`), or back. `order[d]`: the stored row that runs at
+  depth d (an interleaved pipeline's placement, schedules/pipeline.py: Pipeline.layer_order). Shardings kept."""
+  if order is None:
+    return state
+  perm = np.asarray(order) if to_model else np.argsort(order)
+  n = len(order)
+
+  def one(path, a):
+    stacked = any(getattr(k, "key", None) == "layers" for k in path) and getattr(a, "ndim", 0) and a.shape[0] == n
+    return _take_rows(tuple(int(i) for i in perm), a.sharding)(a) if stacked else a
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
+@functools.lru_cache(maxsize=None)
+def _take_rows(perm: tuple, sharding):
+  return jax.jit(lambda x: x[np.asarray(perm)], out_shardings=sharding)
+
+
 class Checkpointer:
   """One run's checkpoints in `directory`. Every process calls every method (each writes and reads its own
   shards; process 0 writes the JSON record)."""
 
-  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, ...], settings: dict | None = None):
+  def __init__(self, c: CheckpointConfig, directory, mesh_shape: tuple[int, ...], settings: dict | None = None,
+               layer_order: list[int] | None = None):
     self.c, self.dir, self.mesh_shape = c, Path(directory).absolute(), list(mesh_shape)
     self.settings = settings or {}   # model/batch/seed/data settings, compared on resume (preflight.check_resume)
+    self.layer_order = layer_order   # the run's stored layer for each depth (None: the model's order); see save
     if not any(isinstance(f, _NoOrbaxTracebacks) for f in logging.getLogger("absl").filters):
       logging.getLogger("absl").addFilter(_NoOrbaxTracebacks())
     if not getattr(sys.unraisablehook, "shardlab", False):
@@ -134,10 +156,14 @@ class Checkpointer:
     if not self.c.enabled or (self.latest is not None and step <= self.latest):
       return
     self.wait()   # the save before this one, finished (orbax would wait anyway): its failure names its own step
+    state = reorder_layers(state, self.layer_order, to_model=True)   # saved in the model's order of layers
     meta = {"step": step, "losses": list(losses), "mesh": self.mesh_shape, "shapes": shapes(state),
-            "checksums": checksums(state), "settings": self.settings}
+            "checksums": checksums(state), "settings": self.settings, "layer_order": "model"}
     try:
       self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    except StoppedAtOnce:                         # a second signal: not a failed save (fit names what is on disk)
+      self.pending = step
+      raise
     except Exception as e:
       raise self._failed(e, step) from None
     self.saved.append(step)
@@ -146,8 +172,14 @@ class Checkpointer:
   def restore(self, abstract_state):
     """(state placed with `abstract_state`'s shardings, losses so far) from the newest intact checkpoint;
     (None, []) when the directory holds none."""
-    for p in sorted(self.dir.glob("*.orbax-checkpoint-tmp*")):
-      _say(f"warning: ignoring {p}: a save that did not finish")
+    stale = sorted(self.dir.glob("*.orbax-checkpoint-tmp*"))
+    for p in stale:   # this run owns the directory (preflight): no other run is writing it
+      _say(f"warning: removing {p}: a save that did not finish")
+      if D.is_main():
+        shutil.rmtree(p, ignore_errors=True)    # (orbax would warn again when it saves that step)
+    if stale:
+      D.sync("shardlab_stale_saves_removed")
+      self.mngr.reload()
     for step in sorted(self.mngr.all_steps(), reverse=True):
       state = meta = err = None
       try:
@@ -163,6 +195,8 @@ class Checkpointer:
       if D.over_processes(err is None, min) and checksums(state) == meta["checksums"]:
         _say(f"resuming from checkpoint {step} in {self.dir}")
         self.latest = step
+        if meta.get("layer_order") == "model":   # (a checkpoint from before: the order it was trained in)
+          state = reorder_layers(state, self.layer_order, to_model=False)
         return state, meta["losses"]
       self._set_aside(step, err or "its data differs from the checksums saved with it")
     _say(f"no checkpoint in {self.dir}; starting from step 0")
@@ -197,6 +231,8 @@ class Checkpointer:
     """Raise (RunError) if a background save has failed; cheap, called every step."""
     try:
       self.mngr.check_for_errors()
+    except StoppedAtOnce:
+      raise
     except Exception as e:
       raise self._failed(e) from None
 
@@ -204,12 +240,25 @@ class Checkpointer:
     """Wait for the save in flight; a failed one raises RunError naming checkpoint.dir."""
     try:
       self.mngr.wait_until_finished()
+    except StoppedAtOnce:
+      raise
     except Exception as e:
       raise self._failed(e) from None
+
+  def newest_complete(self) -> int | None:
+    """The newest checkpoint complete on disk (orbax renames a save into place only when it is whole)."""
+    try:
+      self.mngr.reload()
+      return max(self.mngr.all_steps(), default=None)
+    except Exception:  # noqa: BLE001  (an unreadable directory: nothing to name)
+      return None
 
   def close(self, timeout_s: float = 120.0) -> None:
     """Wait (at most `timeout_s`) for a save still being written, then release orbax. Errors were raised by
     `wait`/`check` already, so here they are only reported, never raised: this runs on error paths too."""
+    if getattr(self, "_closed", False):
+      return
+    self._closed = True
     err: list[Exception] = []
 
     def run():
@@ -247,6 +296,13 @@ class StoppedAtOnce(Exception):
     self.signum = signum
     super().__init__(f"stopped at once by a second {signal.Signals(signum).name}: not saved at this step; resume "
                      "from the last saved checkpoint with checkpoint.resume=true")
+
+  def name_checkpoint(self, step: int | None, directory) -> None:
+    """Say which checkpoint is complete on disk (the run waited for the save in flight, if any)."""
+    name = signal.Signals(self.signum).name
+    what = (f"checkpoint {step} in {directory} is complete; continue from it with checkpoint.resume=true"
+            if step is not None else "no checkpoint is complete; a rerun starts from step 0")
+    self.args = (f"stopped at once by a second {name}: {what}",)
 
 
 class StopOnSignal:

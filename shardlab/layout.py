@@ -42,8 +42,31 @@ SETTING = {"layers": "model.n_layers", "embed": "model.d_model", "heads": "model
            "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size"}
 
 
-def _axes(v) -> tuple[str, ...]:
-  return () if v is None else (v,) if isinstance(v, str) else tuple(v)
+def known_dims() -> tuple[str, ...]:
+  """The logical dims a rule may name: the default table's, and any a declared mesh axis shards (axes.declare)."""
+  return tuple(dict.fromkeys([*DEFAULT_RULES, *(d for a in X.REGISTRY.values() for d in a.shards)]))
+
+
+def _axes(logical, v) -> tuple[str, ...]:
+  """A rule's value as a tuple of mesh axis names (None: replicated; one name: that axis); anything else, or a
+  logical dim no one knows (a typo would silently replicate what it meant to shard), is one line naming the key."""
+  setting = f"layout.rules.{logical}={_show(v)}"
+  if logical not in known_dims():
+    raise ConfigError(f"{setting}: no logical dim {logical!r}; a rule names one of {', '.join(known_dims())} "
+                      f"(docs/layout.md)")
+  got = () if v is None else (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else None
+  if got is None or not all(isinstance(a, str) for a in got):
+    raise ConfigError(f"{setting}: a rule maps a logical dim to a list of mesh axis names, e.g. "
+                      f"layout.rules.{logical}=[{', '.join(DEFAULT_RULES.get(logical, ()))}] ([] replicates; "
+                      f"declared axes: {', '.join(X.names())})")
+  return got
+
+
+def _show(v) -> str:
+  """A rule's value as it is written on the command line: [a,b], null, 5."""
+  if isinstance(v, (list, tuple)):
+    return f"[{','.join(map(_show, v))}]"
+  return "null" if v is None else str(v)
 
 
 @dataclass(frozen=True)
@@ -54,10 +77,12 @@ class Layout:
 
   @classmethod
   def of(cls, rules: dict | None = None, name: str = "custom") -> "Layout":
-    """A layout from {logical: axis | [axes] | None}; logical dims it leaves out are replicated."""
+    """A layout from {logical: axis | [axes] | None}; logical dims it leaves out are replicated. A key that is no
+    logical dim, or a value that is no list of axis names, is one ConfigError line (the config's `layout.rules`
+    comes here first: from_config)."""
     if rules is None:
       return cls()
-    return cls(tuple((k, _axes(v)) for k, v in rules.items()), name)
+    return cls(tuple((k, _axes(k, v)) for k, v in rules.items()), name)
 
   @property
   def rules(self) -> dict[str, tuple[str, ...]]:

@@ -239,18 +239,14 @@ def open_metrics(out: Path, start: int, main: bool) -> Metrics:
 
 
 def record_failure(out_dir, e: BaseException) -> None:
-  """A failed job leaves a summary.json that says so (a sweep keeps going and reports it as a row). If the run
-  already wrote this error into summary.json (with the losses so far), that summary is kept, and so is a
-  finished run's (a resumed sweep's job refused for changed settings: the error is on stderr, the results stay)."""
+  """A failed job leaves a summary.json that says so (a sweep keeps going and reports it as a row), but only
+  where there is none. One already there is kept, whatever it says: this run's own (the trainer wrote the error
+  with the losses so far), or an earlier run's that a failed or refused resume found (its losses, an interrupted
+  or finished run's, must not give way to a bare error record; the error is on stderr)."""
   path = Path(out_dir, "summary.json")
-  err = f"{type(e).__name__}: {e}"
-  try:
-    old = json.loads(path.read_text()) if path.exists() else None
-  except (OSError, ValueError):
-    old = None
-  if isinstance(old, dict) and (old.get("error") == err or old.get("status") == "ok"):
-    return    # the same error already there, or a finished run's summary: nothing already written is replaced
-  tb = traceback.format_exc()
+  if os.path.lexists(path):
+    return
+  err, tb = f"{type(e).__name__}: {e}", traceback.format_exc()
   try:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     write_json(path, {"status": "error", "error": err, **({"traceback": tb} if tb.strip() != "NoneType: None" else {})})

@@ -19,12 +19,15 @@ Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
   pipeline_search=true  search pipeline layouts too: P stages (divisors of N that divide the layers) x every
                      pipeline schedule x M microbatches (P, 2P, 4P, 8P) x data x fsdp x tensor of N / P, costed by
                      replaying the schedule's table (planner.evaluate_pipeline); the table gains P, schedule, M
-                     and bubble columns. Implies search=true
+                     and bubble columns, and one line says which P were costed, or why none applies (one
+                     layer, layers no P divides, one device, a batch too small for whole-sequence microbatches)
+                     and the setting to change: the JSON's answer.pipeline. Implies search=true
   context_search=true  which context-parallel strategy and degree for this model and sequence on N devices
                      (devices=N, default the configured mesh's): all_gather, ring and ulysses at every degree
                      that divides N / tensor, fsdp the rest, each predicted (step, attention, exposed transfers,
                      memory) or excluded with its reason (analysis/context_cost.py: choose); the answer is the
-                     JSON's `context` and a table after the plan
+                     JSON's `context` and a table after the plan; when no split is chosen, one line
+                     (`why_no_split`) says why none pays for its communication
   top=K              keep the K best layouts in the JSON (implies search=true) and compile them for the target:
                      each gains `target` (compiled memory per device, calibrated step time, beside the closed
                      forms; needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
@@ -205,32 +208,100 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
 def context_answer(cfg, devices: int | None = None) -> dict:
   """summary.json-style answer of context_cost.choose: the best strategy and degree, the reason, every candidate
   in brief (predicted step, attention, exposed context transfers, bytes over context, memory) and the excluded
-  ones with why. MODEL PREDICTIONS."""
+  ones with why; `why_no_split` says, when no context split is chosen though some were costed, why none pays.
+  MODEL PREDICTIONS."""
   from shardlab.analysis import context_cost as CC
   got = CC.choose(cfg, devices)
   brief = lambda p: {"label": p["label"], "strategy": p["strategy"], CONTEXT: p[CONTEXT], FSDP: p[FSDP],
                      "load_balance": p["load_balance"], "t_step_s": p["t_step_s"],
                      "t_attention_s": p["t_attention_s"], "exposed_comm_s": p["exposed_comm_s"],
                      "context_bytes_per_layer": p["bytes_per_layer"], "memory_bytes": p["memory_bytes"]}
-  return {"devices": devices or cfg.mesh.n_devices, "tokens_per_sequence": cfg.model.seq_len,
-          "best": got["best"]["label"] if got["best"] else None, "reason": got["reason"],
-          "candidates": [brief(p) for p in got["candidates"]], "excluded": got["excluded"],
+  cands = [brief(p) for p in got["candidates"]]
+  n = devices or cfg.mesh.n_devices
+  return {"devices": n, "tokens_per_sequence": cfg.model.seq_len,
+          "best": got["best"]["label"] if got["best"] else None,
+          "reason": context_reason(cands, cfg, n) if cands else got["reason"],
+          "why_no_split": why_no_split(cands, cfg),
+          "candidates": cands, "excluded": got["excluded"],
           "note": "model predictions (analysis/context_cost.py); the ring's inner kernel timed as a fused flash "
                   "kernel (experiments/context/README.md, section 4: what shardlab's own compiles to)"}
 
 
+def _secs(t: float) -> str:
+  """human_seconds, with a zero written as 0 (not '0 ns', which reads as a rounded measurement)."""
+  return human_seconds(t) if t else "0"
+
+
+def _said(c: dict) -> str:
+  """One candidate in the words of the reason: its predicted step and what it is made of."""
+  return (f"{c['label']}: predicted step {_secs(c['t_step_s'])} (attention {_secs(c['t_attention_s'])}, exposed "
+          f"context comm {_secs(c['exposed_comm_s'])}; {human_bytes(c['context_bytes_per_layer']['forward'])} per "
+          "layer forward over context)")
+
+
+def _versus(best: dict, other: dict, floor_s: float) -> str:
+  """How the best compares with the runner-up. A ratio only when the best's predicted step is above `floor_s` (one
+  kernel launch, 1 us where the preset has none): the closed forms leave fixed per-kernel costs out, so a step
+  below it is no basis to divide by (tiny's 55 ns step read '391491% faster' than a 214 us one); below it, the
+  difference in time."""
+  a, b = best["t_step_s"], other["t_step_s"]
+  if human_seconds(a) == human_seconds(b):
+    return f"predicted the same step as {_said(other)}"
+  if a < floor_s:
+    return f"{human_seconds(b - a)} shorter than {_said(other)}"
+  return f"{b / a - 1:.0%} faster than {_said(other)}"
+
+
+def context_reason(cands: list[dict], cfg, devices: int) -> str:
+  """Why the first of `cands` (fastest predicted first): against the first of another degree or strategy, or
+  why it is the only one. Replaces context_cost.reason's 'ms with no decimals' (a 55 ns step read '0 ms')."""
+  best = cands[0]
+  other = cands[1] if len(cands) > 1 else None       # labels are unique: another strategy or degree
+  if other is None:
+    room = devices // cfg.mesh.tensor
+    why = (f"devices / mesh.tensor = {devices} / {cfg.mesh.tensor} = 1: no context degree above 1 to try (devices=N "
+           "searches more)" if room == 1 else "every other strategy and degree is excluded (below)")
+    return f"{_said(best)}; the only candidate: {why}"
+  floor_s = max(cfg.hardware.kernel_launch_s, 1e-6)
+  return (f"{_said(best)}, {_versus(best, other, floor_s)}; memory {human_bytes(best['memory_bytes'])} vs "
+          f"{human_bytes(other['memory_bytes'])} per device")
+
+
+def why_no_split(cands: list[dict], cfg) -> str | None:
+  """When the best predicted candidate splits no sequence but some split was costed: one line on why none pays.
+  A split keeps each device's tokens (the batch goes over fsdp, the sequence over context: C x fsdp is fixed), so
+  it saves no attention work and only adds exposed communication; it buys room (a batch smaller than the devices,
+  activations that do not fit), which this configuration does not need. None otherwise."""
+  splits = [c for c in cands if c[CONTEXT] > 1]
+  if not cands or cands[0][CONTEXT] > 1 or not splits:
+    return None
+  from shardlab.analysis.planner import global_tokens
+  one, least = cands[0], min(splits, key=lambda c: c["exposed_comm_s"])
+  seqs = global_tokens(cfg) / cfg.model.seq_len
+  share = one["t_attention_s"] / one["t_step_s"] if one["t_step_s"] else 0.0
+  return (f"No context split pays for its communication at model.seq_len={cfg.model.seq_len}: attention is "
+          f"{share:.0%} of the predicted step ({_secs(one['t_attention_s'])} of {_secs(one['t_step_s'])}), the "
+          f"batch of {seqs:,.0f} sequences already divides over fsdp {one[FSDP]} and fits "
+          f"({human_bytes(one['memory_bytes'])} per device); a split keeps each device's tokens, so it saves no "
+          f"work and adds exposed communication: at least {_secs(least['exposed_comm_s'])} ({least['label']}).")
+
+
 def context_table(ans: dict) -> str:
-  """context_search's screen: the candidates fastest first, the excluded with why, the reason."""
-  out = [f"Context parallelism for {ans['tokens_per_sequence']:,} tokens per sequence on {ans['devices']} devices "
-         f"(predictions, fastest first):", ""]
+  """context_search's screen: the candidates fastest first, the excluded with why, the reason (and why no split
+  pays, when none is chosen)."""
+  n = ans["devices"]
+  out = [f"Context parallelism for {ans['tokens_per_sequence']:,} tokens per sequence on {n} device"
+         f"{'s' if n > 1 else ''} (predictions, fastest first):", ""]
   cols = ["strategy, C", FSDP, "step", "attention", "exposed comm", "memory/device"]
-  body = [[c["label"], str(c[FSDP]), human_seconds(c["t_step_s"]), human_seconds(c["t_attention_s"]),
-           human_seconds(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
+  body = [[c["label"], str(c[FSDP]), _secs(c["t_step_s"]), _secs(c["t_attention_s"]),
+           _secs(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
   out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
           for r in [cols, *body]]
   out += [f"  excluded: {k}: {v}" for k, v in ans["excluded"].items()]
   out += ["", textwrap.fill(f"Chosen: {ans['reason']}" if ans["best"] else ans["reason"], 118)]
+  if ans.get("why_no_split"):
+    out += [textwrap.fill(ans["why_no_split"], 118)]
   return "\n".join(out)
 
 
@@ -267,6 +338,18 @@ def _cluster(hw, n: int) -> str:
   return f"{n} x {hw.name}{nodes}"
 
 
+def _pipeline_line(pp: dict, cfg) -> str:
+  """pipeline_search's one line under the table: why no pipeline layout applies (so that a table without P columns
+  is not read as pipelines that lost), or which stage counts were costed and which the layers rule out."""
+  if pp["none_because"]:
+    return textwrap.fill(f"No pipeline layout: {pp['none_because']}.", 118)
+  out = f"Pipeline layouts: {pp['layouts']} costed at P = {', '.join(map(str, pp['stages_tried']))}"
+  if pp["stages_excluded"]:
+    out += (f"; not at P = {', '.join(pp['stages_excluded'])} (model.n_layers={cfg.model.n_layers} is not a "
+            "multiple of them)")
+  return textwrap.fill(out, 118)
+
+
 def table(result: dict, cfg, rows: int = 5) -> str:
   """The search's first screen: the best `rows` layouts, the best one's batch window, the rules."""
   ans, layouts, L = result["answer"], result["layouts"], cfg.model.seq_len
@@ -296,6 +379,8 @@ def table(result: dict, cfg, rows: int = 5) -> str:
   out = [head, "", line(cols), *map(line, body)]
   if len(layouts) > rows:
     out.append(f"   ... {len(layouts) - rows} more (rows=K shows K; --json lists all)")
+  if PIPELINE in ans:
+    out.append(_pipeline_line(ans[PIPELINE], cfg))
   stages = (f"pipeline {best[PIPELINE]} {best['schedule']}, M {best['microbatches']}, " if PIPELINE in best else "")
   out += ["", f"Batch window of #1 ({stages}{best[DATA]} x {best[FSDP]} x {best[TENSOR]}, remat {w['remat']}):",
           f"  compute-bound from   {_tokens(w['compute_bound_from_tokens'], L)}"

@@ -1,19 +1,22 @@
 """Everything checked before a run compiles or writes, each failure one line (ConfigError: exit 2):
 
   1. the settings' ranges and the process settings (validate.py), before JAX starts;
-  2. the run directory: named, not a file, creatable; on resume the checkpoint's JSON record: saved with the
-     same model, batch, seed and data settings (unless checkpoint.allow_changed=true), and not past
-     train.steps; the profile window inside the run;
+  2. the run directory: named, not a file, creatable, not a sweep's directory; on resume the checkpoint's JSON
+     record: saved with the same model, precision, batch, seed and data settings (unless
+     checkpoint.allow_changed=true), and not past train.steps; the profile window inside the run;
   3. the processes (joined within distributed.timeout_s), the devices against the mesh, and the memory the
      model needs per device (analytic, `memory_model.breakdown`) against what each local device has;
-  4. process 0's run directory holding no other run's results, and the checkpoint directory no other run's
-     checkpoints, unless resuming (process 0's verdict for every process); a resumed run that is already
+  4. process 0's run directory holding no other run's results (a resume without a checkpoint only as a requeue
+     of the same settings), the checkpoint directory no other run's checkpoints unless resuming, and none
+     claimed by another run dir (`<checkpoint.dir>/.owner`: a checkpoint directory belongs to one run; process
+     0's verdict for every process); a resumed run that is already
      finished (its final checkpoint saved and summary.json written): `Finished`, which the CLI reports in one
      line, exit 0, touching nothing;
   5. the checkpoint directory: a probe file written and read back by every process; with several processes,
      a nonce written by process 0 must be read back by all (the same shared directory);
   6. the run directory lock (`<run dir>/.lock`, flock, held by process 0 for the run): a second run into the
-     same directory is refused instead of interleaving metrics.jsonl.
+     same directory is refused instead of interleaving metrics.jsonl; then an external checkpoint.dir is claimed
+     for this run dir (`claim_checkpoint_dir`).
 
 The CLI runs `check` from a Hydra callback (`run.Preflight.on_run_start`) before Hydra creates the run directory
 or writes `.hydra/`, and `run.train` runs it again (cheap, idempotent) for runs that do not come through Hydra.
@@ -35,10 +38,13 @@ _SHARED_OK: set[str] = set()     # checkpoint dirs already found shared by every
 
 
 def record_settings(cfg: Config) -> dict:
-  """The settings a checkpoint must be resumed with (saved in its JSON record): the model (its name aside),
-  the batch, the seed and the data; a batch is a pure function of these and the step."""
+  """The settings a checkpoint must be resumed with (saved in its JSON record): what changes the function trained
+  (the model, its name aside, and the precision it computes in), the batch, the seed and the data (a batch is a
+  pure function of these and the step). Not the mesh, the layout or the schedule: they place the same function
+  (an interleaved pipeline's placement of layers included: checkpoints hold the model's order of layers)."""
   import dataclasses
   out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "name"}
+  out.update({f"precision.{k}": v for k, v in dataclasses.asdict(cfg.precision).items() if k != "name"})
   out.update({"train.batch_size": cfg.train.batch_size, "train.seed": cfg.train.seed})
   out.update({f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()})
   return out
@@ -87,6 +93,7 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   if D.is_main():
     try:
       check_run_dir_unused(cfg, out_dir)
+      check_checkpoint_owner(cfg, out_dir)
     except ConfigError as e:
       refusal = str(e)
   refusal = D.gather_strings("shardlab_run_dir_unused", refusal)[0]
@@ -103,6 +110,7 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
       check_checkpoint_dir(cfg, out_dir)
   if main:
     lock_run_dir(out_dir)
+    claim_checkpoint_dir(cfg, out_dir)
 
 
 def check_run_dir(out_dir, setting: str = "hydra.run.dir") -> None:
@@ -149,36 +157,156 @@ def _summary(out_dir) -> dict | None:
 
 
 def check_run_dir_unused(cfg: Config, out_dir) -> None:
-  """A run directory belongs to one run (or one lineage of resumed runs): a fresh run into a directory that
-  holds another run's results (summary.json, metrics.jsonl) is refused before anything is overwritten. A
-  resumed one whose checkpoint.dir has no checkpoint record to compare (check_resume) is compared with the
-  settings in the directory's summary.json instead: a run of other settings would start over on top of it."""
+  """A run directory belongs to one run (or one lineage of resumed runs), and is no sweep directory. A fresh run
+  into a directory that holds another run's results (summary.json, metrics.jsonl) is refused before anything is
+  overwritten; so is a resumed one with no checkpoint to continue from, unless it is the same run requeued
+  (check_requeue). With a checkpoint, check_resume compares the checkpoint's record instead."""
+  check_not_sweep_dir(out_dir)
   p = Path(out_dir)
-  if cfg.checkpoint.resume:
-    s = _summary(p)
-    conf = s.get("config") if s is not None else None
-    if not isinstance(conf, dict) or _latest_record(checkpoint_dir(cfg, out_dir)) is not None:
-      return
-    def get(key):
-      v = conf
-      for part in key.split("."):
-        v = v.get(part) if isinstance(v, dict) else None
-      return v
-    now = record_settings(cfg)
-    diff = [f"{k}={now[k]} (that run: {get(k)})" for k in now if get(k) is not None and get(k) != now[k]]
-    if diff and not cfg.checkpoint.allow_changed:
-      raise ConfigError(f"hydra.run.dir={out_dir}: holds a run with other settings ({', '.join(diff)}) and no "
-                        "checkpoint to resume; a resumed run would start over on top of it: choose a new "
-                        "hydra.run.dir, or set checkpoint.allow_changed=true to replace it")
-    return
   held = [n for n in ("summary.json", "metrics.jsonl") if (p / n).is_file()]
   if not held:
     return
   s = _summary(p)
   what = (f"summary.json: status {s.get('status')}, {len(s.get('losses') or [])} steps" if s is not None else
           " and ".join(held))
-  raise ConfigError(f"hydra.run.dir={out_dir}: holds another run ({what}); a new run would overwrite it: choose a "
-                    "new hydra.run.dir, or continue that run with checkpoint.resume=true")
+  cont = resume_settings(cfg, out_dir, s)
+  if not cfg.checkpoint.resume:
+    raise ConfigError(f"hydra.run.dir={out_dir}: holds another run ({what}); a new run would overwrite it: choose a "
+                      "new hydra.run.dir" + (f", or continue that run with {cont}" if cont else ""))
+  if cont == "checkpoint.resume=true":
+    return                                        # its checkpoint's record is compared by check_resume
+  check_requeue(cfg, out_dir, s, what, cont)
+
+
+# Settings that say how a run is launched, watched and saved, not what it computes: a requeued run or sweep may
+# change them (checkpoint.resume is the one a requeue adds).
+RUN_CONTROL = ("checkpoint", "progress", "tensorboard", "profile", "distributed", "cpu_devices")
+
+
+def is_run_control(key: str) -> bool:
+  """Whether `key` (dotted, e.g. checkpoint.resume) is one of RUN_CONTROL or under one."""
+  key = key.lstrip("+~")
+  return any(key == k or key.startswith(k + ".") for k in RUN_CONTROL)
+
+
+def resume_settings(cfg: Config, out_dir, s: dict | None) -> str:
+  """What continues the run in `out_dir` from its newest checkpoint: 'checkpoint.resume=true' when this command's
+  checkpoint.dir holds one, plus checkpoint.dir=D when that run saved into a checkpoint.dir of its own choosing
+  (named_checkpoint_dir) that does; '' when there is no checkpoint to continue (a run with
+  checkpoint.enabled=false, or killed before its first save)."""
+  if _latest_record(checkpoint_dir(cfg, out_dir)) is not None:
+    return "checkpoint.resume=true"
+  d = named_checkpoint_dir(s)
+  return f"checkpoint.resume=true checkpoint.dir={d}" if d is not None and _latest_record(d) is not None else ""
+
+
+def has_checkpoint(run_dir) -> bool:
+  """Whether the run in `run_dir` left a checkpoint to continue: in <run dir>/checkpoints, or in the
+  checkpoint.dir it named."""
+  return any(d is not None and _latest_record(d) is not None
+             for d in (Path(run_dir) / "checkpoints", named_checkpoint_dir(_summary(run_dir))))
+
+
+def named_checkpoint_dir(s: dict | None) -> Path | None:
+  """Where a run saved its checkpoints (summary.json's checkpoint.dir) when its checkpoint.dir setting named a
+  directory; None for the default <run dir>/checkpoints, which moves with the run dir (a copied run's summary
+  names the original's)."""
+  s = s if isinstance(s, dict) else {}
+  conf, saved = s.get("config"), s.get("checkpoint")
+  named = ((conf.get("checkpoint") or {}).get("dir") if isinstance(conf, dict) else None)
+  d = saved.get("dir") if isinstance(saved, dict) else None
+  return Path(d) if named and isinstance(d, str) and d else None
+
+
+def check_requeue(cfg: Config, out_dir, s: dict | None, what: str, cont: str = "") -> None:
+  """`checkpoint.resume=true` into a run directory with results but no checkpoint: the run starts over from step 0
+  and replaces them, which is right only for the same run requeued after it was killed before its first
+  checkpoint. So every setting (run control aside) must be the one that run recorded, its checkpoints must not
+  be elsewhere (`cont`: resume_settings naming the checkpoint.dir in its summary.json), and it must not have
+  finished (nothing to continue; starting over would only replace its results)."""
+  then = earlier_config(out_dir, s)
+  if then is None:
+    raise ConfigError(f"hydra.run.dir={out_dir}: holds a run ({what}) that recorded no settings (no config in "
+                      "summary.json or .hydra/config.yaml) and no checkpoint to resume; a resumed run would start "
+                      "over on top of it: choose a new hydra.run.dir")
+  diff, finished = changed_settings(cfg, then), s is not None and s.get("status") == "ok"
+  if diff:
+    more = f", and {len(diff) - 4} more" if len(diff) > 4 else ""
+    raise ConfigError(f"hydra.run.dir={out_dir}: holds a run with other settings ({', '.join(diff[:4])}{more}) and "
+                      "no checkpoint to resume; a resumed run would start over on top of it: choose a new "
+                      "hydra.run.dir" + (f", or continue it from its checkpoints with {cont}" if cont else
+                                         "" if finished else ", or requeue that run with its own settings"))
+  if cont:
+    raise ConfigError(f"hydra.run.dir={out_dir}: holds a run ({what}) whose checkpoints are not in this command's "
+                      f"checkpoint.dir ({checkpoint_dir(cfg, out_dir)}); a resumed run would start over on top of it: "
+                      f"continue it with {cont}")
+  if finished:
+    raise ConfigError(f"hydra.run.dir={out_dir}: holds a finished run ({what}) and no checkpoint to continue from "
+                      f"(none in {checkpoint_dir(cfg, out_dir)}); nothing to resume: choose a new hydra.run.dir "
+                      "(with checkpoint.enabled=true to be able to continue it later)")
+
+
+def earlier_config(out_dir, s: dict | None) -> dict | None:
+  """The resolved settings of the run in `out_dir`: its summary.json's config, else its .hydra/config.yaml (a run
+  killed before it wrote a summary, or whose summary is a bare error record); None if neither reads."""
+  conf = (s or {}).get("config")
+  if isinstance(conf, dict):
+    return conf
+  try:
+    import yaml
+    conf = yaml.safe_load((Path(out_dir) / ".hydra" / "config.yaml").read_text())
+  except Exception:  # noqa: BLE001  (missing or unreadable: no settings known)
+    return None
+  return conf if isinstance(conf, dict) else None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def changed_settings(cfg: Config, then: dict) -> list[str]:
+  """Each setting of `cfg` that differs from `then` (a run's resolved config, as summary.json holds it), run
+  control aside, as 'key=now (that run: then)'. A key `then` lacks (a setting added since) is not compared."""
+  import dataclasses
+  now = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
+  old = _flat(json.loads(json.dumps(then, default=str)))
+  show = lambda v: "null" if v is None else v  # noqa: E731
+  return [f"{k}={show(v)} (that run: {show(old[k])})" for k, v in now.items()
+          if k in old and old[k] != v and not is_run_control(k)]
+
+
+def run_files(d) -> list[str]:
+  """A single run's files at the top of directory `d` (what a sweep directory never holds there)."""
+  return [n for n in ("summary.json", "metrics.jsonl", ".hydra") if (Path(d) / n).exists()]
+
+
+def sweep_jobs(d) -> list[str]:
+  """The subdirectories of `d` that are runs (a sweep's jobs): each holds .hydra/ or summary.json."""
+  d = Path(d)
+  if not d.is_dir():
+    return []
+  return sorted(p.name for p in d.iterdir()
+                if p.is_dir() and ((p / ".hydra").is_dir() or (p / "summary.json").is_file()))
+
+
+def check_not_sweep_dir(out_dir) -> None:
+  """A single run's files at the top of a sweep directory (multirun.yaml, or job directories) would hide the
+  sweep's jobs from shardlab.report, which reads a directory with a summary.json as one run: refused."""
+  p = Path(out_dir)
+  jobs = sweep_jobs(p)
+  if not jobs and not (p / "multirun.yaml").is_file():
+    return
+  what = ", ".join((["multirun.yaml"] if (p / "multirun.yaml").is_file() else [])
+                   + ([f"{len(jobs)} jobs: {', '.join(jobs[:3])}{', ...' if len(jobs) > 3 else ''}"] if jobs else []))
+  raise ConfigError(f"hydra.run.dir={out_dir}: holds a sweep ({what}); a single run's files beside its jobs would "
+                    "hide them from its report: choose a new hydra.run.dir"
+                    + (f", or resume one job with hydra.run.dir={p / jobs[0]}" if jobs else ""))
 
 
 def _checkpoint_steps(d: Path) -> list[str]:
@@ -201,6 +329,83 @@ def check_checkpoints_unused(cfg: Config, out_dir) -> None:
     raise ConfigError(f"{_ckpt_setting(cfg, d)}: holds checkpoints of another run ({', '.join(steps[:6])}"
                       f"{', ...' if len(steps) > 6 else ''}); a fresh run would mix with them and delete them: "
                       "continue them with checkpoint.resume=true, or choose an empty checkpoint.dir")
+
+
+OWNER = ".owner"   # in a checkpoint.dir outside the run dir: the run dir whose checkpoints it holds
+
+
+def _external_checkpoint_dir(cfg: Config, out_dir) -> Path | None:
+  """checkpoint.dir when it lies outside the run dir (one inside belongs to that run by where it is, and goes
+  with it when the run dir is copied or moved), else None. None too without checkpoints or in a dry run."""
+  c = cfg.checkpoint
+  if not c.enabled or cfg.dry_run or not c.dir:
+    return None
+  d, run = checkpoint_dir(cfg, out_dir).resolve(), Path(out_dir).absolute().resolve()
+  return None if d == run or run in d.parents else d
+
+
+def _owner(d: Path) -> str | None:
+  try:
+    return json.loads((d / OWNER).read_text()).get("run_dir")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def check_checkpoint_owner(cfg: Config, out_dir) -> None:
+  """A checkpoint.dir belongs to one run: a run (fresh or resumed) into a checkpoint.dir that another run dir
+  claimed (`claim_checkpoint_dir`) would mix its checkpoints with that run's, or resume that run's state under its
+  own name (two runs, or a sweep's jobs, sharing one checkpoint.dir): refused while that run dir exists and holds
+  checkpoints there or is running. A run dir copied elsewhere and resumed after the original is gone takes the
+  checkpoints over."""
+  d = _external_checkpoint_dir(cfg, out_dir)
+  owner = _owner(d) if d is not None else None
+  run = str(Path(out_dir).absolute().resolve())
+  if owner is None or owner == run or not Path(owner).is_dir() or not (_checkpoint_steps(d) or _running(owner)):
+    return    # void: the owner's run dir is gone (moved, or deleted), or it saved nothing and is not running
+  raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir}: belongs to the run in {owner} (its checkpoints, or a run "
+                    f"writing there now), not to hydra.run.dir={out_dir}; give each run (each job of a sweep) its own "
+                    f"checkpoint.dir, e.g. checkpoint.dir=null (<run dir>/checkpoints), or continue that run with "
+                    f"hydra.run.dir={owner}")
+
+
+def _running(run_dir: str) -> bool:
+  """Whether a run holds `<run_dir>/.lock` now (lock_run_dir); tested with a lock of our own, released at once."""
+  try:
+    f = open(Path(run_dir) / ".lock")
+  except OSError:
+    return False
+  with f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return str(Path(run_dir).absolute()) not in _LOCKS   # held by this process: the run being checked
+    except OSError:
+      return False
+    fcntl.flock(f, fcntl.LOCK_UN)
+  return False
+
+
+def claim_checkpoint_dir(cfg: Config, out_dir) -> None:
+  """Write `<checkpoint.dir>/.owner` naming this run dir (created exclusively: of two runs starting at once, one
+  claims it and the other is refused in one line). A checkpoint.dir of checkpoints from before owners were
+  recorded is claimed by the run that resumes it."""
+  d = _external_checkpoint_dir(cfg, out_dir)
+  if d is None:
+    return
+  run = str(Path(out_dir).absolute().resolve())
+  d.mkdir(parents=True, exist_ok=True)
+  if _owner(d) not in (None, run):               # a void claim (check_checkpoint_owner let it pass): replaced
+    (d / OWNER).unlink(missing_ok=True)
+  try:
+    fd = os.open(d / OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  except FileExistsError:
+    check_checkpoint_owner(cfg, out_dir)          # claimed meanwhile by another run: refused
+    return
+  except OSError as e:
+    raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir}: cannot write there ({e.strerror or e}); choose a "
+                      "writable directory") from None
+  with os.fdopen(fd, "w") as f:
+    json.dump({"run_dir": run, "pid": os.getpid(), "host": socket.gethostname()}, f)
 
 
 def check_vocab(cfg: Config) -> None:

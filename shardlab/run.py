@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
@@ -14,17 +15,18 @@ from shardlab.outputs import final_line, human_bytes, human_seconds, prediction_
 from shardlab.trainer import build, lower, train  # noqa: F401  (the library entry points, re-exported)
 
 
-def _task(dcfg) -> None:
+def _task(dcfg) -> str | None:
+  """One run (or one job of a sweep). A sweep's job that fails returns its error (sweep.SweepSummary counts it:
+  its row may still show the earlier run's summary.json, which a failed resume keeps)."""
   from hydra.core.hydra_config import HydraConfig
   from hydra.types import RunMode
-  from omegaconf import OmegaConf
   from shardlab.validate import RunError
   hc = HydraConfig.get()
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
   from shardlab.preflight import Finished
   try:
-    summary = train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
+    summary = _train(dcfg, out_dir)
     print("\n".join(numbers(summary)), flush=True)
     print(final_line(out_dir, summary), flush=True)
   except Finished as e:                   # a requeued job whose run is done: nothing written, exit 0
@@ -36,6 +38,7 @@ def _task(dcfg) -> None:
     if not sweeping:
       sys.exit(2)
     record_failure(out_dir, e)
+    return f"{type(e).__name__}: {e}"
   except Exception as e:
     from shardlab.checkpoint import Interrupted, StoppedAtOnce
     if isinstance(e, (Interrupted, StoppedAtOnce)):  # summary.json says so; a sweep stops too
@@ -52,11 +55,78 @@ def _task(dcfg) -> None:
           sys.stderr.flush()
           os._exit(1)
         sys.exit(1)
-      return
+      return f"{type(e).__name__}: {e}"
     record_failure(out_dir, e)
     if not sweeping:
       raise
     print(f"shardlab: job {hc.job.num} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    return f"{type(e).__name__}: {e}"
+  return None
+
+
+HYDRA_DIR = ".hydra"   # the run's Hydra record; hydra.output_subdir is null (conf/config.yaml): written here
+
+
+def _train(dcfg, out_dir) -> dict:
+  """train() with the run's `.hydra/` record, which Hydra itself would write before any check, over the record
+  of the run a check then refuses (or of a finished sweep job requeued). Written here first into a directory
+  that holds no run (a new run, or a sweep's new job: its row needs overrides.yaml even if it fails); into one
+  that does, only once this run has replaced that run's summary.json (it trained, or failed or was stopped after
+  training): a refused, failed or finished resume leaves the record it found."""
+  from omegaconf import OmegaConf
+  from shardlab.outputs import cannot_write
+  out = Path(out_dir)
+  fresh = not any((out / n).exists() for n in (HYDRA_DIR, "summary.json", "metrics.jsonl"))
+  if fresh:
+    try:
+      _save_hydra_record(out, dcfg)
+    except OSError:
+      raise cannot_write(out, f"{HYDRA_DIR}/", "before the run") from None
+  before = _stamp(out / "summary.json")
+  try:
+    return train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
+  finally:
+    if not fresh and _stamp(out / "summary.json") != before:
+      try:
+        _save_hydra_record(out, dcfg)
+      except OSError:   # a full disk: the run's own line says so; the earlier record stays whole
+        pass
+    elif not fresh:
+      _close_run_log(out)
+
+
+def _close_run_log(out: Path) -> None:
+  """Stop logging into `out` (Hydra's run.log handler): a job that changed nothing there (finished and
+  requeued, refused, or failed before training) leaves the earlier run's run.log as it was too, which the lines
+  submitit logs when a job ends would otherwise be appended to."""
+  import logging
+  root = logging.getLogger()
+  for h in list(root.handlers):
+    name = getattr(h, "baseFilename", None)
+    if name and Path(name).resolve().parent == out.resolve():
+      root.removeHandler(h)
+      h.close()
+
+
+def _save_hydra_record(out: Path, dcfg) -> None:
+  """config.yaml, hydra.yaml and overrides.yaml in <out>/.hydra, as Hydra writes them, each replaced whole."""
+  from hydra.core.hydra_config import HydraConfig
+  from omegaconf import OmegaConf
+  from shardlab.outputs import write_atomic
+  hcfg = HydraConfig.instance().cfg
+  d = out / HYDRA_DIR
+  d.mkdir(parents=True, exist_ok=True)
+  for name, c in (("config.yaml", dcfg), ("hydra.yaml", hcfg), ("overrides.yaml", hcfg.hydra.overrides.task)):
+    write_atomic(d / name, OmegaConf.to_yaml(c))
+
+
+def _stamp(p: Path) -> tuple | None:
+  """What changes when a file is replaced (write_atomic renames a new inode over it); None if there is none."""
+  try:
+    st = p.stat()
+  except OSError:
+    return None
+  return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def numbers(summary: dict) -> list[str]:
@@ -119,9 +189,10 @@ _FULL_ERROR = False   # HYDRA_FULL_ERROR=1: tracebacks instead of one-line error
 
 
 class Preflight(Callback):
-  """Hydra callback (conf/config.yaml): `preflight.check` before Hydra makes the run directory or writes
-  `.hydra/`, so a rejected run leaves an existing run directory (and its record) untouched. Single runs only;
-  each job of a multirun is checked by `train` (a failed job must still leave its row)."""
+  """Hydra callback (conf/config.yaml): `preflight.check` before Hydra makes the run directory or opens its
+  run.log (`.hydra/` is written by `_train`, after it), so a rejected run leaves an existing run directory (and
+  its record) untouched. Single runs only; each job of a multirun is checked by `train` (a failed job must
+  still leave its row)."""
 
   def on_run_start(self, config, **kwargs) -> None:
     from omegaconf import OmegaConf

@@ -86,10 +86,21 @@ def fmt(v) -> str:
   return str(v).replace("|", "\\|").replace("\n", " ")
 
 
-def write(sweep_dir) -> list[dict]:
-  """summary.csv and summary.md, each replaced whole (a failure leaves the earlier version)."""
-  import io
+def _replace(path: Path, text: str) -> None:
+  """`path` replaced whole by `text` (a failure leaves the earlier version), and left alone when it already
+  says that (a resumed sweep whose jobs were all finished rewrites nothing)."""
   from shardlab.outputs import write_atomic
+  try:
+    if path.read_bytes() == text.encode():
+      return
+  except OSError:
+    pass
+  write_atomic(path, text)
+
+
+def write(sweep_dir) -> list[dict]:
+  """summary.csv and summary.md, each replaced whole, and only if it changed."""
+  import io
   rows = collect(sweep_dir)
   d = Path(sweep_dir)
   cols = columns(rows)
@@ -98,54 +109,138 @@ def write(sweep_dir) -> list[dict]:
   w.writeheader()
   for r in rows:
     w.writerow({k: r.get(k) for k in cols})
-  write_atomic(d / "summary.csv", buf.getvalue())
+  _replace(d / "summary.csv", buf.getvalue())
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(fmt(r.get(k)) for k in cols) + " |" for r in rows]
   ok = sum(r["status"] == "ok" for r in rows)
-  write_atomic(d / "summary.md", f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
-                                f"machine; predicted_step_s is the cost model's, on `hardware`, by `prediction_model` "
-                                f"(calibrated: replay of a target program; peak-rate: over the local program).\n\n"
-                                + "\n".join(lines) + "\n")
+  _replace(d / "summary.md", f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
+                            f"machine; predicted_step_s is the cost model's, on `hardware`, by `prediction_model` "
+                            f"(calibrated: replay of a target program; peak-rate: over the local program).\n\n"
+                            + "\n".join(lines) + "\n")
   return rows
 
 
-def check_sweep_dir(sweep_dir, resume: bool) -> None:
+def check_sweep_dir(sweep_dir, resume: bool, overrides=()) -> None:
   """A sweep directory belongs to one sweep: a new sweep into one that holds another's jobs or summary would
   overwrite job 0.. and mix its rows with the old jobs' (ConfigError). With checkpoint.resume=true the same
-  sweep goes on there (a requeued or re-launched sweep: each job resumes its own run dir)."""
+  sweep goes on there (a requeued or re-launched sweep: each job resumes its own run dir); a different one
+  (`overrides`, the command's, against its multirun.yaml) is refused too. A single run's directory is no sweep
+  directory: the sweep's jobs would hide it from the report, and it theirs."""
   from shardlab.mesh import ConfigError
-  from shardlab.preflight import check_run_dir
+  from shardlab.preflight import check_run_dir, has_checkpoint, run_files, sweep_jobs
   check_run_dir(sweep_dir, "hydra.sweep.dir")     # named, not a file, can be made
   d = Path(str(sweep_dir))
-  if resume or not d.is_dir():
+  if not d.is_dir():
     return
-  jobs = sorted(p.name for p in d.iterdir() if p.is_dir() and ((p / ".hydra").exists() or (p / "summary.json").exists()))
+  single = run_files(d)
+  if single:
+    raise ConfigError(f"hydra.sweep.dir={sweep_dir}: holds a single run ({' and '.join(single)}); a sweep's jobs "
+                      "beside it would hide it from its report: choose a new hydra.sweep.dir")
+  jobs = sweep_jobs(d)
   held = jobs or [n for n in ("summary.csv", "summary.md") if (d / n).exists()]
-  if held:
+  if held and not resume:
     what = (f"{len(jobs)} jobs: {', '.join(jobs[:3])}{', ...' if len(jobs) > 3 else ''}" if jobs else
             " and ".join(held))
+    cont = ", or continue that sweep with checkpoint.resume=true" if any(has_checkpoint(d / j) for j in jobs) else ""
     raise ConfigError(f"hydra.sweep.dir={sweep_dir}: holds another sweep ({what}); a new sweep would overwrite its "
-                      "jobs: choose a new hydra.sweep.dir, or continue that sweep with checkpoint.resume=true")
+                      f"jobs: choose a new hydra.sweep.dir{cont}")
+  check_same_sweep(d, overrides)
+
+
+def _sweep_of(overrides) -> tuple[list, dict]:
+  """(the sweep overrides, in order: they make and number the jobs; the others by key, but for run control and
+  train.steps, which a resumed sweep may raise to continue every job), each with its parsed value (so that
+  1e-3,2e-3 and 0.001,0.002 are the same sweep) and its text."""
+  from hydra.core.override_parser.overrides_parser import OverridesParser
+  from shardlab.preflight import is_run_control
+  parsed = OverridesParser.create().parse_overrides([str(o) for o in overrides])
+  sweeps = [(o.get_key_element(), o.value(), o.input_line) for o in parsed if o.is_sweep_override()]
+  fixed = {o.get_key_element(): (o.value(), o.input_line) for o in parsed
+           if not o.is_sweep_override() and not is_run_control(o.key_or_group) and o.key_or_group != "train.steps"}
+  return sweeps, fixed
+
+
+def check_same_sweep(d: Path, overrides) -> None:
+  """The sweep that made `d` (its multirun.yaml's overrides) against this command's: other sweep values, their
+  order (which numbers the jobs) or other settings (run control aside: a requeue adds checkpoint.resume=true)
+  are another sweep, refused. A multirun.yaml that does not read is left to each job's own checks."""
+  import yaml
+  from shardlab.mesh import ConfigError
+  if not (d / "multirun.yaml").is_file():
+    return
+  try:
+    old_sweeps, old_fixed = _sweep_of(yaml.safe_load((d / "multirun.yaml").read_text())["hydra"]["overrides"]["task"])
+  except Exception:  # noqa: BLE001  (unreadable, or not Hydra's: nothing to compare)
+    return
+  sweeps, fixed = _sweep_of(overrides)
+  diff = []
+  if [(k, v) for k, v, _ in sweeps] != [(k, v) for k, v, _ in old_sweeps]:
+    diff.append(f"sweeps {' '.join(t for *_, t in sweeps) or 'none'} (that sweep: "
+                f"{' '.join(t for *_, t in old_sweeps) or 'none'})")
+  unset = (object(), "unset")
+  for k in dict.fromkeys([*fixed, *old_fixed]):
+    now, then = fixed.get(k, unset), old_fixed.get(k, unset)
+    if now[0] != then[0]:
+      diff.append(f"{now[1] if now is not unset else k + ' unset'} (that sweep: {then[1]})")
+  if diff:
+    raise ConfigError(f"hydra.sweep.dir={d}: holds another sweep (multirun.yaml: {', '.join(diff[:4])}"
+                      f"{', ...' if len(diff) > 4 else ''}); it would mix its jobs with that sweep's: choose a new "
+                      "hydra.sweep.dir, or rerun that sweep's own command")
+
+
+def keep_multirun_yaml() -> None:
+  """Hydra's BasicSweeper saves the sweep's config as <sweep dir>/multirun.yaml each time a sweep starts
+  (hydra-core 1.3, before any job runs, with no setting to turn it off): a resumed sweep would rewrite the record
+  of the launch that made the directory. Its save is made to skip a multirun.yaml that exists, which
+  check_sweep_dir has found to be this sweep's."""
+  from hydra._internal.core_plugins import basic_sweeper
+  from omegaconf import OmegaConf
+  if getattr(basic_sweeper.OmegaConf, "keeps_multirun_yaml", False):
+    return
+
+  class KeepMultirunYaml(OmegaConf):
+    keeps_multirun_yaml = True
+
+    @staticmethod
+    def save(config, f, resolve: bool = False) -> None:
+      if isinstance(f, (str, Path)) and Path(f).name == "multirun.yaml" and Path(f).exists():
+        return
+      OmegaConf.save(config, f, resolve=resolve)
+
+  basic_sweeper.OmegaConf = KeepMultirunYaml
 
 
 class SweepSummary(Callback):
-  """Hydra callback (conf/config.yaml): refuses a sweep into another sweep's directory before any job
-  starts, and writes the sweep summary when a multirun ends."""
+  """Hydra callback (conf/config.yaml): refuses a sweep into another sweep's (or a single run's) directory
+  before any job starts or multirun.yaml is written (and keeps a resumed sweep's), and writes the sweep summary
+  when a multirun ends."""
+
+  def __init__(self) -> None:
+    self.failed: dict[str, str] = {}    # job dir name -> the error it failed with in this launch
 
   def on_multirun_start(self, config, **kwargs) -> None:
     from omegaconf import OmegaConf
     from shardlab.mesh import ConfigError
     try:
-      check_sweep_dir(OmegaConf.select(config, "hydra.sweep.dir"), bool(OmegaConf.select(config, "checkpoint.resume")))
+      check_sweep_dir(OmegaConf.select(config, "hydra.sweep.dir"), bool(OmegaConf.select(config, "checkpoint.resume")),
+                      OmegaConf.to_container(config.hydra.overrides.task))
     except ConfigError as e:
       print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
       sys.exit(2)
+    keep_multirun_yaml()
+
+  def on_job_end(self, config, job_return, **kwargs) -> None:
+    """A job that failed in this launch (run._task returns its error): its row may still say ok, since a refused
+    resume keeps the summary.json it found. Seen for jobs run in this process (not submitit's)."""
+    if isinstance(job_return.return_value, str):
+      self.failed[Path(str(config.hydra.runtime.output_dir)).name] = job_return.return_value
 
   def on_multirun_end(self, config, **kwargs) -> None:
     rows = write(config.hydra.sweep.dir)
-    failed = [r for r in rows if r["status"] != "ok"]
+    failed = [r for r in rows if r["status"] != "ok" or r["job"] in self.failed]
     if failed:   # after the summary is written: a CI script must not read a sweep with failed jobs as success
-      print(f"shardlab: error: {len(failed)} of {len(rows)} sweep jobs failed (first: job {failed[0]['job']}: "
-            f"{failed[0].get('error') or failed[0]['status']}); see {Path(config.hydra.sweep.dir) / 'summary.md'}",
-            file=sys.stderr)
+      first = failed[0]
+      why = self.failed.get(first["job"]) or first.get("error") or first["status"]
+      print(f"shardlab: error: {len(failed)} of {len(rows)} sweep jobs failed (first: job {first['job']}: {why}); "
+            f"see {Path(config.hydra.sweep.dir) / 'summary.md'}", file=sys.stderr)
       sys.exit(1)

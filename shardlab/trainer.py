@@ -171,6 +171,14 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
   return summary
 
 
+def layer_order(schedule, shape: dict) -> list[int] | None:
+  """The stored layer that runs at each depth under `schedule` on a mesh of `shape` (an interleaved pipeline's
+  placement), or None for the model's own order."""
+  stages = getattr(schedule, "stages_on", None)
+  pipe = stages(shape) if stages else None
+  return pipe.layer_order() if pipe is not None else None
+
+
 def _compile_interrupted(out: Path, main: bool, why: str) -> None:
   """A signal while compiling: summary.json says so, unless a run before this one (resumed) left one."""
   if main and not (out / "summary.json").exists():
@@ -191,16 +199,18 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool, st
   from shardlab import checkpoint as CK, params as PM, preflight, train as T
   from shardlab.data import MarkovData
   mesh = b["mesh"]
+  order = layer_order(b["schedule"], dict(mesh.shape))
   ckpt = CK.Checkpointer(cfg.checkpoint, cfg.checkpoint.dir or out / "checkpoints", tuple(cfg.mesh.shape.values()),
-                         preflight.record_settings(cfg))
+                         preflight.record_settings(cfg), order)
   try:
     state, losses = ckpt.restore(b["abstract_state"]) if cfg.checkpoint.resume else (None, [])
     start = len(losses)                           # steps done; the data resumes there (a batch is f(seed, step))
     if start > cfg.train.steps:
       raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {ckpt.dir} is already at step {start}; "
                         f"raise train.steps to continue it")
-    if state is None:
-      state = T.init_state(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), b["opt"], b["decls"], mesh)
+    if state is None:   # the model's parameters, its layers stored in the order the schedule runs them
+      params = CK.reorder_layers(PM.init_sharded(cfg.train.seed, b["decls"], cfg.model, mesh), order, to_model=False)
+      state = T.init_state(params, b["opt"], b["decls"], mesh)
     summary["checkpoint"] = {"dir": str(ckpt.dir), "resumed_from": ckpt.latest, "saved": ckpt.saved}
     data = MarkovData(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
                       cfg.data.branching, jax.tree.map(lambda a: a.sharding, b["abstract_batch"]),
@@ -243,9 +253,13 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool, st
         ckpt.save(cfg.train.steps, state, losses)  # the final save (skipped if `every` just saved it)
         ckpt.wait()                               # a save that failed in the background raises here
     except Exception as e:                        # summary.json says why, with the losses so far
+      if isinstance(e, CK.StoppedAtOnce) and cfg.checkpoint.enabled:
+        ckpt.close()                              # the save in flight (if any) finished: name what is on disk
+        e.name_checkpoint(ckpt.newest_complete(), ckpt.dir)
       summary.update(status="interrupted" if isinstance(e, (CK.Interrupted, CK.StoppedAtOnce)) else "error",
                      error=f"{type(e).__name__}: {e}", losses=losses)
-      if main:
+      # A resumed run that failed before its first step keeps the summary it found (it ran nothing new).
+      if main and (len(losses) > start or not (out / "summary.json").exists()):
         try:
           O.write_json(out / "summary.json", summary)
         except OSError:                           # a full disk: the line says so; the earlier version stays

@@ -33,7 +33,16 @@ def check_layout(cfg: Config, sched=None) -> None:
   check_divisible(cfg.model, layout, shape, cfg.train.batch_size, micro, microbatch_setting=setting,
                   seq_parallel=ops is not None and ops.seq_sharded, seq_halves=ops is not None and ops.bidirectional)
   if sched is not None:
-    sched.check_mesh(dict(shape), f"schedule {cfg.schedule.name}")
+    with _user(cfg, "check_mesh(...)"):
+      sched.check_mesh(dict(shape), f"schedule {cfg.schedule.name}")
+
+
+def _user(cfg: Config, call: str):
+  """A call into the schedule (a user's class, or one holding a user's TP or context strategy): what user code
+  raises in it is one line naming the setting and the user's file and line (schedules.loading.user_code)."""
+  from shardlab.schedules.loading import user_code
+  return user_code(cfg.schedule.impl, "schedule.impl", call,
+                   {"schedule.tp": str(cfg.schedule.tp), "context.impl": str(cfg.context.impl)})
 
 
 def microbatches(cfg: Config, sched=None) -> tuple[int, str]:
@@ -42,7 +51,8 @@ def microbatches(cfg: Config, sched=None) -> tuple[int, str]:
   if sched is None:
     return 1, "schedule.microbatches"
   on = getattr(sched, "microbatches_on", None)
-  n = on(dict(cfg.mesh.shape)) if on else cfg.schedule.microbatches
+  with _user(cfg, "microbatches_on(...)"):
+    n = on(dict(cfg.mesh.shape)) if on else cfg.schedule.microbatches
   return n, "pipeline.microbatches" if cfg.pipeline.impl != "none" else "schedule.microbatches"
 
 

@@ -116,7 +116,8 @@ def test_damaged_checkpoints_fall_back_with_one_line_each(ref, tmp_path):
   s = json.loads((out / "summary.json").read_text())
   assert s["checkpoint"]["resumed_from"] == 2 and s["checkpoint"]["saved"] == [4, 6]
   assert s["losses"] == ref_s["losses"]
-  assert sorted(p.name for p in ck.iterdir()) == ["2", "4", "4.unreadable", "6", "6.unreadable"]
+  assert sorted(p.name for p in ck.iterdir()) == [".owner", "2", "4", "4.unreadable", "6", "6.unreadable"]
+  assert json.loads((ck / ".owner").read_text())["run_dir"] == str(out.resolve())   # claimed by the run resuming it
 
 
 @pytest.mark.parametrize("mesh", ["2x4", "1x8", "2x2x2"])

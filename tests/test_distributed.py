@@ -36,6 +36,7 @@ def test_two_processes_train_like_one(tmp_path, request):
   assert s["status"] == "ok" and s["devices"] == 8 and s["mesh"] == {"fsdp": 4, "tensor": 2}
   np.testing.assert_allclose(s["losses"], ref_s["losses"], rtol=1e-6)
   assert not (tmp_path / "p1" / "summary.json").exists() and not (tmp_path / "p1" / "metrics.jsonl").exists()
-  assert sorted(os.listdir(ck)) == ["2", "4", "6"]
+  assert sorted(os.listdir(ck)) == [".owner", "2", "4", "6"]        # claimed by process 0's run dir
+  assert json.loads((ck / ".owner").read_text())["run_dir"] == str((tmp_path / "p0").resolve())
 
 

@@ -100,7 +100,7 @@ def test_one_f_one_b_holds_p_microbatches_and_gpipe_m():
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=zigzag"], r"pipeline"),
     (["pipeline=1f1b", "model.n_layers=4"], r"^pipeline=1f1b needs stages: set mesh.pipeline to 2 or more"),
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=1f1b", "model.n_layers=4", "schedule=collective_matmul"],
-     r"^pipeline=1f1b with schedule.tp=ring.*: a ring's ppermutes inside a pipeline slot"),
+     r"^pipeline=1f1b with schedule.tp=ring.*: its layer places ppermutes .*inside a pipeline slot"),
     (["mesh.pipeline=2", "mesh.fsdp=2", "pipeline=1f1b", "model.n_layers=4", "schedule.microbatches=2"],
      r"^pipeline=1f1b splits the batch into pipeline.microbatches"),
 ])

@@ -144,3 +144,56 @@ def test_context_search_answers_which_strategy_and_degree_and_why(capsys):
   _, flipped = _plan(capsys, [*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"])
   assert flipped["context"]["excluded"]["ulysses C=8"].startswith("ulysses splits the heads: 12 query")
   assert flipped["context"]["best"] == "ring C=8"
+
+
+def test_context_search_at_a_tiny_sequence_says_why_no_split_pays(capsys):
+  """context_search=true on tiny's 32-token sequence: no split is chosen, and the screen says why in one line
+  (attention's share of the predicted step, the batch already divides over fsdp, the least exposed transfer of any
+  split) instead of 'predicted step 0 ms ... 391491% faster' (a ratio over a 55 ns predicted step, printed in ms);
+  at 32K tokens the chosen split and its percentage stay, with no such line."""
+  import re
+  text, out = _plan(capsys, ["context_search=true"])
+  ctx, screen = out["context"], text.split("Context parallelism for")[1]
+  assert ctx["best"] == "no context (C=1)"
+  assert ctx["why_no_split"].startswith("No context split pays for its communication at model.seq_len=32: "
+                                        "attention is 14% of the predicted step")
+  assert "0 ms" not in screen and " 0 ns" not in screen and "faster than" not in ctx["reason"]
+  assert all(int(p) <= 100 for p in re.findall(r"(\d+)%", screen)), screen
+  assert "No context split pays for its communication at model.seq_len=32" in " ".join(screen.split())
+  assert "predicted step 54.6 ns" in ctx["reason"] and "214 us shorter than all_gather C=2" in ctx["reason"]
+  _, long = _plan(capsys, ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.fsdp=8",
+                           "mesh.tensor=1", "precision=bf16", "model.attention=dot_product", "hardware=h100",
+                           "context_search=true"])
+  assert long["context"]["why_no_split"] is None
+  assert re.match(r"ulysses C=8: predicted step 505 ms .*, 46% faster than ring C=8", long["context"]["reason"])
+
+
+@pytest.mark.parametrize("setting, why", [
+    (["model.n_layers=1"], "1 layer cannot be split into 2, 4 or 8 stages (the stage counts that divide 8 devices); "
+                           "set model.n_layers to a multiple of 2"),
+    (["model.n_layers=3"], "model.n_layers=3 does not split evenly into 2, 4 or 8 stages (the stage counts that "
+                           "divide 8 devices); set model.n_layers to a multiple of 2, or devices=N to a multiple of 3"),
+    (["devices=1"], "1 device: a pipeline needs at least 2 stages"),
+    (["train.batch_size=1"], "the global batch of 1 sequences does not cut into 2, 4, 8 or 16 pipeline microbatches"),
+    (["schedule.microbatches=3"], "schedule.microbatches=3 does not cut the global batch of 16 sequences")])
+def test_pipeline_search_says_why_no_pipeline_applies(setting, why, capsys):
+  """pipeline_search=true where no pipeline degree applies (one layer, layers no stage count divides, one device,
+  a batch too small for whole-sequence microbatches, a microbatch count that does not divide it): the table has no
+  pipeline row, and one line under it names the reason and the setting to change; the JSON's answer.pipeline
+  says the same."""
+  text, out = _plan(capsys, [*TINY, "pipeline_search=true", *setting])
+  pp = out["answer"]["pipeline"]
+  assert pp["layouts"] == 0 and not any("pipeline" in l for l in out["layouts"])
+  assert pp["none_because"].startswith(why), pp["none_because"]
+  line = text[text.index("\nNo pipeline layout: "):].split("\n\n")[0]      # under the table, wrapped
+  assert " ".join(line.split()) == f"No pipeline layout: {pp['none_because']}."
+
+
+def test_pipeline_search_names_the_stage_counts_it_costed(capsys):
+  """tiny's 2 layers on 8 devices: pipelines of 2 stages costed, 4 and 8 ruled out by the layers, on one line."""
+  text, out = _plan(capsys, [*TINY, "pipeline_search=true"])
+  pp = out["answer"]["pipeline"]
+  assert pp["stages_tried"] == [2] and set(pp["stages_excluded"]) == {"4", "8"} and pp["none_because"] is None
+  assert pp["layouts"] == sum("pipeline" in l for l in out["layouts"]) > 0
+  assert (f"Pipeline layouts: {pp['layouts']} costed at P = 2; not at P = 4, 8 (model.n_layers=2 is not a multiple "
+          "of them)") in text

@@ -33,6 +33,8 @@ terms for the stage's layers, with activations for the most microbatch-chunks a 
 table (in_flight) at one microbatch's tokens, plus the residual-stream buffers the executor allocates
 (evaluate_pipeline, pipeline_memory). These are predictions of the closed forms and the replay, like every other
 number here: summary.json's `pipeline` (analysis/pipeline_cost.py) replays a compiled run's own slot times.
+answer's `pipeline` (pipeline_search_summary) lists the P costed and those the layers rule out, and when no
+pipeline layout applies, why (why_no_pipeline), so that a table without one is not read as pipelines that lost.
 """
 from __future__ import annotations
 
@@ -742,6 +744,58 @@ def pipeline_layouts(cfg, devices: int | None = None, torus: tuple[int, ...] | N
   return out
 
 
+def _listed(xs) -> str:
+  """'2', '2 or 4', '2, 4 or 8'."""
+  xs = [str(x) for x in xs]
+  return xs[0] if len(xs) == 1 else f"{', '.join(xs[:-1])} or {xs[-1]}"
+
+
+def pipeline_stage_counts(cfg, devices: int) -> dict[str, Any]:
+  """{"tried": [P, ...], "excluded": {P: why}}: the stage counts P >= 2 that divide `devices`, split by whether the
+  layers split evenly into P stages (by a schedule's V: interleaved needs n_layers a multiple of 2P): so that a
+  search can say which pipelines it costed and why not the others."""
+  layers, tried, excluded = cfg.model.n_layers, [], {}
+  for P in (p for p in _divisors(devices) if p >= 2):
+    if any(layers % (P * pipeline_virtual_stages(name)) == 0 for name in _schedules()):
+      tried.append(P)
+    else:
+      excluded[str(P)] = f"model.n_layers={layers} is not a multiple of {P}: no stages of whole layers"
+  return {"tried": tried, "excluded": excluded}
+
+
+def why_no_pipeline(cfg, devices: int, microbatches: int | None = None) -> str | None:
+  """Why pipeline_search costed no pipeline layout on `devices`, in one line naming the setting to change; None
+  when one applies. A table without a pipeline row otherwise leaves the reader to guess whether pipelines lost or
+  were never tried. The checks follow pipeline_layouts: stage counts, layers per stage, then whole-sequence
+  microbatches on the most permissive stage mesh (data x fsdp = 1, where each shard holds the whole batch)."""
+  stages = [P for P in _divisors(devices) if P >= 2]
+  if not stages:
+    return (f"{devices} device: a pipeline needs at least 2 stages of one device each; search more devices "
+            "(devices=N, N >= 2)")
+  layers = cfg.model.n_layers
+  if not pipeline_stage_counts(cfg, devices)["tried"]:
+    unit = next((d for d in _divisors(layers) if d >= 2), None)        # None: one layer splits no way
+    fix = f"set model.n_layers to a multiple of {stages[0]}" + (f", or devices=N to a multiple of {unit}"
+                                                                 if unit else "")
+    what = "1 layer cannot be split" if layers == 1 else f"model.n_layers={layers} does not split evenly"
+    return f"{what} into {_listed(stages)} stages (the stage counts that divide {devices} devices); {fix}"
+  shapes = pipeline_shapes(cfg, devices, microbatches)
+  counts = sorted({M for *_, ms in shapes for M in ms})
+  if not counts:
+    return (f"schedule.microbatches={microbatches}: no pipeline schedule runs at that count on "
+            f"{_listed(pipeline_stage_counts(cfg, devices)['tried'])} stages; leave schedule.microbatches out")
+  seqs = global_tokens(cfg) / cfg.model.seq_len
+  if any(seqs >= M and seqs % M == 0 for M in counts):
+    return None
+  setting = "train.global_batch_tokens" if cfg.train.global_batch_tokens else "train.batch_size"
+  if microbatches:
+    return (f"schedule.microbatches={microbatches} does not cut the global batch of {seqs:,.4g} sequences into "
+            f"microbatches of whole sequences; set {setting} to a multiple of {microbatches}, or leave "
+            "schedule.microbatches out")
+  return (f"the global batch of {seqs:,.4g} sequences does not cut into {_listed(counts)} pipeline microbatches "
+          f"(M = P, 2P, 4P, 8P) of whole sequences; set {setting} to a multiple of {counts[0]} sequences")
+
+
 def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
   """The global batches a layout runs well at, in tokens and sequences: `compute_bound_from_tokens`, the smallest
   with whole sequences per batch shard at which every axis's communication hides behind the math of one pass
@@ -795,9 +849,22 @@ def answer(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None
     layouts += pipeline_layouts(cfg, devices, torus, remats, microbatches)
   layouts = _rank(layouts)
   n = devices or cfg.mesh.n_devices
-  return {"devices": n, "considered": len(layouts), "qualifying": sum(not l["rejected_because"] for l in layouts),
-          "global_batch_tokens": global_tokens(cfg), "choice": CHOICE, "ranking": RANKING,
-          "batch_window": batch_range(cfg, layouts[0]), "layouts": layouts}
+  out = {"devices": n, "considered": len(layouts), "qualifying": sum(not l["rejected_because"] for l in layouts),
+         "global_batch_tokens": global_tokens(cfg), "choice": CHOICE, "ranking": RANKING,
+         "batch_window": batch_range(cfg, layouts[0]), "layouts": layouts}
+  if pipeline:
+    out[PIPELINE] = pipeline_search_summary(cfg, n, layouts, microbatches)
+  return out
+
+
+def pipeline_search_summary(cfg, devices: int, layouts: list[dict], microbatches: int | None = None) -> dict:
+  """answer's `pipeline` with pipeline=True: the stage counts tried and those excluded with why, how many pipeline
+  layouts were costed, and `none_because`: why none was (why_no_pipeline), or None."""
+  stages = pipeline_stage_counts(cfg, devices)
+  n = sum(PIPELINE in l for l in layouts)
+  none = None if n else (why_no_pipeline(cfg, devices, microbatches)
+                         or "no stage mesh leaves each microbatch whole sequences")
+  return {"stages_tried": stages["tried"], "stages_excluded": stages["excluded"], "layouts": n, "none_because": none}
 
 
 def check(cfg) -> None:

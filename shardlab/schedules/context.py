@@ -51,6 +51,7 @@ SEQ_DIM = 1   # q, k, v are [B, L, heads, K]
 
 class AllGatherKV:
   """K/V all-gathered over the context axes; local queries, the causal mask from positions."""
+  point_to_point = False   # all-gathers over context (what a pipeline asks: schedules/capability.py)
 
   def __init__(self, model: ModelConfig, layout: Layout, cfg: ContextConfig | None = None):
     self.model, self.layout, self.cfg = model, layout, cfg or ContextConfig()
@@ -98,6 +99,7 @@ class AllGatherKV:
 
 class Ulysses(AllGatherKV):
   """Sequence-sharded <-> head-sharded by all_to_all around the model's own attention."""
+  point_to_point = False   # all-to-alls over context
 
   def check(self, shape: dict) -> None:
     """The heads each device holds after tensor parallelism, query and K/V, split again over the context axes."""
@@ -143,6 +145,7 @@ class Ring(AllGatherKV):
   output and the log-sum-exp). Inside a ring step the block is attended in sub-blocks of n tokens (a flash
   kernel: no score larger than [B, H, n, n] is held), and a sub-block pair whose keys all follow its queries
   is skipped (`ring_plan`), so a causal step costs what its visible keys cost."""
+  point_to_point = True    # K/V rotated by ppermute
 
   def check(self, shape: dict) -> None:
     self.check_balance(shape)
@@ -321,5 +324,15 @@ STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses, "ring": Ring}
 
 
 def make(cfg: ContextConfig, model: ModelConfig, layout: Layout):
-  """The strategy `context.impl` names, built for the model, the run's layout and its settings."""
-  return load_object(cfg.impl, "context.impl", STRATEGIES)(model, layout, cfg)
+  """The strategy `context.impl` names, built for the model, the run's layout and its settings. A user's class is
+  checked against the ContextStrategy protocol (schedules/protocol.py) before it is built and after (`cfg`, set
+  in __init__), and what its constructor raises is one line (loading.call_user): the step would fail deep inside."""
+  from shardlab.schedules.loading import call_user, check_instance, kind_of
+  from shardlab.schedules.protocol import ContextStrategy
+  cls = load_object(cfg.impl, "context.impl", STRATEGIES, ContextStrategy)
+  strategy = call_user(cls, cfg.impl, "context.impl", model, layout, cfg)
+  check_instance(strategy, cfg.impl, "context.impl", ContextStrategy)
+  if not callable(getattr(strategy.cfg, "order", None)):
+    raise ConfigError(f"context.impl={cfg.impl}: {type(strategy).__name__}.cfg is {kind_of(strategy.cfg)}, not the "
+                      f"ContextConfig it was built with (cfg.order gives the data's order); keep it as self.cfg")
+  return strategy

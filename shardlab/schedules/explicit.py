@@ -289,6 +289,7 @@ class ExplicitSchedule:
   """
 
   shard_mapped = True   # runs inside shard_map (train.py)
+  pipelines = True      # runs the layer stack as pipeline stages (schedules/pipeline.py) when given a pipeline
 
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
                context: ContextConfig | None = None, pipeline: PipelineConfig | None = None):
@@ -354,7 +355,7 @@ class ExplicitSchedule:
     self.cp.check(dict(shape))
     pipe = self.pipeline(shape.get(PIPELINE, 1))
     if pipe is not None:
-      pipe.check(self.model.n_layers)
+      pipe.check(self.model.n_layers, dict(shape))
 
   def data_order(self, shape: dict):
     """The order the data must hold each sequence's tokens in on a mesh of `shape` (context.load_balance: the

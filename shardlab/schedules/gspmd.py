@@ -83,6 +83,7 @@ class ConstrainedOps(IdentityOps):
 
 class GSPMDSchedule:
   shard_mapped = False   # train.py builds a plain jit step for it
+  pipelines = False      # no pipeline stages: the compiler places the whole layer stack (schedules.build asks)
 
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
                context=None):   # context: no sequence split here (honours: length -> none)

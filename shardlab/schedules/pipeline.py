@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardlab import collectives as C
-from shardlab.axes import PIPELINE
+from shardlab.axes import PIPELINE, TENSOR
 from shardlab.mesh import ConfigError
+from shardlab.schedules.capability import stated, unstated_by
 
 KINDS = ("F", "B", "W")
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1")
@@ -469,9 +470,26 @@ def _zeros(aval, n: int | None = None, extra=()):
 
 
 def _slot(name: str, n: int, T: int, on, run, idle, *args):
-  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`)."""
+  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`). A branch that places a
+  ppermute is refused as it is traced (Pipeline.check_parts says why; this catches a part that misstated it)."""
   with jax.named_scope(runs(name, n, T)):
+    _no_ppermute(jax.make_jaxpr(run)(*args).jaxpr, name)
     return jax.lax.cond(on == 1, run, idle, *args)
+
+
+def _no_ppermute(jaxpr, slot: str) -> None:
+  from jax.extend.core import jaxprs_in_params
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)
+  for eqn in jaxpr.eqns:
+    axes = eqn.params.get("axis_name", ())
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    if eqn.primitive.name == "ppermute" and any(sizes.get(a, 1) > 1 for a in axes):
+      raise ConfigError(f"pipeline: the {slot} slot places a ppermute over {'+'.join(axes)} "
+                        f"({eqn.source_info.name_stack}); a ppermute inside a slot, which only some stages run in a "
+                        f"tick, would be paired with other stages' pipeline sends: a part inside the stages says "
+                        f"point_to_point = False but is not (schedules/capability.py)")
+    for sub in jaxprs_in_params(eqn.params):
+      _no_ppermute(sub, slot)
 
 
 def _take(tree, i):
@@ -483,23 +501,53 @@ def _set(tree, values, i):
 
 
 def load_table(impl: str, P: int, M: int, V: int):
-  """The table of `pipeline.impl`: a named schedule, or `module:Name` in the user's own file, either a function
-  or a class with a method `orders(P, M, V)` (per stage, its list of Actions: placed on ticks by `table`) or
-  `table(P, M, V)` (the ticks themselves). Checked either way (`check`): one line if it cannot run."""
+  """The table of `pipeline.impl`: a named schedule, or `module:Name` in the user's own file: a class (built with
+  no arguments) or object with a method `orders(P, M, V)` (per stage, its list of Actions: placed on ticks by
+  `table`) or `table(P, M, V)` (the ticks themselves), or a plain function, taken as `orders(P, M, V)`. Checked
+  either way (`check`), before anything compiles: what the user's code returns that is not that, or raises, is one
+  line naming the setting (and the user's file and line: loading.call_user)."""
   if ":" not in impl:
     return build(impl, P, M, V)
-  from shardlab.schedules.loading import load_object
-  obj = load_object(impl, "pipeline.impl", {}, None)
-  obj = obj() if isinstance(obj, type) else obj
-  if hasattr(obj, "table"):
-    ticks = [[tuple(c) if isinstance(c, (tuple, list)) else (() if c is None else (c,)) for c in row]
-             for row in obj.table(P, M, V)]
-  elif hasattr(obj, "orders"):
-    ticks = table(obj.orders(P, M, V), V)
+  import inspect
+  from shardlab.schedules.loading import call_user, kind_of, load_object
+  setting, obj = f"pipeline.impl={impl}", load_object(impl, "pipeline.impl", {}, None)
+  has = lambda o, k: not inspect.ismodule(o) and callable(getattr(o, k, None))
+  if inspect.isclass(obj) and (has(obj, "table") or has(obj, "orders")):
+    obj = call_user(obj, impl, "pipeline.impl")
+  if has(obj, "table") or has(obj, "orders"):
+    kind, fn = ("table", obj.table) if has(obj, "table") else ("orders", obj.orders)
+  elif callable(obj) and not inspect.isclass(obj):
+    kind, fn = "orders", obj                        # a plain function: the orders (docs/pipeline.md)
   else:
-    raise ConfigError(f"pipeline.impl={impl}: has neither orders(P, M, V) nor table(P, M, V)")
-  if ticks and len(ticks[0]) != P:
-    raise ConfigError(f"pipeline.impl={impl}: its table has {len(ticks[0])} stages, mesh.pipeline={P}")
+    what = obj.__name__ if inspect.isclass(obj) else f"it is {kind_of(obj)} and"
+    raise ConfigError(f"{setting}: {what} has neither orders(P, M, V) nor table(P, M, V); name a class with one "
+                      f"of them, or a function f(P, M, V) returning each stage's list of Actions (docs/pipeline.md)")
+  got, call = call_user(fn, impl, "pipeline.impl", P, M, V), f"{getattr(fn, '__name__', kind)}({P}, {M}, {V})"
+
+  def action(a, where: str) -> Action:
+    """One item of what the user's code returned: an Action of a known kind, else one line saying which."""
+    if not isinstance(a, Action) or a.kind not in KINDS:
+      raise ConfigError(f"{setting}: {call} returned {a!r} at {where}: not an Action of kind F, B or W; write "
+                        f"Action('F', microbatch, chunk) (from shardlab.schedules.pipeline import Action)")
+    return a
+
+  def rows(x, n: int | None, where: str, want: str) -> list:
+    """`x` as a list (of `n` items, if given), else one line saying what it should have been."""
+    if not isinstance(x, (list, tuple)) or (n is not None and len(x) != n):
+      got = f"a {type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else repr(x)[:60]
+      raise ConfigError(f"{setting}: {call} returned {got}{where}; it must be {want} (docs/pipeline.md)")
+    return list(x)
+
+  per_stage = f"one per stage (mesh.pipeline={P})"
+  if kind == "orders":
+    ticks = table([[action(a, f"stage {s} item {i}") for i, a in enumerate(rows(o, None, f" for stage {s}",
+                                                                                "a list of Actions"))]
+                   for s, o in enumerate(rows(got, P, "", f"a list of {P} lists of Actions, {per_stage}"))], V)
+  else:
+    cell = lambda c, where: (() if c is None else (action(c, where),) if isinstance(c, Action) else
+                             tuple(action(a, where) for a in rows(c, None, f" at {where}", "a tuple of Actions")))
+    ticks = [[cell(c, f"tick {t} stage {s}") for s, c in enumerate(rows(row, P, f" at tick {t}", f"a list of {P} cells, {per_stage}"))]
+             for t, row in enumerate(rows(got, None, "", "a list of ticks"))]
   check(ticks, M, V)
   return ticks
 
@@ -528,8 +576,9 @@ class Pipeline:
   def ticks(self):
     return load_table(self.cfg.impl, self.P, self.M, self.V)
 
-  def check(self, n_layers: int) -> None:
-    """One line for what this pipeline cannot run: layers that P x V does not divide, a table that cannot run."""
+  def check(self, n_layers: int, shape: dict | None = None) -> None:
+    """One line for what this pipeline cannot run: a part inside its stages that may not run in a slot (on a mesh
+    of `shape`), layers that P x V does not divide, a table that cannot run."""
     if self.cfg.gather not in ("microbatch", "step"):
       raise ConfigError(f"pipeline.gather={self.cfg.gather}: choose microbatch (a stage's weights gathered in "
                         f"every forward and backward) or step (once per step)")
@@ -538,19 +587,47 @@ class Pipeline:
                         f"microbatches must be >= 0 (0: one per stage) and virtual_stages >= 1")
     if self.P < 2:
       raise ConfigError(f"pipeline={self.cfg.name} needs stages: set mesh.pipeline to 2 or more, or pipeline=none")
-    from shardlab.schedules.tp import RingTP
-    rings = [f"schedule.tp={self.sched.cfg.tp}"] if isinstance(self.sched.ops, RingTP) else []
-    rings += [f"context={self.sched.cp.cfg.impl}"] if self.sched.cp.cfg.impl == "ring" else []
-    if rings:   # a ppermute only the stages running a slot reach would meet another stage's pipeline send
-      raise ConfigError(f"pipeline={self.cfg.name} with {' and '.join(rings)}: a ring's ppermutes inside a pipeline "
-                        f"slot, which only some stages run in a tick, would be matched with other stages' "
-                        f"pipeline sends (one program; collectives pair up in program order); use schedule.tp="
-                        f"allgather or allreduce and context=all_gather or ulysses")
+    self.check_parts(shape)
     if n_layers % (self.P * self.V):
       raise ConfigError(f"model.n_layers={n_layers} is not divisible by mesh.pipeline x pipeline.virtual_stages"
                         f"={self.P} x {self.V} (each stage holds {self.V} chunk(s) of equal layers); choose "
                         f"n_layers a multiple of {self.P * self.V}")
     self.ticks()
+
+  def layer_order(self) -> list[int] | None:
+    """The stored row of the stacked layers that runs at each depth (`depth_order`), or None where that is the
+    identity (V = 1). Training stores the layers in this order, a sharding of the model's order over `pipeline`
+    that costs nothing per step; checkpoints hold the model's order (checkpoint.Checkpointer: `layer_order`), so
+    the same parameters run as the same network under every schedule, and a run resumes onto any of them."""
+    order = depth_order(self.sched.model.n_layers, self.P, self.V)
+    return None if order == sorted(order) else order
+
+  def parts_inside(self, shape: dict | None) -> list[tuple[str, object]]:
+    """(setting, part) for each part that runs inside a stage and moves bytes on a mesh of `shape`: the TP
+    contraction when `tensor` splits, the context strategy when the sequence does (None: both)."""
+    sched, out = self.sched, []
+    if shape is None or shape.get(TENSOR, 1) > 1:
+      out.append((f"schedule.tp={sched.cfg.tp}", sched.ops))
+    if shape is None or sched.cp.parts(shape) > 1:
+      out.append((f"context.impl={sched.cp.cfg.impl}", sched.cp))
+    return out
+
+  def check_parts(self, shape: dict | None) -> None:
+    """A part whose layer places a ppermute cannot run inside a slot: only the stages whose table runs that slot
+    in a tick reach it, and XLA pairs a collective-permute over the whole program (one program; collectives meet
+    in program order), so it would meet another stage's pipeline send: wrong numbers on one machine, a deadlock
+    on another. Group collectives (all-gather, all-to-all, psum) pair within the stage and may. Asked of the
+    part's class (schedules/capability.py), never its name: a part that does not state it is refused too."""
+    for setting, part in self.parts_inside(shape):
+      p2p = stated(part, "point_to_point")
+      if p2p is False:
+        continue
+      why = ("its layer places ppermutes (point_to_point = True)" if p2p else
+             f"it does not say whether its layer places ppermutes ({unstated_by(part, 'point_to_point')})")
+      raise ConfigError(f"pipeline={self.cfg.name} with {setting}: {why}; a ppermute inside a pipeline slot, "
+                        f"which only some stages run in a tick, would be paired with other stages' pipeline sends; "
+                        f"use schedule.tp=allgather or allreduce and context=all_gather or ulysses, or state "
+                        f"point_to_point = False in {type(part).__name__} if none of its collectives is a ppermute")
 
   def loss_and_grads(self, params, batch, n_tokens):
     from shardlab import model as MD

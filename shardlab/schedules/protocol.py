@@ -3,7 +3,10 @@
 `Schedule` is all train.py needs. `LayerSchedule` is the explicit schedule's shape (schedules/explicit.py:
 `ExplicitSchedule` implements it): each method is one decision about when and how bytes move, and a subclass
 overrides only the one it changes. `TPContraction` is the model's view of tensor parallelism
-(schedules/tp.py), picked by `schedule.tp` from `tp.TP` or as `package.module:Class`.
+(schedules/tp.py), picked by `schedule.tp` from `tp.TP` or as `package.module:Class`; `ContextStrategy` is
+attention across the sequence's split (schedules/context.py), picked by `context.impl` the same way. A loaded
+class is checked against its protocol before it is built and its instance after (schedules/loading.py), and
+what its code raises before the step runs is one line naming the setting and your file's line.
 
 Plugging in your own, from your own file (no change to this package):
 
@@ -63,9 +66,34 @@ class TPContraction(Protocol):
 
 
 @runtime_checkable
+class ContextStrategy(Protocol):
+  """Attention across the sequence's split over `context` (`context.impl`), what the explicit schedule and its
+  pipeline call. Built as `cls(model: ModelConfig, layout: Layout, cfg: ContextConfig)`. Optional: a class
+  attribute `point_to_point` (whether its attention places a ppermute: a pipeline asks, schedules/capability.py)."""
+  cfg: Any   # the ContextConfig it was built with: `cfg.impl` names it, `cfg.order(seq_len, parts)` the data's order
+
+  def parts(self, shape: dict) -> int:
+    """How many pieces the sequence is split into on a mesh of `shape` ({axis: size})."""
+    ...
+
+  def check(self, shape: dict) -> None:
+    """One ConfigError line for a mesh of `shape` it cannot run on (validation calls it before anything compiles)."""
+    ...
+
+  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+    """The model's attention hook, inside shard_map: local queries against the whole sequence's keys, causal by
+    the tokens' positions (the data may hold them out of order: `cfg.order`)."""
+    ...
+
+
+@runtime_checkable
 class Schedule(Protocol):
-  """What train.py calls. Built as `cls(cfg: ScheduleConfig, model: ModelConfig, compute_dtype, layout)`; the
-  constructor rejects knobs it cannot honour with a one-line `shardlab.mesh.ConfigError`."""
+  """What train.py calls. Built as `cls(cfg: ScheduleConfig, model: ModelConfig, compute_dtype, layout)`, and with
+  `context=` (a ContextConfig) and `pipeline=` (a PipelineConfig) where its constructor takes them
+  (schedules.build passes only what it takes); the constructor rejects knobs it cannot honour with a one-line
+  `shardlab.mesh.ConfigError`. A schedule that runs pipeline stages says so with a class attribute `pipelines =
+  True` (or, stating nothing, by taking `pipeline=`); `pipelines = False`, or neither, refuses a pipeline in
+  one line before it is built."""
   shard_mapped: bool    # True: runs inside shard_map; False: plain jit on global arrays (gspmd)
   layout: Any           # the sharding rules it was built with (layout.Layout): the data's specs come from it
   ops: TPContraction    # the model's TP contractions

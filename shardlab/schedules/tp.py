@@ -40,6 +40,7 @@ class IdentityOps:
   bidirectional = False      # a ring that splits each sequence block in halves (seq_len needs 2 x tensor)
   axis: str | None = None    # the mesh axis its contractions run over
   layout = Layout()          # the sharding rules (make_tp sets the run's): which axes the batch is split over
+  point_to_point = False     # no collective at all (a ppermute would be True: schedules/capability.py)
 
   def honours(self) -> dict:
     """The layout rules this contraction can honour, as data: {logical dim: [mesh axes it must map to]}."""
@@ -126,6 +127,8 @@ class _TensorParallel(IdentityOps):
 
 
 class AllGatherTP(_TensorParallel):
+  point_to_point = False   # all-gathers and reduce-scatters over tensor (schedules/capability.py)
+
   def _column(self, x, f):
     return f(C.all_gather(x, TENSOR, SEQ_DIM, name="tp_all_gather"))   # x[B, L_tp, D] -> x[B, L, D]
 
@@ -138,6 +141,8 @@ class AllGatherTP(_TensorParallel):
 
 
 class RingTP(AllGatherTP):
+  point_to_point = True    # its rings rotate blocks with ppermute (collectives.all_gather_matmul)
+
   def __init__(self, bidirectional: bool = False):
     self.bidirectional = bidirectional
 
@@ -151,6 +156,7 @@ class RingTP(AllGatherTP):
 
 class AllReduceTP(_TensorParallel):
   seq_sharded = False
+  point_to_point = False   # psums over tensor
 
   def _column(self, x, f):
     return f(C.pvary(x, TENSOR, name="tp_enter"))                     # backward: psum of dgrad over tensor

@@ -1,0 +1,192 @@
+"""Reliability at the joints: what may run with what is asked of each part's class, never its name; a checkpoint
+directory belongs to one run; a change of pipeline schedule keeps the network; a second signal during a save
+names the complete checkpoint.
+
+Each refusal: exit 2, one `shardlab: error:` line, no traceback, every file already written unchanged (sha256
+before and after: tests/joints.py). The user's parts live in tests/user_parts.py, imported by module path."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import compose
+from joints import ROOT, checksums, one_line, shardlab
+
+TESTS = str(ROOT / "tests")
+USER = {"PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
+PIPE = ["mesh.pipeline=2", "mesh.fsdp=2", "model.n_layers=4", "pipeline.microbatches=4", "tensorboard=false"]
+TP_PIPE = [*PIPE, "mesh.tensor=2", "pipeline=1f1b"]
+CP_PIPE = [*PIPE, "mesh.tensor=1", "mesh.context=2", "pipeline=1f1b"]
+
+# (overrides, refused inside a pipeline?): the verdict a part gets is the one the built-in it copies gets.
+VERDICTS = [
+    ([*TP_PIPE, "schedule.tp=allgather"], False),
+    ([*TP_PIPE, "schedule.tp=user_parts:AllGatherCopy"], False),
+    ([*TP_PIPE, "schedule.tp=allreduce"], False),
+    ([*TP_PIPE, "schedule.tp=ring"], True),
+    ([*TP_PIPE, "schedule.tp=ring_bidi"], True),
+    ([*TP_PIPE, "schedule.tp=shardlab.schedules.tp:RingTP"], True),
+    ([*TP_PIPE, "schedule.tp=user_parts:RingColumn"], True),        # overrides _column, states nothing
+    ([*TP_PIPE, "schedule.tp=user_parts:StatedRingColumn"], True),
+    ([*TP_PIPE, "schedule.tp=user_parts:ProtocolTP"], True),        # states nothing: not known to be correct
+    ([*CP_PIPE, "context=all_gather"], False),
+    ([*CP_PIPE, "context.impl=user_parts:GatherKVCopy"], False),
+    ([*CP_PIPE, "context=ulysses"], False),
+    ([*CP_PIPE, "context=ring"], True),
+    ([*CP_PIPE, "context.impl=shardlab.schedules.context:Ring"], True),   # the case that trained a wrong model
+    ([*CP_PIPE, "context.impl=user_parts:RingCopy"], True),
+    # no ring without its axis: nothing to pair wrongly
+    ([*PIPE, "mesh.tensor=1", "mesh.fsdp=4", "pipeline=1f1b", "schedule.tp=ring"], False),
+    ([*PIPE, "mesh.tensor=2", "pipeline=1f1b", "context=ring"], False),
+]
+
+
+@pytest.mark.parametrize("overrides,refused", VERDICTS, ids=[" ".join(o[len(PIPE):]) for o, _ in VERDICTS])
+def test_a_part_inside_a_pipeline_is_judged_by_what_it_states(overrides, refused, monkeypatch):
+  """validate (what the CLI runs before anything compiles or is written): a part that places ppermutes, or
+  does not say, is refused inside a pipeline in one line naming the setting; the rest pass."""
+  from shardlab.config import to_config
+  from shardlab.mesh import ConfigError
+  from shardlab.validate import validate
+  monkeypatch.syspath_prepend(TESTS)
+  cfg = to_config(compose(*overrides))
+  if not refused:
+    validate(cfg, 8)
+    return
+  with pytest.raises(ConfigError) as e:
+    validate(cfg, 8)
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith("pipeline=1f1b with ") and "ppermute" in msg, msg
+  setting = next(o for o in overrides if o.startswith(("schedule.tp=", "context")))
+  assert setting.split("=", 1)[1] in msg, msg
+
+
+def test_capability_is_vouched_for_only_by_the_class_that_states_it():
+  from shardlab.schedules.capability import stated, unstated_by
+  from shardlab.schedules import context as CX, tp as TP
+  import user_parts as U
+  assert [stated(c, "point_to_point") for c in (TP.AllGatherTP, TP.RingTP, TP.BidiRingTP, TP.AllReduceTP,
+                                                 TP.IdentityOps, CX.AllGatherKV, CX.Ulysses, CX.Ring)] == \
+      [False, True, True, False, False, False, False, True]
+  assert stated(U.AllGatherCopy, "point_to_point") is False and stated(U.RingCopy, "point_to_point") is True
+  assert stated(U.RingColumn, "point_to_point") is None and stated(U.ProtocolTP(), "point_to_point") is None
+  assert unstated_by(U.RingColumn, "point_to_point") == (
+      "RingColumn overrides _column but does not state point_to_point (inherited from AllGatherTP, which vouches "
+      "only for its own methods)")
+
+
+@pytest.mark.slow
+def test_refused_in_one_line_before_anything_is_written_and_a_misstated_part_is_caught(tmp_path):
+  """As real processes: the ring named by module path (it used to train a wrong model and say ok) is one line,
+  exit 2, no run dir; a part that says it places no ppermute but does is stopped when the step is traced, before
+  it compiles (it used to deadlock and abort after 94 s), in one line."""
+  run = tmp_path / "run"
+  r = shardlab(*CP_PIPE, "train.steps=3", "context.impl=shardlab.schedules.context:Ring", f"hydra.run.dir={run}")
+  assert r.returncode == 2 and "context.impl=shardlab.schedules.context:Ring" in one_line(r.stderr), r.stderr
+  assert checksums(run) is None
+  r = shardlab(*TP_PIPE, "train.steps=1", "schedule.tp=user_parts:Liar", f"hydra.run.dir={run}", env=USER,
+               timeout=120)
+  line = one_line(r.stderr)
+  assert r.returncode == 2 and "the F slot places a ppermute over tensor" in line, r.stderr[-2000:]
+  assert not (run / "summary.json").exists() or json.loads((run / "summary.json").read_text())["status"] == "error"
+
+
+def _losses(run) -> list[float]:
+  return json.loads((run / "summary.json").read_text())["losses"]
+
+
+@pytest.mark.slow
+def test_a_gpipe_checkpoint_resumes_under_interleaved_to_the_same_losses(tmp_path):
+  """The layers are stored in the model's order in a checkpoint and placed on stages as the schedule runs them:
+  interleaved from scratch trains the network gpipe trains, and a gpipe run resumed under interleaved continues
+  it (it used to continue another network: 5.41923 against 5.45445 at step 3)."""
+  base = [*PIPE, "mesh.tensor=2"]
+  inter = ["pipeline=interleaved", "pipeline.virtual_stages=2"]
+  whole, fresh, resumed = tmp_path / "gpipe", tmp_path / "interleaved", tmp_path / "resumed"
+  for args in ([*base, "pipeline=gpipe", "train.steps=4", f"hydra.run.dir={whole}"],
+               [*base, *inter, "train.steps=4", f"hydra.run.dir={fresh}"],
+               [*base, "pipeline=gpipe", "train.steps=2", f"hydra.run.dir={resumed}"],
+               [*base, *inter, "train.steps=4", "checkpoint.resume=true", f"hydra.run.dir={resumed}"]):
+    r = shardlab(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+  ref = _losses(whole)
+  assert _losses(fresh) == pytest.approx(ref, rel=1e-6, abs=0)
+  assert _losses(resumed) == pytest.approx(ref, rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_dir_belongs_to_one_run(tmp_path):
+  """A second run, fresh or resumed, and a sweep's second job, into a checkpoint.dir another run dir claimed:
+  refused in one line, exit 2; the owner's checkpoints and run dir unchanged. A claim left by a run that saved
+  nothing and is gone does not hold."""
+  ck, first, second = tmp_path / "ck", tmp_path / "first", tmp_path / "second"
+  r = shardlab("train.steps=2", f"checkpoint.dir={ck}", f"hydra.run.dir={first}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads((ck / ".owner").read_text())["run_dir"] == str(first.resolve())
+  before = (checksums(ck), checksums(first))
+  for extra in ([], ["checkpoint.resume=true", "train.steps=4"]):
+    r = shardlab("train.steps=2", f"checkpoint.dir={ck}", f"hydra.run.dir={second}", *extra)
+    line = one_line(r.stderr)
+    assert r.returncode == 2 and f"checkpoint.dir={ck}: belongs to the run in {first.resolve()}" in line, line
+    assert (checksums(ck), checksums(first)) == before and checksums(second) is None
+  # A sweep whose jobs share one checkpoint.dir, resumed: job 0 owns it, job 1 is refused (it used to report
+  # job 0's losses as its own).
+  sweep, shared = tmp_path / "sweep", tmp_path / "shared"
+  r = shardlab("-m", "train.steps=2", "train.lr=1e-3,2e-3", f"checkpoint.dir={shared}", "checkpoint.resume=true",
+               f"hydra.sweep.dir={sweep}")
+  assert r.returncode == 1, r.stderr[-3000:]
+  jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+  s0, s1 = (json.loads((j / "summary.json").read_text()) for j in jobs)
+  assert s0["status"] == "ok" and s1["status"] == "error" and "belongs to the run in" in s1["error"], s1
+  # the claim of a run that saved nothing and is gone is void
+  shutil.rmtree(first)
+  shutil.rmtree(ck)
+  ck.mkdir()
+  (ck / ".owner").write_text(json.dumps({"run_dir": str(first)}))
+  r = shardlab("train.steps=1", f"checkpoint.dir={ck}", f"hydra.run.dir={second}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.loads((ck / ".owner").read_text())["run_dir"] == str(second.resolve())
+
+
+TWICE = """
+import os, signal
+import orbax.checkpoint as ocp
+import shardlab.data as D, shardlab.run as R
+batch, save = D.MarkovData.batch, ocp.CheckpointManager.save
+def first(self, i):                       # the first SIGTERM: the run saves at this step's boundary
+  if i == 1:
+    os.kill(os.getpid(), signal.SIGTERM)
+  return batch(self, i)
+def second(self, *a, **k):                # the second, while that save is in flight
+  out = save(self, *a, **k)
+  os.kill(os.getpid(), signal.SIGTERM)
+  return out
+D.MarkovData.batch, ocp.CheckpointManager.save = first, second
+R.cli()
+"""
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_during_a_save_stops_as_interrupted_naming_the_complete_checkpoint(tmp_path):
+  """It used to say 'saving checkpoint 2 failed ... check that the directory is writable', exit 1, status
+  error, while the checkpoint was complete. Then a save left unfinished (a kill -9 mid-save) is removed with one
+  line when the run resumes, not warned about again by orbax."""
+  run = tmp_path / "run"
+  r = subprocess.run([sys.executable, "-c", TWICE, "progress=false", "tensorboard=false", "train.steps=4",
+                      f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  line = f"shardlab: stopped at once by a second SIGTERM: checkpoint 2 in {run / 'checkpoints'} is complete; " \
+         "continue from it with checkpoint.resume=true"
+  assert [l for l in r.stderr.splitlines() if l.startswith("shardlab")] == [line], r.stderr[-3000:]
+  s = json.loads((run / "summary.json").read_text())
+  assert s["status"] == "interrupted" and len(s["losses"]) == 2
+  shutil.copytree(run / "checkpoints" / "2", run / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000000000")
+  r = shardlab("train.steps=4", "checkpoint.every=1", "checkpoint.resume=true", f"hydra.run.dir={run}")
+  assert r.returncode == 0 and "Attempted to create temporary directory" not in r.stderr, r.stderr[-3000:]
+  assert f"shardlab: warning: removing {run / 'checkpoints'}/3.orbax-checkpoint-tmp-1700000000000000: a save " \
+         "that did not finish" in r.stderr
+  assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["2", "3", "4"]

@@ -1,0 +1,68 @@
+"""Parts as a user writes them in a file of their own (imported by module path: `schedule.tp=user_parts:RingColumn`,
+with tests/ on sys.path): what the guards at the joints must judge by what each class is and states, never by its
+name (tests/test_joints.py)."""
+from shardlab import collectives as C
+from shardlab.schedules.context import AllGatherKV, Ring
+from shardlab.schedules.tp import SEQ_DIM, TENSOR, AllGatherTP
+
+
+class AllGatherCopy(AllGatherTP):
+  """The all-gather contraction under another name: the same verdict as schedule.tp=allgather."""
+
+
+class RingColumn(AllGatherTP):
+  """docs/schedules.md's suggestion: the column contraction as a ring, the row one inherited. It does not state
+  whether it places ppermutes (it does)."""
+
+  def _column(self, x, f):
+    return C.all_gather_matmul(x, f, TENSOR, SEQ_DIM, False)
+
+
+class StatedRingColumn(RingColumn):
+  point_to_point = True
+
+
+class Liar(RingColumn):
+  """Says it places no ppermute, and does: the pipeline's trace-time check catches it."""
+  point_to_point = False
+
+
+class ProtocolTP:
+  """A TP contraction written from the protocol alone (schedules/protocol.py: TPContraction), no shardlab base
+  class: every method delegates to an all-gather contraction. It states nothing."""
+
+  def __init__(self):
+    self._tp = AllGatherTP()
+
+  @property
+  def layout(self):
+    return self._tp.layout
+
+  @layout.setter
+  def layout(self, value):
+    self._tp.layout = value
+
+  seq_sharded = True
+  bidirectional = False
+  axis = TENSOR
+
+  def honours(self): return self._tp.honours()
+  def columns(self, x, ws, eqs): return self._tp.columns(x, ws, eqs)
+  def column(self, x, w, eq): return self._tp.column(x, w, eq)
+  def row(self, h, w, eq): return self._tp.row(h, w, eq)
+  def reduce(self, y): return self._tp.reduce(y)
+  def vocab_max(self, x): return self._tp.vocab_max(x)
+  def vocab_sum(self, x): return self._tp.vocab_sum(x)
+  def vocab_start(self, v): return self._tp.vocab_start(v)
+  def head_start(self, h): return self._tp.head_start(h)
+  def batch_sum(self, x): return self._tp.batch_sum(x)
+  def seq_shard(self, x): return self._tp.seq_shard(x)
+  def token_sum(self, x): return self._tp.token_sum(x)
+
+
+class RingCopy(Ring):
+  """Ring attention under another name: the same verdict as context=ring."""
+
+
+class GatherKVCopy(AllGatherKV):
+  """All-gather attention under another name: the same verdict as context=all_gather."""
