@@ -190,3 +190,70 @@ def test_a_second_sigterm_during_a_save_stops_as_interrupted_naming_the_complete
   assert f"shardlab: warning: removing {run / 'checkpoints'}/3.orbax-checkpoint-tmp-1700000000000000: a save " \
          "that did not finish" in r.stderr
   assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["2", "3", "4"]
+
+
+# A user's context strategy, and a user's TP contraction, are the same kind of thing as the built-in they copy:
+# trained equal to the plain reference, priced by their class's own terms.
+USER_CONTEXT = [("user_parts:GatherKVCopy", "all_gather"), ("user_parts:RingCopy", "ring"),
+                ("user_parts:ProtocolCP", "all_gather")]
+
+
+@pytest.mark.parametrize("user,builtin", USER_CONTEXT, ids=[u.split(":")[1] for u, _ in USER_CONTEXT])
+def test_a_users_context_strategy_trains_like_the_reference_and_its_bytes_are_the_ledger(user, builtin, monkeypatch):
+  """fsdp 2 x context 2 x tensor 2: loss and every gradient against the plain reference; its own
+  bytes_per_layer (forward + backward, x layers) is what the compiled program moves over `context`."""
+  from shardlab import testing
+  from shardlab.analysis import context_cost as CC, hlo
+  from shardlab.testing import assert_trees_close
+  from conftest import reference_loss_and_grads
+  monkeypatch.syspath_prepend(TESTS)
+  shape = {"fsdp": 2, "context": 2, "tensor": 2}
+  compiled, (loss, grads) = testing.compile_schedule(None, shape, context=user)
+  ref_loss, ref_grads = reference_loss_and_grads()
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"{user}: ")
+  m, b = testing.tiny_config().model, testing.tiny_config().train.batch_size
+  a = CC.attn_of(m, b // 2, 2, 2, e=4)
+  want = m.n_layers * sum(CC.bytes_per_layer(user, a).values())
+  assert want == m.n_layers * sum(CC.bytes_per_layer(builtin, a).values()) > 0
+  colls = [c for c in hlo.collectives(compiled.as_text(), testing.mesh_of(shape))
+           if c.axis == "context" and c.dtype == "f32" and c.kind != "all-reduce"]   # all-reduce: weight gradients
+  assert sum(c.total_bytes for c in colls) == want, {(c.kind, c.scope): c.total_bytes for c in colls}
+
+
+@pytest.mark.parametrize("user,builtin", USER_CONTEXT, ids=[u.split(":")[1] for u, _ in USER_CONTEXT])
+def test_a_users_context_strategy_is_priced_like_the_one_it_copies(user, builtin, monkeypatch):
+  """The planner's context prediction and the memory breakdown of a user's strategy are the built-in's, number
+  for number (llama3_8b at 32K tokens on 8 H100s, context 4); one without cost terms is one line."""
+  from shardlab.analysis import context_cost as CC, memory_model as MM
+  from shardlab.config import to_config
+  from shardlab.mesh import ConfigError
+  monkeypatch.syspath_prepend(TESTS)
+  cfg = to_config(compose("model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.fsdp=8",
+                          "mesh.tensor=1", "precision=bf16", "model.attention=plain", "hardware=h100"))
+  ours, theirs = (CC.predict(CC.with_context(cfg, 4, s, fsdp=2)) for s in (user, builtin))
+  assert {**ours, "strategy": None} == {**theirs, "strategy": None} and ours["strategy"] == user
+  at = lambda s: CC.with_context(cfg, 4, s, fsdp=2)
+  assert MM.breakdown(at(user)) == MM.breakdown(at(builtin))
+  if builtin == "ring":   # what it keeps: the blockwise kernel's set, not the plain attention's scores
+    assert MM.breakdown(at(user))["activations"] < MM.breakdown(at("all_gather"))["activations"]
+  with pytest.raises(ConfigError, match=r"^context.impl=user_parts:Unpriced: Unpriced states no cost terms "):
+    CC.predict(CC.with_context(cfg, 4, "user_parts:Unpriced", fsdp=2))
+
+
+@pytest.mark.parametrize("tp", ["user_parts:AllGatherCopy", "user_parts:ProtocolTP"])
+def test_a_users_tp_contraction_trains_like_the_reference_and_is_priced(tp, monkeypatch):
+  """A subclass of the all-gather contraction and one from the protocol alone, on fsdp 2 x tensor 4: loss and
+  every gradient against the plain reference; the memory breakdown the all-gather contraction's."""
+  from shardlab import testing
+  from shardlab.analysis import memory_model as MM
+  from shardlab.config import to_config
+  from shardlab.testing import assert_trees_close
+  from conftest import reference_loss_and_grads
+  monkeypatch.syspath_prepend(TESTS)
+  _, (loss, grads) = testing.compile_schedule({"tp": tp}, (2, 4))
+  ref_loss, ref_grads = reference_loss_and_grads()
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"{tp}: ")
+  assert MM.breakdown(to_config(compose("mesh=2x4", f"schedule.tp={tp}"))) == \
+      MM.breakdown(to_config(compose("mesh=2x4", "schedule.tp=allgather")))

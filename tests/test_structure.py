@@ -119,3 +119,28 @@ def test_no_private_name_crosses_a_module_boundary():
           and node.attr.startswith("_") and not node.attr.startswith("__")):
         crossings.append(f"{m} uses {aliases[node.value.id]}.{node.attr}")
   assert not crossings, crossings
+
+
+def test_the_analysis_asks_the_parts_not_their_names():
+  """No module of analysis/ (nor the planner's entry point) compares a value with the name of a context strategy
+  or a TP contraction: a strategy is priced by its class's own terms (schedules/context.py's cost terms,
+  schedules/tp.py's partial_products and seq_sharded), so a user's `module:Class` is priced like the built-in it
+  copies. By hand: grep -rnE '(==|!=|in) *\\(?"(ring|ulysses|all_gather|allgather|allreduce|ring_bidi)"'
+  shardlab/analysis shardlab/plan.py"""
+  import ast
+  from shardlab.schedules.context import STRATEGIES
+  from shardlab.schedules.tp import TP
+  names = set(STRATEGIES) | set(TP)
+  root = ROOT / "shardlab"
+  found = []
+  for p in [*sorted((root / "analysis").glob("*.py")), root / "plan.py"]:
+    for node in ast.walk(ast.parse(p.read_text())):
+      if not isinstance(node, ast.Compare):
+        continue
+      sides = [node.left, *node.comparators]
+      consts = [c for s in sides for c in ([s] if isinstance(s, ast.Constant) else
+                                          getattr(s, "elts", []) if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [])]
+      hit = [c.value for c in consts if isinstance(c, ast.Constant) and c.value in names]
+      if hit:
+        found.append(f"{p.relative_to(root.parent)}:{node.lineno} compares with {hit}")
+  assert not found, found

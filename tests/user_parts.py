@@ -66,3 +66,44 @@ class RingCopy(Ring):
 
 class GatherKVCopy(AllGatherKV):
   """All-gather attention under another name: the same verdict as context=all_gather."""
+
+
+class ProtocolCP:
+  """A context strategy written from the protocols alone (schedules/protocol.py: ContextStrategy, and
+  ContextCost for its price), no shardlab base class: K/V all-gathered, as context=all_gather does, and the same
+  cost terms stated by hand."""
+  point_to_point = False
+
+  def __init__(self, model, layout, cfg):
+    self.model, self.cfg, self._kv = model, cfg, AllGatherKV(model, layout, cfg)
+
+  def parts(self, shape): return self._kv.parts(shape)
+  def check(self, shape): return self._kv.check(shape)
+  def attend(self, q, k, v, positions): return self._kv.attend(q, k, v, positions)
+
+  def bytes_per_layer(self, a):
+    f = (a.C - 1) * 2 * a.b * a.L * a.G * a.K * a.e // a.C
+    return {"forward": f, "backward": f}
+
+  def layer_time(self, a, cost):
+    fwd, bwd = cost.block_s
+    comm = 2 * cost.transfer(self.bytes_per_layer(a)["forward"], hops=a.C // 2)
+    return {"attention_s": cost.busiest() * (fwd + bwd), "comm_s": comm, "exposed_s": comm}
+
+  def skips_masked(self): return False
+  def transient_bytes(self, a): return 2 * 4.0 * a.b * a.H * (a.L // a.C) * a.L
+  def kept_attention(self): return self.model.attention
+  def kept_per_token(self, remat): return 0
+  def why_not(self, shape): return None
+
+
+class Unpriced:
+  """A context strategy with the run's protocol and no cost terms: it trains, and the planner says it cannot
+  price it."""
+
+  def __init__(self, model, layout, cfg):
+    self.model, self.cfg, self._kv = model, cfg, AllGatherKV(model, layout, cfg)
+
+  def parts(self, shape): return self._kv.parts(shape)
+  def check(self, shape): return self._kv.check(shape)
+  def attend(self, q, k, v, positions): return self._kv.attend(q, k, v, positions)

@@ -37,8 +37,14 @@ from dataclasses import dataclass, field
 from shardlab.analysis import planner as PL
 from shardlab.analysis.links import mesh_links, transfer_seconds
 from shardlab.axes import CONTEXT, FSDP, TENSOR
+from shardlab.config import ContextConfig, ModelConfig
+from shardlab.layout import Layout, from_config
+from shardlab.mesh import ConfigError
+from shardlab.schedules import context as CP
+from shardlab.schedules.loading import protocol_members
+from shardlab.schedules.protocol import ContextCost
 
-STRATEGIES = ("all_gather", "ring", "ulysses")
+STRATEGIES = tuple(CP.STRATEGIES)   # the built-in ones a search tries (a user's by module:Class, `strategies`)
 BWD_OVER_FWD = 2.5     # flash attention's backward FLOPs over its forward (FlashAttention-2, Dao 2023, sec. 3.1:
                        # 5 matmuls of the block against the forward's 2)
 
@@ -72,21 +78,27 @@ def attn_of(model, batch_per_device: int, C: int, tensor: int = 1, e: int = 2) -
   return Attn(batch_per_device, model.seq_len, C, model.n_heads // tensor, g, model.head_dim, e)
 
 
-def bytes_per_layer(strategy: str, a: Attn) -> dict:
-  """{"forward", "backward"}: bytes one device sends over `context` per layer (module doc's hand count)."""
-  C = a.C
-  if C == 1:
+def strategy_of(strategy, model: ModelConfig | None = None, layout: Layout | None = None, load_balance: bool = False):
+  """The context strategy object whose cost terms are evaluated here: `strategy` itself, or the one a name of
+  schedules/context.py's STRATEGIES or a `package.module:Class` names, built for `model` (a user's strategy is
+  priced by its own class's terms, like the one it copies: schedules/context.py, 'Its cost terms')."""
+  part = strategy if not isinstance(strategy, str) else \
+      CP.make(ContextConfig(name=strategy, impl=strategy, load_balance=load_balance), model or ModelConfig(),
+              layout or Layout())
+  missing = [n for n in protocol_members(ContextCost) if not callable(getattr(part, n, None))]
+  if missing:
+    raise ConfigError(f"context.impl={part.cfg.impl}: {type(part).__name__} states no cost terms ({', '.join(missing)}: "
+                      "shardlab/schedules/protocol.py: ContextCost): it trains, but the analysis cannot price it; "
+                      "subclass one of shardlab/schedules/context.py's strategies or add them")
+  return part
+
+
+def bytes_per_layer(strategy, a: Attn) -> dict:
+  """{"forward", "backward"}: bytes one device sends over `context` per layer (module doc's hand count: the
+  strategy's own `bytes_per_layer`)."""
+  if a.C == 1:
     return {"forward": 0, "backward": 0}
-  if strategy == "all_gather":
-    f = (C - 1) * 2 * a.b * a.L * a.G * a.K * a.e // C
-    return {"forward": f, "backward": f}
-  if strategy == "ring":
-    f = (C - 1) * 2 * a.block * a.e
-    return {"forward": f, "backward": f + C * 2 * a.block * 4}
-  if strategy == "ulysses":
-    f = (C - 1) * a.b * (a.L // C) * (2 * a.H + 2 * a.G) * a.K * a.e // C
-    return {"forward": f, "backward": f}
-  raise ValueError(f"unknown context strategy {strategy!r}; expected {' | '.join(STRATEGIES)}")
+  return strategy_of(strategy).bytes_per_layer(a)
 
 
 # ---------------------------------------------------------------------------------------------- causal work
@@ -157,46 +169,71 @@ def ring_pass(work: list[list[float]], kernel_s: float, merge_s: float, comm_s: 
   return ring_makespan(secs, comm_s), max(sum(row[r] for row in secs) for r in range(len(work[0])))
 
 
-def layer_time(strategy: str, a: Attn, hw, bandwidth: float, balanced: bool, skips_masked: bool = True,
+@dataclass
+class Rates:
+  """What a strategy's `layer_time` evaluates its terms with (schedules/context.py): one full block's forward and
+  backward seconds at the preset's attention rate, the causal work per ring step and device, transfers over
+  `context`, and a ring's merges (`merge`: count them at HBM rate, kernels outside the attention kernel as
+  ring-flash-attention runs them)."""
+  a: Attn
+  hw: object
+  bandwidth: float
+  balanced: bool
+  skips: bool
+  merge: bool = True
+
+  @property
+  def block_s(self) -> tuple[float, float]:
+    rate = self.hw.peak_flops * self.hw.attention_efficiency
+    return self.a.block_flops() / rate, self.a.block_flops() * BWD_OVER_FWD / rate
+
+  def work(self) -> list[list[float]]:
+    """work[s][r]: full blocks device r computes at ring step s (every block whole unless the kernel skips)."""
+    C = self.a.C
+    return causal_work(C, self.balanced) if self.skips else [[1.0] * C for _ in range(C)]
+
+  def busiest(self) -> float:
+    """The busiest device's blocks over a whole pass."""
+    w = self.work()
+    return max(sum(row[r] for row in w) for r in range(self.a.C))
+
+  def transfer(self, nbytes: float, hops: int = 1) -> float:
+    return transfer_seconds(nbytes, self.bandwidth, self.hw, hops)
+
+  def merge_s(self) -> tuple[float, float]:
+    """One ring step's merge, (forward, backward) seconds: its HBM bytes (merge_bytes) and a kernel launch."""
+    if not self.merge:
+      return 0.0, 0.0
+    hbm = self.hw.hbm_bandwidth * self.hw.hbm_efficiency
+    mf, mb = merge_bytes(self.a)
+    return mf / hbm + self.hw.kernel_launch_s, mb / hbm + self.hw.kernel_launch_s
+
+  def ring_pass(self, kernel_s: float, merge_s: float, comm_s: float) -> tuple[float, float]:
+    return ring_pass(self.work(), kernel_s, merge_s, comm_s)
+
+
+def layer_time(strategy, a: Attn, hw, bandwidth: float, balanced: bool, skips_masked: bool = True,
                merge: bool = True) -> LayerTime:
-  """A prediction of one layer's attention, forward and backward, on the busiest device (module doc).
-  `skips_masked`: the inner kernel skips masked blocks (flash, cuDNN); False: every block computed whole
-  (shardlab's ring, the plain kernel under all_gather). `merge`: count a ring's online-softmax merges at HBM
-  rate (kernels outside the attention kernel, as ring-flash-attention runs them)."""
-  rate = hw.peak_flops * hw.attention_efficiency
-  hbm = hw.hbm_bandwidth * hw.hbm_efficiency
-  fwd, bwd = a.block_flops() / rate, a.block_flops() * BWD_OVER_FWD / rate     # one full block
-  C = a.C
+  """A prediction of one layer's attention, forward and backward, on the busiest device (module doc): the
+  strategy's own `layer_time` terms evaluated at these rates (Rates). `skips_masked`: the inner kernel skips
+  masked blocks (flash, cuDNN); False: every block computed whole (shardlab's ring, the plain kernel under
+  all_gather). `merge`: count a ring's online-softmax merges at HBM rate."""
+  cost = Rates(a, hw, bandwidth, balanced, skips_masked, merge)
   by = bytes_per_layer(strategy, a)
-  if C == 1:
+  if a.C == 1:
+    fwd, bwd = cost.block_s
     return LayerTime((fwd + bwd) * (0.5 if skips_masked else 1.0), 0.0, 0.0, by)
-  work = causal_work(C, balanced) if skips_masked else [[1.0] * C for _ in range(C)]
-  if strategy == "ring":
-    mf, mb = merge_bytes(a) if merge else (0.0, 0.0)
-    launch = hw.kernel_launch_s if merge else 0.0
-    kv = transfer_seconds(2 * a.block * a.e, bandwidth, hw)                       # one shift of K and V
-    kv_dkv = transfer_seconds(2 * a.block * a.e + 2 * a.block * 4, bandwidth, hw)  # backward: with dK, dV
-    tf, cf = ring_pass(work, fwd, mf / hbm + launch, kv)
-    tb, cb = ring_pass(work, bwd, mb / hbm + launch, kv_dkv)
-    home = transfer_seconds(2 * a.block * 4, bandwidth, hw)                      # dK, dV's last shift home
-    return LayerTime(cf + cb, (C - 1) * (kv + kv_dkv) + home, tf + tb + home - cf - cb, by)
-  if strategy == "all_gather":         # each device its queries against every key: the busiest device paces
-    busiest = max(sum(row[r] for row in work) for r in range(C))
-    comm = 2 * transfer_seconds(by["forward"], bandwidth, hw, C // 2)   # gathered before, scattered after: exposed
-    return LayerTime(busiest * (fwd + bwd), comm, comm, by)
-  if strategy == "ulysses":            # every device the whole sequence on H/C heads: balanced in any order
-    comm = 2 * 4 * transfer_seconds(by["forward"] / 4, bandwidth, hw, C // 2)   # q, k, v, o: on the critical path
-    return LayerTime(C * (0.5 if skips_masked else 1.0) * (fwd + bwd), comm, comm, by)
-  raise ValueError(f"unknown context strategy {strategy!r}; expected {' | '.join(STRATEGIES)}")
+  t = strategy_of(strategy).layer_time(a, cost)
+  return LayerTime(t["attention_s"], t["comm_s"], t["exposed_s"], by)
 
 
 # ------------------------------------------------------------------------------------------ a step, a choice
 
-# What shardlab's strategies run inside (schedules/context.py): all_gather the plain attention under a mask (every
-# block computed); the ring a flash kernel per step that skips wholly masked sub-blocks; Ulysses the model's own
-# kernel, which skips masked blocks unless it is the plain one.
-def shardlab_skips(strategy: str, model) -> bool:
-  return strategy == "ring" or (strategy == "ulysses" and model.attention != "plain")
+def shardlab_skips(strategy, model) -> bool:
+  """Whether the attention kernel `strategy` runs skips masked blocks (its own `skips_masked`: all_gather the plain
+  attention under a mask, every block computed; the ring a flash kernel per step that skips wholly masked
+  sub-blocks; Ulysses the model's own kernel, which skips them unless it is the plain one)."""
+  return strategy_of(strategy, model).skips_masked()
 
 
 def with_context(cfg, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
@@ -226,9 +263,9 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
   attention without a flash kernel holds while it runs (attention_transient_bytes)."""
   from shardlab.analysis import memory_model as MM
   m, hw, mesh, s = cfg.model, cfg.hardware, cfg.mesh, cfg.schedule
-  strategy = cfg.context.impl
+  strategy = strategy_of(cfg.context.impl, m, from_config(cfg), cfg.context.load_balance)
   C, T, X = mesh.context, mesh.tensor, mesh.fsdp
-  skips = shardlab_skips(strategy, m) if skips_masked is None else skips_masked
+  skips = strategy.skips_masked() if skips_masked is None else skips_masked
   e = PL.dtype_bytes(cfg.precision.compute_dtype)
   tokens = MM.local_tokens(cfg)
   a = attn_of(m, tokens // (m.seq_len // C), C, T, e)
@@ -241,9 +278,9 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
   gb = PL.dtype_bytes(cfg.precision.param_dtype if s.gather_dtype == "param" else cfg.precision.compute_dtype)
   layer_w = PL.layer_params(m) / T
   mem = MM.breakdown(cfg)
-  transient = attention_transient_bytes(strategy if C > 1 else "none", a, m)
+  transient = attention_transient_bytes(strategy if C > 1 else None, a, m)
   return {
-      "strategy": strategy, AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T, "load_balance": cfg.context.load_balance,
+      "strategy": cfg.context.impl, AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T, "load_balance": cfg.context.load_balance,
       "skips_masked": skips, "tokens_per_device": tokens,
       "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
       "exposed_comm_s": exposed, "context_comm_s": m.n_layers * lt.comm_s,
@@ -256,28 +293,26 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
       "note": "model prediction, not a measurement"}
 
 
-def attention_transient_bytes(strategy: str, a: Attn, model) -> float:
+def attention_transient_bytes(strategy, a: Attn, model) -> float:
   """Float32 scores and probabilities one layer's attention holds while it runs, beyond the memory model's
-  residuals: all_gather's plain attention [b, H, L/C, L] (and a plain kernel anywhere: [b, H/C, L, L] under
-  Ulysses), the ring's sub-block pair [b, H, n, n] (n at most model.attention_block); none for a flash kernel
-  (blockwise, cuDNN)."""
-  local = a.L // a.C
-  if strategy == "all_gather" or (model.attention == "plain" and strategy in ("ulysses", "none")):
-    return 2 * 4.0 * a.b * a.H * local * a.L
-  if strategy == "ring":
-    n = min(model.attention_block, local)
-    return 2 * 4.0 * a.b * a.H * n * n
-  return 0.0
+  residuals: the strategy's own `transient_bytes` (all_gather's plain attention [b, H, L/C, L], a plain kernel
+  under Ulysses [b, H/C, L, L], the ring's sub-block pair [b, H, n, n]; none for a flash kernel). `strategy`
+  None: no context split, the model's own attention ([b, H, L, L] when it is the plain one)."""
+  if strategy is None:
+    return 2 * 4.0 * a.b * a.H * a.L * a.L if model.attention == "plain" else 0.0
+  return strategy_of(strategy, model).transient_bytes(a)
 
 
-def why_not(cfg, C: int, strategy: str) -> str | None:
-  """Why shardlab cannot run `strategy` at context C for cfg (one line), or None."""
+def why_not(cfg, C: int, strategy) -> str | None:
+  """Why shardlab cannot run `strategy` at context C for cfg (one line), or None: a sequence that does not cut
+  into the chunks, or what the strategy itself says it cannot split (its `why_not`: Ulysses' heads)."""
   m, T = cfg.model, cfg.mesh.tensor
   if m.seq_len % (2 * C if cfg.context.load_balance else C):
     return f"the sequence ({m.seq_len}) does not cut into {2 * C if cfg.context.load_balance else C} chunks"
-  if strategy == "ulysses" and C > 1 and ((m.n_heads // T) % C or m.kv_heads % T or (m.kv_heads // T) % C):
-    return f"ulysses splits the heads: {m.n_heads // T} query and {m.kv_heads // T} K/V heads per device do not divide by {C}"
-  return None
+  if C == 1:
+    return None
+  shape = {**dict(cfg.mesh.shape), CONTEXT: C}
+  return strategy_of(strategy, m, from_config(cfg)).why_not(shape)
 
 
 def choose(cfg, devices: int | None = None, degrees: tuple[int, ...] | None = None, skips_masked: bool | None = None,

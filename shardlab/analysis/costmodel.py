@@ -195,7 +195,8 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     led.update(program=ledger.nested(program), rewrites=rec.rewrites, differences=rec.differences,
                per_axis=ledger.per_axis(program, rows))
     audit = reconcile_audit(audit, rec, prog)
-  own_kernel = cfg.mesh.context == 1 or cfg.context.impl == "ulysses"   # a ring or all_gather runs its own
+  # cuDNN's kernel runs where the model's own attention does: no context split, or a strategy that attends with it
+  own_kernel = cfg.mesh.context == 1 or memory_model.attention_kept(cfg).attention == cfg.model.attention
   if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product" and own_kernel:
     residuals = None   # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records
   mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals,

@@ -44,6 +44,8 @@ import jax
 
 from shardlab import params as PM
 from shardlab.layout import from_config
+from shardlab.schedules import context as CP
+from shardlab.schedules.tp import make_tp
 from shardlab.axes import PIPELINE
 from shardlab.mesh import TENSOR
 
@@ -133,13 +135,14 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   live = layers_here if deferred or step_gather or not s.reshard_after_forward else min(layers_here, s.prefetch + 1)
   tokens = local_tokens(cfg)
   t = cfg.mesh.tensor
-  per_token = activation_elements_per_token(_attention_kept(cfg), s.remat) + _ulysses_kept(cfg)
-  rep = _replicated_per_token(m, s.remat) if s.tp == "allreduce" else 0
+  tp, cp = parts(cfg)
+  per_token = activation_elements_per_token(attention_kept(cfg, cp), s.remat) + _context_kept(cfg, cp)
+  rep = 0 if tp.seq_sharded else _replicated_per_token(m, s.remat)
   saved = residuals["saved"] if residuals else tokens * ((per_token - rep) // t + rep) * cb
   unremat = residuals["unremat"] if residuals else saved
   if P > 1:     # the stage's buffers, as the executor allocates them from the table (pipeline_buffers)
     buf = pipeline_buffers(cfg)
-    x = tokens * m.d_model // (t if t > 1 and s.tp != "allreduce" else 1) * (4 if m.kind == "ffn" else cb)
+    x = tokens * m.d_model // (t if t > 1 and tp.seq_sharded else 1) * (4 if m.kind == "ffn" else cb)
     k = m.n_layers // (P * cfg.pipeline.virtual_stages)
     acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * x
   else:
@@ -162,11 +165,11 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
       # One layer's whole weight gradient W[D, N_tp], produced by its backward before the reduce-scatter over
       # fsdp takes its shard (in the gather's dtype); deferred reduction holds the stack instead (in grads).
       # A collective-matmul ring's backward makes one partial weight gradient per ring step (in the compute
-      # dtype) and XLA fuses their sum, so every partial is live at once: ring_steps - 1 more copies.
+      # dtype) and XLA fuses their sum, so every partial is live at once: partial_products - 1 more copies.
       # A pipeline slot's backward returns its chunk's k layers of gradient shards at once (the stage unit's
       # stacked dW), which it adds into the gradients.
       "layer_gradient": ((0 if deferred or step_gather else per_layer * (cb if s.gather_dtype == "compute" else pb))
-                         + (ring_steps(s.tp, t) - 1) * per_layer * cb
+                         + (getattr(tp, "partial_products", lambda t: 1)(t) - 1) * per_layer * cb
                          + (m.n_layers // (P * cfg.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
       # The largest weight outside the layers (the embedding or the unembedding, [V, D]): its whole gradient,
       # made in backward before the reduce-scatter over fsdp takes its shard, as a layer's is (layer_gradient).
@@ -235,31 +238,30 @@ def split(cfg, logical: str) -> int:
   return math.prod(cfg.mesh.sizes[a] for a in from_config(cfg).rule(logical, tuple(cfg.mesh.shape)))
 
 
-def _attention_kept(cfg):
-  """The model as its attention keeps residuals under context parallelism (module doc): a ring keeps the
-  blockwise kernel's set (its local q, k, v, output and log-sum-exp) whatever model.attention says."""
-  if cfg.mesh.context > 1 and cfg.context.impl == "ring" and cfg.model.kind != "ffn":
-    return dataclasses.replace(cfg.model, attention="blockwise")
+def parts(cfg) -> tuple:
+  """(the TP contraction, the context strategy) cfg runs, built from their classes (a user's `module:Class`
+  too): the memory terms below are theirs (schedules/tp.py, schedules/context.py), never their names'."""
+  layout = from_config(cfg)
+  return make_tp(cfg.schedule.tp, layout), CP.make(cfg.context, cfg.model, layout)
+
+
+def attention_kept(cfg, cp=None):
+  """The model as its attention keeps residuals under context parallelism (module doc): the strategy's
+  `kept_attention` (a ring keeps the blockwise kernel's set whatever model.attention says)."""
+  cp = parts(cfg)[1] if cp is None else cp
+  kept = getattr(cp, "kept_attention", None)     # (a strategy that states no cost terms: the model's own)
+  if cfg.mesh.context > 1 and cfg.model.kind != "ffn" and kept is not None:
+    return dataclasses.replace(cfg.model, attention=kept())
   return cfg.model
 
 
-def _ulysses_kept(cfg) -> int:
-  """Elements per local token per layer that Ulysses keeps beyond the remat policy's set: under a policy that
-  saves the attention output, the kernel's own output in its head-sharded layout ([B, L, H/C, K]: D per local
-  token) beside the sequence-sharded one the all-to-all returns (the H100 compiler's buffers for llama3_8b at
-  32K tokens, context 4: experiments/context/README.md)."""
-  if (cfg.mesh.context > 1 and cfg.context.impl == "ulysses" and cfg.model.kind != "ffn"
-      and cfg.schedule.remat in ("save_qkv_attn_out", "save_matmuls_attn_out")):
-    return cfg.model.d_model
+def _context_kept(cfg, cp) -> int:
+  """Elements per local token per layer the context strategy keeps beyond the remat policy's set (its
+  `kept_per_token`: Ulysses' head-sharded attention output under a policy that saves it)."""
+  kept = getattr(cp, "kept_per_token", None)
+  if cfg.mesh.context > 1 and cfg.model.kind != "ffn" and kept is not None:
+    return kept(cfg.schedule.remat)
   return 0
-
-
-def ring_steps(tp: str, tensor: int) -> int:
-  """Partial products per weight in a collective-matmul ring (collectives.all_gather_matmul): one per ring step,
-  tensor of them (ring), or two per step in half-blocks (ring_bidi); 1 for the other contractions."""
-  if tensor == 1:
-    return 1
-  return {"ring": tensor, "ring_bidi": 2 * tensor}.get(tp, 1)
 
 
 def _replicated_per_token(model, remat: str) -> int:

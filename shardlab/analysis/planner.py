@@ -656,7 +656,8 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str,
   else:
     t_b, t_w = k * max(2 * block.math * b, block.fsdp_bwd_passes * block.fsdp, block.tensor_time(b)), 0.0
   cb = dtype_bytes(cfg.precision.compute_dtype)
-  send_bytes = tokens / (data * fsdp * M) * m.d_model * cb / (tensor if cfg.schedule.tp != "allreduce" else 1)
+  tp, _ = MM.parts(cfg)       # a sequence-parallel contraction sends 1/tensor of the residual stream
+  send_bytes = tokens / (data * fsdp * M) * m.d_model * cb / (tensor if tp.seq_sharded else 1)
   t_send = max(send_bytes / bws[PIPELINE], hw.hop_latency_s)
   run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True)
   tail = max(0.0, m.n_layers // P * block.data - t_b)     # the data AllReduce behind the stage's last backward

@@ -96,24 +96,78 @@ class AllGatherKV:
     causal_LM = positions_L[:, None] >= pos_M[None, :]
     return checkpoint_name(A.plain(q_BLHK, k_BMGK, v_BMGK, causal_LM), A.ATTN_OUT)
 
+  # Its cost terms, which the analysis evaluates (analysis/context_cost.py, memory_model.py): a strategy is priced
+  # by what its class says, so a subclass, or a strategy of a user's, is priced like the one it copies. `a` is one
+  # layer's attention on one device (context_cost.Attn: b sequences, L tokens split C ways, H and G heads, head
+  # dim K, e bytes; a.block = b L/C G K elements of one K or V block); `cost` evaluates rates (context_cost.Rates).
+
+  def bytes_per_layer(self, a) -> dict:
+    """Bytes one device sends over the context axes per layer: K and V gathered, (C-1)/C x 2 b L G K e, forward;
+    the same reduce-scattered backward."""
+    f = (a.C - 1) * 2 * a.b * a.L * a.G * a.K * a.e // a.C
+    return {"forward": f, "backward": f}
+
+  def skips_masked(self) -> bool:
+    """Whether its attention kernel skips the blocks the causal mask hides: the plain attention computes them."""
+    return False
+
+  def layer_time(self, a, cost) -> dict:
+    """Each device's queries against every key (the busiest device paces the layer); K/V gathered before and
+    dK/dV scattered after the attention: exposed."""
+    fwd, bwd = cost.block_s
+    comm = 2 * cost.transfer(self.bytes_per_layer(a)["forward"], hops=a.C // 2)
+    return {"attention_s": cost.busiest() * (fwd + bwd), "comm_s": comm, "exposed_s": comm}
+
+  def transient_bytes(self, a) -> float:
+    """Float32 scores and probabilities one layer holds while it runs: [b, H, L/C, L] (the plain attention)."""
+    return 2 * 4.0 * a.b * a.H * (a.L // a.C) * a.L
+
+  def kept_attention(self) -> str:
+    """The attention whose residuals a layer keeps (memory_model.activation_elements_per_token)."""
+    return self.model.attention
+
+  def kept_per_token(self, remat: str) -> int:
+    """Elements per local token per layer it keeps beyond the remat policy's set."""
+    return 0
+
+  def why_not(self, shape: dict) -> str | None:
+    """What this strategy itself cannot split on a mesh of `shape`, in a few words (the planner's `excluded`), or
+    None. (The sequence's own divisibility is the analysis's: context_cost.why_not.)"""
+    return None
+
 
 class Ulysses(AllGatherKV):
   """Sequence-sharded <-> head-sharded by all_to_all around the model's own attention."""
   point_to_point = False   # all-to-alls over context
 
+  def _split_heads(self, shape: dict) -> tuple[int, int] | None:
+    """(context split c, tensor split t) when the heads each device holds after tensor parallelism, query and
+    K/V, do not split again c ways; else None."""
+    axes = self.layout.rule("length", tuple(shape))
+    c = math.prod(shape[a] for a in axes)
+    t = math.prod(shape[a] for a in self.layout.rule("heads", tuple(shape)))
+    m = self.model
+    if c > 1 and ((m.n_heads // t) % c or m.kv_heads % t or (m.kv_heads // t) % c):
+      return c, t
+    return None
+
+  def why_not(self, shape: dict) -> str | None:
+    split = self._split_heads(shape)
+    if split is None:
+      return None
+    c, t = split
+    return (f"ulysses splits the heads: {self.model.n_heads // t} query and {self.model.kv_heads // t} K/V heads "
+            f"per device do not divide by {c}")
+
   def check(self, shape: dict) -> None:
     """The heads each device holds after tensor parallelism, query and K/V, split again over the context axes."""
-    axes = self.layout.rule("length", tuple(shape))
-    if not axes:
+    if not self.layout.rule("length", tuple(shape)):
       return
-    c, t = 1, 1
-    for a in axes:
-      c *= shape[a]
-    for a in self.layout.rule("heads", tuple(shape)):
-      t *= shape[a]
     m = self.model
     self.check_balance(shape)
-    if (m.n_heads // t) % c or m.kv_heads % t or (m.kv_heads // t) % c:
+    split = self._split_heads(shape)
+    if split is not None:
+      c, t = split
       raise ConfigError(f"context=ulysses splits the heads over the context axes: model.n_heads={m.n_heads} and "
                         f"model.n_kv_heads={m.kv_heads} over tensor={t} leave {m.n_heads // t} and "
                         f"{m.kv_heads // t if m.kv_heads % t == 0 else 'replicated'} per device, not multiples of "
@@ -137,6 +191,32 @@ class Ulysses(AllGatherKV):
       o = self.own(q, k, v)
     return C.all_to_all(o, axis, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L, H_ctx, K] -> o[B, L_ctx, H, K]
 
+  def bytes_per_layer(self, a) -> dict:
+    """q, k, v to head-sharded and o back: (C-1)/C x b (L/C) (2 H + 2 G) K e, forward; the same backward."""
+    f = (a.C - 1) * a.b * (a.L // a.C) * (2 * a.H + 2 * a.G) * a.K * a.e // a.C
+    return {"forward": f, "backward": f}
+
+  def skips_masked(self) -> bool:
+    """The model's own kernel: it skips masked blocks unless it is the plain one."""
+    return self.model.attention != "plain"
+
+  def layer_time(self, a, cost) -> dict:
+    """Every device the whole sequence on H/C heads (balanced in any order); the four all-to-alls (q, k, v, o)
+    each way on the critical path."""
+    fwd, bwd = cost.block_s
+    comm = 2 * 4 * cost.transfer(self.bytes_per_layer(a)["forward"] / 4, hops=a.C // 2)
+    return {"attention_s": a.C * (0.5 if cost.skips else 1.0) * (fwd + bwd), "comm_s": comm, "exposed_s": comm}
+
+  def transient_bytes(self, a) -> float:
+    """The plain kernel's scores [b, H/C, L, L] (float32, with the probabilities); none for a flash kernel."""
+    return super().transient_bytes(a) if self.model.attention == "plain" else 0.0
+
+  def kept_per_token(self, remat: str) -> int:
+    """Under a policy that saves the attention output, the kernel's own output in its head-sharded layout ([B, L,
+    H/C, K]: D per local token) beside the sequence-sharded one the all-to-all returns (the H100 compiler's buffers
+    for llama3_8b at 32K tokens, context 4: experiments/context/README.md)."""
+    return self.model.d_model if remat in ("save_qkv_attn_out", "save_matmuls_attn_out") else 0
+
 
 class Ring(AllGatherKV):
   """Ring attention (Liu et al. 2023, haoliuhl/ringattention): K/V blocks rotated around the context axis by
@@ -159,6 +239,39 @@ class Ring(AllGatherKV):
       return self.own(q_BLHK, k_BLGK, v_BLGK)
     plan = ring_plan(C.axis_size(axis), q_BLHK.shape[SEQ_DIM], self.model.attention_block, self.cfg.load_balance)
     return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan), A.ATTN_OUT)
+
+  def bytes_per_layer(self, a) -> dict:
+    """C-1 shifts of the K, V block, (C-1) x 2 b (L/C) G K e, forward; backward the same and C shifts of dK, dV
+    (float32: the custom VJP accumulates them in float32), + C x 2 b (L/C) G K 4."""
+    f = (a.C - 1) * 2 * a.block * a.e
+    return {"forward": f, "backward": f + a.C * 2 * a.block * 4}
+
+  def skips_masked(self) -> bool:
+    """A flash kernel per step that skips the sub-block pairs the mask hides wholly (ring_plan)."""
+    return True
+
+  def layer_time(self, a, cost) -> dict:
+    """A ring pass forward and one backward at the busiest device's pace (context_cost.ring_makespan): each step
+    a block's attention and its online-softmax merge, each shift behind the step before; dK, dV's last shift
+    home after the backward."""
+    fwd, bwd = cost.block_s
+    kv = cost.transfer(2 * a.block * a.e)                        # one shift of K and V
+    kv_dkv = cost.transfer(2 * a.block * a.e + 2 * a.block * 4)  # backward: with dK, dV
+    merge_f, merge_b = cost.merge_s()
+    tf, cf = cost.ring_pass(fwd, merge_f, kv)
+    tb, cb = cost.ring_pass(bwd, merge_b, kv_dkv)
+    home = cost.transfer(2 * a.block * 4)
+    return {"attention_s": cf + cb, "comm_s": (a.C - 1) * (kv + kv_dkv) + home, "exposed_s": tf + tb + home - cf - cb}
+
+  def transient_bytes(self, a) -> float:
+    """One sub-block pair's float32 scores and probabilities [b, H, n, n] (n at most model.attention_block)."""
+    n = min(self.model.attention_block, a.L // a.C)
+    return 2 * 4.0 * a.b * a.H * n * n
+
+  def kept_attention(self) -> str:
+    """The blockwise kernel's residual set (its local q, k, v, output and log-sum-exp), whatever model.attention
+    says."""
+    return "blockwise"
 
 
 def ring_plan(parts: int, local: int, block: int, balanced: bool) -> tuple:

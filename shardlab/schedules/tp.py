@@ -42,6 +42,11 @@ class IdentityOps:
   layout = Layout()          # the sharding rules (make_tp sets the run's): which axes the batch is split over
   point_to_point = False     # no collective at all (a ppermute would be True: schedules/capability.py)
 
+  def partial_products(self, tensor: int) -> int:
+    """Partial weight gradients per weight a layer's backward holds at once on a `tensor`-way split (the memory
+    model's `layer_gradient`): one, the whole product."""
+    return 1
+
   def honours(self) -> dict:
     """The layout rules this contraction can honour, as data: {logical dim: [mesh axes it must map to]}."""
     return {}
@@ -148,6 +153,11 @@ class RingTP(AllGatherTP):
 
   def _column(self, x, f):
     return C.all_gather_matmul(x, f, TENSOR, SEQ_DIM, self.bidirectional)
+
+  def partial_products(self, tensor: int) -> int:
+    """One partial weight gradient per ring step (collectives.all_gather_matmul), two per step in half-blocks when
+    bidirectional; XLA fuses their sum, so all are live at once."""
+    return tensor * (2 if self.bidirectional else 1) if tensor > 1 else 1
 
   def row(self, h, w, eq):
     f = lambda blk: _dot(eq)(blk, w)
