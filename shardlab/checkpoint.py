@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import distributed as D
 from shardlab.config import CheckpointConfig
-from shardlab.mesh import ConfigError
-from shardlab.validate import RunError
+from shardlab.errors import ConfigError
+from shardlab.errors import RunError
 
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every save at INFO through absl
 

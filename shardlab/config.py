@@ -288,7 +288,7 @@ def to_config(cfg: Any) -> Config:
   """An OmegaConf DictConfig (or a plain dict) -> typed `Config`. A key no schema has (`+typo=1`, which Hydra
   lets through) is a ConfigError, not silently dropped. The `hydra` node, if present, is left out."""
   from omegaconf import DictConfig, OmegaConf
-  from shardlab.mesh import ConfigError
+  from shardlab.errors import ConfigError
   if isinstance(cfg, DictConfig):
     cfg = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
   cfg = {k: v for k, v in cfg.items() if k != "hydra"}

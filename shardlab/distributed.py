@@ -27,7 +27,7 @@ import numpy as np
 
 from shardlab import jax_private
 from shardlab.config import DistributedConfig
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 OMPI_VARS = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -154,7 +154,7 @@ class _ServiceProcess:
   def __init__(self, address: str, num_nodes: int, heartbeat_timeout: int | None = None,
                shutdown_timeout: int | None = None, recoverable: bool | None = None, **_):
     import subprocess
-    from shardlab.validate import RunError
+    from shardlab.errors import RunError
     args = [address, num_nodes, heartbeat_timeout or 100, shutdown_timeout or 300, int(bool(recoverable))]
     self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, *map(str, args)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -281,7 +281,7 @@ def wait_for_lost_peer(seconds: float | None = None) -> None:
     if lost:
       _report_lost(lost)
     if left:
-      from shardlab.validate import RunError
+      from shardlab.errors import RunError
       raise RunError(f"process {', '.join(map(str, left))} of {jax.process_count()} stopped on its own error (see "
                      "its output); this process cannot go on without it")
     time.sleep(0.5)
@@ -312,7 +312,7 @@ def barrier(name: str, what: str) -> None:
   """Wait for every process at most distributed.timeout_s; a RunError names `what` they were doing."""
   if jax.process_count() == 1:
     return
-  from shardlab.validate import RunError
+  from shardlab.errors import RunError
   try:
     _client().wait_at_barrier(_key(name), int(_state["timeout_s"] * 1000))
   except Exception as e:

@@ -22,7 +22,7 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from shardlab import axes as X
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 DEFAULT_RULES = {
     "layers": (X.PIPELINE,),

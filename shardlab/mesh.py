@@ -16,10 +16,7 @@ from jax.sharding import AxisType, Mesh
 
 from shardlab import axes as X
 from shardlab.axes import DATA, FSDP, TENSOR, describe  # noqa: F401  (re-exported)
-
-
-class ConfigError(ValueError):
-  """A setting that cannot work; its message is one line naming the setting and the fix."""
+from shardlab.errors import ConfigError  # noqa: F401  (re-exported: `from shardlab.mesh import ConfigError` still works)
 
 
 def set_cpu_devices(n: int) -> None:

@@ -115,7 +115,7 @@ def cannot_write(out, what: str, when: str, ckpt: dict | None = None):
   line naming the directory, the file and the step; what was written before stays whole (write_atomic,
   Metrics)."""
   import sys
-  from shardlab.validate import RunError
+  from shardlab.errors import RunError
   e = sys.exc_info()[1]
   why = getattr(e, "strerror", None) or " ".join(str(e).split())[:160]
   saved = (ckpt or {}).get("saved") or []

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlab import axes as X
 from shardlab.config import ModelConfig
 from shardlab.layout import SETTING, Layout
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 # The axes a declaration is resolved on when no mesh is named: the ones every mesh has (fsdp, tensor).
 ALWAYS = tuple(n for n, a in X.REGISTRY.items() if a.always)

@@ -31,7 +31,7 @@ import socket
 from pathlib import Path
 
 from shardlab.config import Config
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 _LOCKS: dict[str, list] = {}     # run dir -> [the open, flock'ed .lock file, pid written into it]
 _SHARED_OK: set[str] = set()     # checkpoint dirs already found shared by every process

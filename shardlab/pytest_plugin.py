@@ -42,7 +42,7 @@ def pytest_configure(config):
     return
   if n < 0:   # not asked for: keep what a conftest loaded before this hook set, else the default
     n = testing.configured_devices() or testing.DEFAULT_DEVICES
-  from shardlab.mesh import ConfigError
+  from shardlab.errors import ConfigError
   try:
     testing.set_devices(n, fast_compile=config.getini("shardlab_fast_compile"))
   except ConfigError as e:

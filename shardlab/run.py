@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from shardlab.config import CONF_DIR, Config, register_configs, to_config  # noqa: F401  (CONF_DIR: re-exported)
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 from shardlab.outputs import final_line, human_bytes, human_seconds, prediction_model, record_failure
 from shardlab.trainer import build, lower, train  # noqa: F401  (the library entry points, re-exported)
 
@@ -20,7 +20,7 @@ def _task(dcfg) -> str | None:
   its row may still show the earlier run's summary.json, which a failed resume keeps)."""
   from hydra.core.hydra_config import HydraConfig
   from hydra.types import RunMode
-  from shardlab.validate import RunError
+  from shardlab.errors import RunError
   hc = HydraConfig.get()
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
@@ -170,7 +170,7 @@ def _lost_peer_or(e: Exception) -> Exception:
   """With several processes, an error out of a step is most often a peer that vanished (gloo: 'connection
   closed by peer'): wait until the coordination service can tell (the watchdog then exits with one line naming
   the process), or return a RunError when a peer stopped on its own error; otherwise `e` unchanged."""
-  from shardlab.validate import RunError
+  from shardlab.errors import RunError
   try:
     import jax
     if jax.process_count() == 1:
@@ -197,7 +197,7 @@ class Preflight(Callback):
   def on_run_start(self, config, **kwargs) -> None:
     from omegaconf import OmegaConf
     from shardlab import preflight
-    from shardlab.validate import RunError
+    from shardlab.errors import RunError
     if _FULL_ERROR:   # tracebacks wanted: let train raise them (Hydra turns callback errors into warnings)
       return
     try:

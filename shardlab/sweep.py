@@ -126,7 +126,7 @@ def check_sweep_dir(sweep_dir, resume: bool, overrides=()) -> None:
   sweep goes on there (a requeued or re-launched sweep: each job resumes its own run dir); a different one
   (`overrides`, the command's, against its multirun.yaml) is refused too. A single run's directory is no sweep
   directory: the sweep's jobs would hide it from the report, and it theirs."""
-  from shardlab.mesh import ConfigError
+  from shardlab.errors import ConfigError
   from shardlab.preflight import check_run_dir, has_checkpoint, run_files, sweep_jobs
   check_run_dir(sweep_dir, "hydra.sweep.dir")     # named, not a file, can be made
   d = Path(str(sweep_dir))
@@ -165,7 +165,7 @@ def check_same_sweep(d: Path, overrides) -> None:
   order (which numbers the jobs) or other settings (run control aside: a requeue adds checkpoint.resume=true)
   are another sweep, refused. A multirun.yaml that does not read is left to each job's own checks."""
   import yaml
-  from shardlab.mesh import ConfigError
+  from shardlab.errors import ConfigError
   if not (d / "multirun.yaml").is_file():
     return
   try:
@@ -220,7 +220,7 @@ class SweepSummary(Callback):
 
   def on_multirun_start(self, config, **kwargs) -> None:
     from omegaconf import OmegaConf
-    from shardlab.mesh import ConfigError
+    from shardlab.errors import ConfigError
     try:
       check_sweep_dir(OmegaConf.select(config, "hydra.sweep.dir"), bool(OmegaConf.select(config, "checkpoint.resume")),
                       OmegaConf.to_container(config.hydra.overrides.task))

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from shardlab.hardware import HardwareConfig
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 TARGETS_DIR = Path(__file__).resolve().parent / "targets"
 EXTRA = {"cuda": ("jax_cuda12_plugin", "cuda12"), "tpu": ("libtpu", "tpu")}
@@ -136,7 +136,7 @@ def check_flags(flags: dict) -> None:
 
 def compile_with(lowered, flags: dict | None = None):
   """lowered.compile(compiler_options=flags); an option this XLA does not know is one ConfigError line."""
-  from shardlab.mesh import ConfigError
+  from shardlab.errors import ConfigError
   try:
     return lowered.compile(compiler_options=dict(flags)) if flags else lowered.compile()
   except Exception as e:          # XlaRuntimeError: INVALID_ARGUMENT: No such compile option: 'xla_...'

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from shardlab import outputs as O
 from shardlab.config import Config
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 
 def build(cfg: Config, devices=None):

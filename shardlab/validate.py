@@ -7,13 +7,10 @@ import math
 
 from shardlab import axes as X
 from shardlab.config import Config, MeshConfig
+from shardlab.errors import ConfigError, RunError  # noqa: F401  (RunError re-exported)
 from shardlab.layout import from_config
-from shardlab.mesh import ConfigError, describe
+from shardlab.mesh import describe
 from shardlab.params import check_divisible
-
-
-class RunError(RuntimeError):
-  """A fault seen only at run time (a lost peer, a failed save, a directory that is not shared): one line, exit 1."""
 
 
 def _divides(what: str, value: int, by: str, size: int, why: str) -> None:

@@ -144,3 +144,15 @@ def test_the_analysis_asks_the_parts_not_their_names():
       if hit:
         found.append(f"{p.relative_to(root.parent)}:{node.lineno} compares with {hit}")
   assert not found, found
+
+
+def test_errors_live_in_a_leaf_module():
+  """ConfigError and RunError are defined in shardlab/errors.py, which imports nothing of shardlab's, and every
+  module of shardlab raises them from there: raising an error never pulls in the mesh (or JAX)."""
+  graph, trees = _imports()
+  assert not graph["shardlab.errors"], graph["shardlab.errors"]
+  import ast
+  wrong = [f"{m} imports {node.module}.{a.name}" for m, tree in trees.items() for node in ast.walk(tree)
+           if isinstance(node, ast.ImportFrom) and node.module in ("shardlab.mesh", "shardlab.validate")
+           for a in node.names if a.name in ("ConfigError", "RunError")]
+  assert not wrong, wrong

@@ -18,7 +18,8 @@ from shardlab.axes import DATA, FSDP, TENSOR
 def start_jax(cfg) -> None:
   """Keep JAX on the CPU (fake devices) in a process that has not started it yet, so that an installed target
   plugin neither initializes nor logs; a no-op when JAX already runs (a test, a second call)."""
-  from shardlab.mesh import ConfigError, set_cpu_devices
+  from shardlab.mesh import set_cpu_devices
+  from shardlab.errors import ConfigError
   try:
     set_cpu_devices(max(1, getattr(cfg, "cpu_devices", 1)))
   except ConfigError:

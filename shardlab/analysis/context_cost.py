@@ -39,7 +39,7 @@ from shardlab.analysis.links import mesh_links, transfer_seconds
 from shardlab.axes import CONTEXT, FSDP, TENSOR
 from shardlab.config import ContextConfig, ModelConfig
 from shardlab.layout import Layout, from_config
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 from shardlab.schedules import context as CP
 from shardlab.schedules.loading import protocol_members
 from shardlab.schedules.protocol import ContextCost

@@ -581,7 +581,7 @@ def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[
   `microbatches`) that the schedule accepts (check_shape: interleaved needs M a multiple of P) and that leave each
   microbatch a whole number (>= 1) of sequences on each batch shard of the smallest data x fsdp (1): the per-
   layout limit is applied in `_choose_pipeline`."""
-  from shardlab.mesh import ConfigError
+  from shardlab.errors import ConfigError
   from shardlab.schedules.pipeline import check_shape
   out = []
   for P in _divisors(devices):

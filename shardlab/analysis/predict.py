@@ -29,7 +29,7 @@ def hardware_preset(name: str | HardwareConfig) -> HardwareConfig:
   import yaml
   path = CONF_HARDWARE / f"{name}.yaml"
   if not path.is_file():
-    from shardlab.mesh import ConfigError
+    from shardlab.errors import ConfigError
     have = ", ".join(sorted(p.stem for p in CONF_HARDWARE.glob("*.yaml")))
     raise ConfigError(f"hardware={name}: no such preset; choose one of {have}")
   fields = {f.name for f in dataclasses.fields(HardwareConfig)}
@@ -58,7 +58,7 @@ def predict_fn(build, hardware: str | HardwareConfig = "h100", axes: dict | None
   mesh = Mesh(TG.mesh_devices(devs, tuple(axes.values())), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
   fn, args = build(mesh)
   if any(getattr(a, "sharding", None) is None for a in jax.tree.leaves(args)):   # else jit compiles for the CPU
-    from shardlab.mesh import ConfigError
+    from shardlab.errors import ConfigError
     raise ConfigError("predict_fn: every argument build(mesh) returns needs a sharding on that mesh "
                       "(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)))")
   compiled, buffers = TG.compile_reading_buffers(fn.lower(*args))

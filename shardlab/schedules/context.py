@@ -43,7 +43,7 @@ from shardlab import collectives as C
 from shardlab.config import ContextConfig, ModelConfig
 from shardlab.data import zigzag
 from shardlab.layout import Layout
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 from shardlab.schedules.loading import load_object
 
 SEQ_DIM = 1   # q, k, v are [B, L, heads, K]

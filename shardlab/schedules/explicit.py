@@ -34,7 +34,7 @@ from shardlab.config import ContextConfig, ModelConfig, PipelineConfig, Schedule
 from shardlab.data import Batch
 from shardlab.jax_private import dce_used_inputs
 from shardlab.layout import Layout, honoured
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 from shardlab.params import declare, is_param
 from shardlab.schedules import context as CP
 from shardlab.schedules.parallel import Parallel, accumulate, microbatches

@@ -18,7 +18,7 @@ from shardlab.axes import FSDP, TENSOR
 from shardlab.config import ModelConfig, ScheduleConfig
 from shardlab.data import Batch
 from shardlab.layout import Layout, honoured
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 from shardlab.params import declare, kv_sharded
 from shardlab.schedules.explicit import remat_policy
 from shardlab.schedules.parallel import accumulate, attention, microbatches, plain

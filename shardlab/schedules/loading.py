@@ -14,7 +14,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1]   # shardlab/: frames here are not the user's
 LIBRARIES = tuple({str(Path(p).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib")

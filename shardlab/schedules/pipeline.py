@@ -41,7 +41,7 @@ import numpy as np
 
 from shardlab import collectives as C
 from shardlab.axes import PIPELINE, TENSOR
-from shardlab.mesh import ConfigError
+from shardlab.errors import ConfigError
 from shardlab.schedules.capability import stated, unstated_by
 
 KINDS = ("F", "B", "W")

@@ -116,7 +116,7 @@ class Schedule(Protocol):
   """What train.py calls. Built as `cls(cfg: ScheduleConfig, model: ModelConfig, compute_dtype, layout)`, and with
   `context=` (a ContextConfig) and `pipeline=` (a PipelineConfig) where its constructor takes them
   (schedules.build passes only what it takes); the constructor rejects knobs it cannot honour with a one-line
-  `shardlab.mesh.ConfigError`. A schedule that runs pipeline stages says so with a class attribute `pipelines =
+  `shardlab.errors.ConfigError`. A schedule that runs pipeline stages says so with a class attribute `pipelines =
   True` (or, stating nothing, by taking `pipeline=`); `pipelines = False`, or neither, refuses a pipeline in
   one line before it is built."""
   shard_mapped: bool    # True: runs inside shard_map; False: plain jit on global arrays (gspmd)
