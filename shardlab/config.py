@@ -136,7 +136,7 @@ class ContextConfig:
 @dataclass
 class PipelineConfig:
   """Pipeline parallelism (`mesh.pipeline=P`): the layer stack split into P stages, run by a schedule table
-  (schedules/pipeline.py, docs/pipeline.md)."""
+  (pipeline_tables.py, schedules/pipeline.py, docs/pipeline.md)."""
   name: str = "none"
   impl: str = "none"              # none | gpipe | 1f1b | eager_1f1b | interleaved | zb_h1 | package.module:Class
   microbatches: int = 0           # M; 0: one per stage (M = mesh.pipeline), the fewest every schedule runs with

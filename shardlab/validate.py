@@ -36,8 +36,8 @@ def check_layout(cfg: Config, sched=None) -> None:
 
 def _user(cfg: Config, call: str):
   """A call into the schedule (a user's class, or one holding a user's TP or context strategy): what user code
-  raises in it is one line naming the setting and the user's file and line (schedules.loading.user_code)."""
-  from shardlab.schedules.loading import user_code
+  raises in it is one line naming the setting and the user's file and line (loading.user_code)."""
+  from shardlab.loading import user_code
   return user_code(cfg.schedule.impl, "schedule.impl", call,
                    {"schedule.tp": str(cfg.schedule.tp), "context.impl": str(cfg.context.impl)})
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import compose, reference_loss_and_grads
 from shardlab import testing
 from shardlab.mesh import ConfigError
-from shardlab.schedules import pipeline as PL
+from shardlab import pipeline_tables as PL
 from shardlab.testing import assert_trees_close
 
 RTOL = ATOL = 2e-5

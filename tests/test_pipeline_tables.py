@@ -3,8 +3,9 @@ Pure Python: no devices, no compile."""
 import pytest
 
 from shardlab.mesh import ConfigError
-from shardlab.schedules import pipeline as PL
-from shardlab.schedules.pipeline import Action
+from shardlab import pipeline_tables as PL
+from shardlab.analysis import pipeline_replay as PR
+from shardlab.pipeline_tables import Action
 
 
 @pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])
@@ -12,12 +13,12 @@ def test_bubble_of_uniform_stages_on_free_links_is_the_closed_form(P, M):
   """gpipe and 1f1b: (P-1)/(M+P-1); interleaved (V=2): (P-1)/(V M+P-1), each within 10% (here: exact);
   zb_h1 (W split off and deferred) below 1f1b's."""
   for name, V in (("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2)):
-    got = PL.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0, sync=False)["bubble"]
+    got = PR.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0, sync=False)["bubble"]
     want = PL.closed_form_bubble(name, P, M, V)
     assert abs(got - want) <= 0.1 * want, (name, P, M, V, got, want)
     if name in ("gpipe", "eager_1f1b"):   # the executor's ticks (neighbour-synchronised): the same
-      assert abs(PL.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0)["bubble"] - want) <= 0.1 * want
-  bubble = lambda name, sync: PL.replay(PL.build(name, P, M), 1.0, 1.0, 1.0, sync=sync)["bubble"]
+      assert abs(PR.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0)["bubble"] - want) <= 0.1 * want
+  bubble = lambda name, sync: PR.replay(PL.build(name, P, M), 1.0, 1.0, 1.0, sync=sync)["bubble"]
   assert bubble("zb_h1", False) <= bubble("1f1b", False), (P, M)
   if P > 2 or M > 2:    # in the executor's ticks, W fills what would be bubble
     assert bubble("zb_h1", True) < bubble("1f1b", True), (P, M)
@@ -27,9 +28,9 @@ def test_one_program_pays_each_hop_a_tick():
   """In the executor's neighbour-synchronised ticks a 1F1B warm-up and cool-down cost whole ticks (F + B) per
   hop: its bubble is above the closed form and above GPipe's, which keeps the closed form there."""
   P, M = 4, 8
-  got = PL.replay(PL.build("1f1b", P, M), t_f=1.0, t_b=2.0)["bubble"]
+  got = PR.replay(PL.build("1f1b", P, M), t_f=1.0, t_b=2.0)["bubble"]
   assert PL.closed_form_bubble("1f1b", P, M) < got
-  assert got > PL.replay(PL.build("gpipe", P, M), t_f=1.0, t_b=2.0)["bubble"]
+  assert got > PR.replay(PL.build("gpipe", P, M), t_f=1.0, t_b=2.0)["bubble"]
 
 
 def test_activations_in_flight():
@@ -79,6 +80,6 @@ def test_interleaved_sends_v_times_the_messages():
 
 def test_the_picture(tmp_path):
   for name, V in (("1f1b", 1), ("interleaved", 2)):
-    r = PL.replay(PL.build(name, 4, 8, V), t_f=1.0, t_b=2.0)
-    PL.draw(r, tmp_path / f"{name}.png", title=f"{name}, P=4, M=8{', V=2' if V > 1 else ''}: ", unit="T_F")
+    r = PR.replay(PL.build(name, 4, 8, V), t_f=1.0, t_b=2.0)
+    PR.draw(r, tmp_path / f"{name}.png", title=f"{name}, P=4, M=8{', V=2' if V > 1 else ''}: ", unit="T_F")
     assert (tmp_path / f"{name}.png").stat().st_size > 10_000

@@ -115,7 +115,7 @@ def test_pipeline_search_adds_pipeline_rows_and_columns(capsys):
   head = lines[2].split()
   assert head[:3] == ["#", "P", "schedule"] and "bubble" in head and "micro" in head
   pp = [l for l in out["layouts"] if "pipeline" in l]
-  from shardlab.schedules.pipeline import SCHEDULES
+  from shardlab.pipeline_tables import SCHEDULES
   assert {(l["pipeline"], l["schedule"]) for l in pp} == {(2, s) for s in SCHEDULES if s != "interleaved"}
   assert out["answer"]["considered"] == 10 + len(pp)
   rows = [l.split() for l in lines[3:3 + min(40, len(out["layouts"]))]]

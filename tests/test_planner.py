@@ -482,7 +482,7 @@ PP70 = ["model=llama3_70b", "hardware=h100_multinode", "precision=bf16", "train.
 
 def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
   from shardlab.axes import PIPELINE
-  from shardlab.schedules.pipeline import SCHEDULES
+  from shardlab.pipeline_tables import SCHEDULES
   cfg = compose(PP70)
   plain = planner.answer(cfg, 32)
   assert all(PIPELINE not in l for l in plain["layouts"])          # off by default: rows as before
@@ -527,7 +527,8 @@ def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():
 
 
 def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
-  from shardlab.schedules.pipeline import build, closed_form_bubble, replay
+  from shardlab.analysis.pipeline_replay import replay
+  from shardlab.pipeline_tables import build, closed_form_bubble
   cfg = compose(PP70)
   P, M = 4, 8
   place = next(p for p in planner.placements(cfg, 32, pipeline=P) if p[:3] == (1, 2, 4))

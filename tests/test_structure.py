@@ -156,3 +156,15 @@ def test_errors_live_in_a_leaf_module():
            if isinstance(node, ast.ImportFrom) and node.module in ("shardlab.mesh", "shardlab.validate")
            for a in node.names if a.name in ("ConfigError", "RunError")]
   assert not wrong, wrong
+
+
+def test_pipeline_tables_are_pure_python_and_the_analysis_imports_no_executor():
+  """The tables (shardlab/pipeline_tables.py) and their replay (analysis/pipeline_replay.py) import no JAX, and no
+  module of analysis/ imports the pipeline executor (schedules/pipeline.py): what the analysis prices is the table."""
+  import subprocess
+  import sys
+  graph, _ = _imports()
+  assert not [m for m in graph if m.startswith("shardlab.analysis") and "shardlab.schedules.pipeline" in graph[m]]
+  code = "import sys, shardlab.pipeline_tables, shardlab.analysis.pipeline_replay; print('jax' in sys.modules)"
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert r.stdout.strip() == "False", r.stderr[-2000:]

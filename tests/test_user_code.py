@@ -165,7 +165,7 @@ def test_a_table_given_as_a_function_trains(tmp_path):
 
 def test_table_function_is_the_orders(tmp_path, monkeypatch):
   """The same function's table is gpipe's, placed by `table` and checked (no devices)."""
-  from shardlab.schedules import pipeline as PL
+  from shardlab import pipeline_tables as PL
   monkeypatch.syspath_prepend(_write_files(tmp_path))
   assert PL.load_table("uc_table:gpipe_orders", 2, 4, 1) == PL.build("gpipe", 2, 4)
 

@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardlab.schedules import pipeline as PL
+from shardlab import pipeline_tables as PL
+from shardlab.analysis import pipeline_replay as PR
 
 HERE = Path(__file__).parent
 PUBLISHED_TFLOPS = 430.0         # per GPU, Llama 3 405B, 8,192 H100, TP 8 / PP 16 / DP 64 (arXiv:2407.21783 Table 4)
@@ -51,7 +52,7 @@ def main() -> None:
       ticks = PL.build(name, P, M, V)
       # a chunk holds 1/V of the stage's layers: each slot's time / V; the head (last stage) paces the F slots,
       # as in pipeline_cost.predict
-      r = PL.replay(ticks, slot["F"] / V + slot["head"], slot["B"] / V, 0.0, slot["send"], sync=sync)
+      r = PR.replay(ticks, slot["F"] / V + slot["head"], slot["B"] / V, 0.0, slot["send"], sync=sync)
       tflops = flops_per_gpu / r["step_s"] / 1e12
       rows.append({"schedule": name, "virtual_stages": V, "runtime": "one program (shardlab)" if sync else
                    "asynchronous (one program per rank)", "step_s": r["step_s"], "bubble": r["bubble"],

@@ -3,6 +3,7 @@ layers before its own (LAYERS, checked by tests/test_structure.py), and nothing 
 points, preflight or Hydra.
 
   hlo.py            HLO text -> computations, instructions, collectives (axis, bytes, trip counts), matmul FLOPs
+  pipeline_replay.py  a pipeline table (shardlab/pipeline_tables.py) replayed on real links, and its picture
   program.py        a compiled step parsed once: its collectives, async pairs, scheduled order, the audit
   ledger.py         the traced program's collectives against the compiled ones, the compiler's rewrites named
   links.py          the links under each mesh axis (torus axes spanned, NVLink or NICs) and their bytes/s
@@ -15,7 +16,7 @@ points, preflight or Hydra.
   predict.py        `predict_fn`: any jitted function costed on a target; plan_figure.py: the planner's figure
   confirm.py        the planner's best layouts compiled for the target (the step builder passed in)"""
 
-LAYERS = (("hlo",), ("program", "ledger", "links", "timeline", "memory_model"), ("planner",), ("calibrated",),
+LAYERS = (("hlo", "pipeline_replay"), ("program", "ledger", "links", "timeline", "memory_model"), ("planner",), ("calibrated",),
           ("costmodel", "pipeline_cost", "context_cost"), ("predict", "plan_figure", "confirm"))
 
 

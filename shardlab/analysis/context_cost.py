@@ -41,7 +41,7 @@ from shardlab.config import ContextConfig, ModelConfig
 from shardlab.layout import Layout, from_config
 from shardlab.errors import ConfigError
 from shardlab.schedules import context as CP
-from shardlab.schedules.loading import protocol_members
+from shardlab.loading import protocol_members
 from shardlab.schedules.protocol import ContextCost
 
 STRATEGIES = tuple(CP.STRATEGIES)   # the built-in ones a search tries (a user's by module:Class, `strategies`)

@@ -103,7 +103,7 @@ RUNS = re.compile(r"pipeline_(\w+?)_runs_(\d+)_of_(\d+)")
 
 
 def declared_runs(op_name: str):
-  """(slot, n, of) of the innermost pipeline slot scope in an op_name or name stack (schedules/pipeline.py: runs):
+  """(slot, n, of) of the innermost pipeline slot scope in an op_name or name stack (pipeline_tables.py: runs):
   the conditional there runs its branch n times in `of` executions of its context; None if it declares none."""
   found = RUNS.findall(op_name)
   return (found[-1][0], int(found[-1][1]), int(found[-1][2])) if found else None

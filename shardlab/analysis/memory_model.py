@@ -44,6 +44,7 @@ import jax
 
 from shardlab import params as PM
 from shardlab.layout import from_config
+from shardlab.pipeline_tables import Plan, load_table
 from shardlab.schedules import context as CP
 from shardlab.schedules.tp import make_tp
 from shardlab.axes import PIPELINE
@@ -229,7 +230,6 @@ def pipeline_buffers(cfg) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _buffers(impl: str, P: int, M: int, V: int) -> dict:
-  from shardlab.schedules.pipeline import Plan, load_table
   return Plan(load_table(impl, P, M, V), M, V).buffers()
 
 

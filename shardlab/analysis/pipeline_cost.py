@@ -1,4 +1,4 @@
-"""The pipeline's prediction: the run's schedule table replayed (schedules/pipeline.py: replay) with each slot's
+"""The pipeline's prediction: the run's schedule table replayed (pipeline_replay.py: replay) with each slot's
 time read off the compiled program, and the picture of it (pipeline.png).
 
 A slot (F, B, W, and the head inside the last stage's F) is a conditional in the tick loop, its branch a
@@ -11,7 +11,8 @@ predictions, not measurements.
 """
 from __future__ import annotations
 
-from shardlab.analysis import hlo
+from shardlab import pipeline_tables as PT
+from shardlab.analysis import hlo, pipeline_replay as PR
 from shardlab.axes import PIPELINE
 from shardlab.analysis.links import axis_bandwidth
 
@@ -52,25 +53,23 @@ def slot_seconds(prog, hw, ici: dict) -> dict:
 def predict(prog, cfg, ici: dict, ticks) -> dict:
   """summary.json's `pipeline`: the slot times, the executor's step and bubble (sync replay), the table's ideal
   (async replay) and the closed form, and what each stage holds in flight."""
-  from shardlab.schedules import pipeline as PL
   t = slot_seconds(prog, cfg.hardware, ici)
   P, M, V = len(ticks[0]), cfg.pipeline.count(len(ticks[0])), cfg.pipeline.virtual_stages
   t_f = t["F"] + t["head"]         # in lockstep the last stage's F (with the head) sets the pace
-  run = PL.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=True)
-  ideal = PL.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=False)
+  run = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=True)
+  ideal = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=False)
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
   return {"schedule": cfg.pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
           "slot_s": t, "step_s": run["step_s"], "bubble": run["bubble"],
           "table_step_s": ideal["step_s"], "table_bubble": ideal["bubble"],
-          "closed_form_bubble": PL.closed_form_bubble(cfg.pipeline.impl, P, M, V),
-          "in_flight": PL.in_flight(ticks, "W" if split else "B"),
+          "closed_form_bubble": PT.closed_form_bubble(cfg.pipeline.impl, P, M, V),
+          "in_flight": PT.in_flight(ticks, "W" if split else "B"),
           "note": "prediction: the table replayed with each slot's compiled FLOPs and bytes on the preset's rates "
                   "(serial inside a slot), ticks synchronised between neighbouring stages; not a measurement"}, run
 
 
 def draw(result: dict, path, cfg, pred: dict) -> None:
-  """pipeline.png: the executor's replay, one row per stage (schedules/pipeline.py: draw)."""
-  from shardlab.schedules import pipeline as PL
+  """pipeline.png: the executor's replay, one row per stage (pipeline_replay.py: draw)."""
   v = f", V={pred['virtual_stages']}" if pred["virtual_stages"] > 1 else ""
-  PL.draw(result, path, title=f"{cfg.pipeline.name}, P={pred['stages']}, M={pred['microbatches']}{v} on "
+  PR.draw(result, path, title=f"{cfg.pipeline.name}, P={pred['stages']}, M={pred['microbatches']}{v} on "
           f"{cfg.hardware.name}, prediction: ", unit="s")

@@ -21,7 +21,7 @@ unembed [D,V]. `kind: ffn` is the book's L blocks of
 W_in [D,F], W_out [F,D] only.
 
 Pipeline layouts (answer(pipeline=True), `python -m shardlab.plan pipeline_search=true`): P stages (a divisor of
-the devices, >= 2, with n_layers a multiple of P V) x each schedule of schedules/pipeline.SCHEDULES (V = 2 for
+the devices, >= 2, with n_layers a multiple of P V) x each schedule of pipeline_tables.SCHEDULES (V = 2 for
 interleaved, else 1) x M = P, 2P, 4P, 8P microbatches (whole sequences per batch shard) x data x fsdp x tensor of
 the devices / P, the pipeline axis outermost (across nodes first: placements(pipeline=P)). Step time: the
 stage's per-microbatch slot times from this module's block roofline (F = n_layers / (P V) blocks' forward at one
@@ -48,6 +48,8 @@ from shardlab.axes import CLASSIC, DATA, FSDP, PIPELINE, TENSOR, names, shape_of
 from shardlab.analysis import memory_model as MM
 from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths, torus_axes
 from shardlab.analysis.memory_model import dtype_bytes, global_tokens
+from shardlab.analysis.pipeline_replay import replay
+from shardlab.pipeline_tables import SCHEDULES, Plan, build, check_shape, closed_form_bubble, in_flight
 from shardlab.layout import from_config
 
 BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
@@ -547,7 +549,6 @@ PIPELINE_MICROBATCHES = (1, 2, 4, 8)   # M = m P for these m: the microbatch cou
 
 
 def _schedules() -> tuple[str, ...]:
-  from shardlab.schedules.pipeline import SCHEDULES
   return tuple(SCHEDULES)
 
 
@@ -560,13 +561,12 @@ _TABLES: dict = {}
 
 
 def pipeline_table(name: str, P: int, M: int, V: int) -> dict[str, Any]:
-  """The named schedule's tick table (schedules/pipeline.py: build) and what a stage holds by it, cached:
+  """The named schedule's tick table (pipeline_tables.py: build) and what a stage holds by it, cached:
   {"ticks", "split" (W split off), "in_flight" (the most microbatch-chunks of residuals a stage holds, on the
   stage that holds the most: max of pipeline.in_flight, until W when split), "x" and "w" (residual-stream
   blocks and per-layer output-gradient chunks the executor allocates: Plan.buffers)}."""
   key = (name, P, M, V)
   if key not in _TABLES:
-    from shardlab.schedules.pipeline import Plan, build, in_flight
     ticks = build(name, P, M, V)
     split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
     units = Plan(ticks, M, V).buffers()
@@ -582,7 +582,6 @@ def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[
   microbatch a whole number (>= 1) of sequences on each batch shard of the smallest data x fsdp (1): the per-
   layout limit is applied in `_choose_pipeline`."""
   from shardlab.errors import ConfigError
-  from shardlab.schedules.pipeline import check_shape
   out = []
   for P in _divisors(devices):
     if P < 2:
@@ -634,7 +633,6 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str,
   bandwidth, at least one hop's latency. Step = replay(build(...), F, B, W, send, sync=True) (the executor's
   neighbour-synchronised ticks) + the data AllReduce of the stage's gradients beyond its last B + the embeddings'
   gather and reduce-scatter (once per step), / train.mfu. All predictions."""
-  from shardlab.schedules.pipeline import closed_form_bubble, replay
   data, fsdp, tensor, bws, axes, hops, untiled = place
   m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
   V = pipeline_virtual_stages(name)

@@ -12,7 +12,7 @@ says so (`pipelines = True`, or by taking `pipeline=`). Tests pick up every YAML
 from __future__ import annotations
 
 from shardlab.errors import ConfigError
-from shardlab.schedules.loading import accepts, check_instance, load_object, user_code
+from shardlab.loading import accepts, check_instance, load_object, user_code
 from shardlab.schedules.protocol import Schedule, TPContraction
 from shardlab.schedules.explicit import ExplicitSchedule
 from shardlab.schedules.gspmd import GSPMDSchedule

@@ -44,7 +44,7 @@ from shardlab.config import ContextConfig, ModelConfig
 from shardlab.data import zigzag
 from shardlab.layout import Layout
 from shardlab.errors import ConfigError
-from shardlab.schedules.loading import load_object
+from shardlab.loading import load_object
 
 SEQ_DIM = 1   # q, k, v are [B, L, heads, K]
 
@@ -440,7 +440,7 @@ def make(cfg: ContextConfig, model: ModelConfig, layout: Layout):
   """The strategy `context.impl` names, built for the model, the run's layout and its settings. A user's class is
   checked against the ContextStrategy protocol (schedules/protocol.py) before it is built and after (`cfg`, set
   in __init__), and what its constructor raises is one line (loading.call_user): the step would fail deep inside."""
-  from shardlab.schedules.loading import call_user, check_instance, kind_of
+  from shardlab.loading import call_user, check_instance, kind_of
   from shardlab.schedules.protocol import ContextStrategy
   cls = load_object(cfg.impl, "context.impl", STRATEGIES, ContextStrategy)
   strategy = call_user(cls, cfg.impl, "context.impl", model, layout, cfg)

@@ -5,7 +5,7 @@
 overrides only the one it changes. `TPContraction` is the model's view of tensor parallelism
 (schedules/tp.py), picked by `schedule.tp` from `tp.TP` or as `package.module:Class`; `ContextStrategy` is
 attention across the sequence's split (schedules/context.py), picked by `context.impl` the same way. A loaded
-class is checked against its protocol before it is built and its instance after (schedules/loading.py), and
+class is checked against its protocol before it is built and its instance after (loading.py), and
 what its code raises before the step runs is one line naming the setting and your file's line.
 
 Plugging in your own, from your own file (no change to this package):

@@ -190,7 +190,7 @@ TP = {"allgather": AllGatherTP, "ring": RingTP, "ring_bidi": BidiRingTP, "allred
 
 def make_tp(mode: str, layout: Layout | None = None):
   """An instance of the contraction class `schedule.tp` names, reading the run's sharding rules."""
-  from shardlab.schedules.loading import load_object
+  from shardlab.loading import load_object
   ops = load_object(mode, "schedule.tp", TP)()
   ops.layout = layout or Layout()
   return ops

@@ -1,6 +1,7 @@
 """Loading a class named on the command line: a registry name, or `package.module:Name` from anywhere on
 sys.path (a user's own file), checked against its protocol (schedules/protocol.py) before anything runs. Its own
-module so that schedules and TP contractions can both use it.
+module, outside schedules/, so that schedules, TP contractions, context strategies and the pure-Python pipeline
+tables (pipeline_tables.py) can all use it without importing an executor.
 
 User code runs before the step (a constructor, a pipeline table's `orders`): `call_user` and `user_code` turn what
 it raises into one ConfigError line naming the setting and the user's file and line, so a bug in a user's file
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from shardlab.errors import ConfigError
 
-PACKAGE = Path(__file__).resolve().parents[1]   # shardlab/: frames here are not the user's
+PACKAGE = Path(__file__).resolve().parent   # shardlab/: frames here are not the user's
 LIBRARIES = tuple({str(Path(p).resolve()) for k in ("stdlib", "platstdlib", "purelib", "platlib")
                    if (p := sysconfig.get_paths().get(k))})
 

@@ -1,0 +1,431 @@
+"""Pipeline schedules as tables: what each pipeline stage runs, in which order, and when. Pure Python (no JAX):
+the executor (schedules/pipeline.py), the memory model, the planner and the replay (analysis/pipeline_replay.py)
+all read the same tables.
+
+P stages (devices on the `pipeline` axis), M microbatches, V chunks per stage (interleaved: device s holds model
+stages s, s + P, ..., s + (V-1) P, Megatron's assignment; chunk c of device s is virtual stage c P + s). An action
+is the forward (F), the backward (B: input gradient, and the weight gradient unless split off) or the split-off
+weight gradient (W, zero-bubble) of one microbatch on one chunk. A schedule is, per stage, the order of its
+actions (`orders`, torch.distributed.pipelining's `pipeline_order`); `table` places them on ticks, at most one
+F, then one B, then one W per stage per tick, each as soon as its inputs exist (an activation or cotangent sent at
+the end of tick t is there in tick t+1): the static table the executor (schedules/pipeline.py: `Pipeline`) runs,
+the cost model replays with the compiled slots' times (analysis/pipeline_replay.py: `replay`, `draw`).
+
+  gpipe        every forward, then every backward (GPipe, Huang et al. 2019): M microbatches of activations
+  1f1b         P - 1 - s forwards to warm up, then one forward one backward, then the rest of the backwards
+               (PipeDream-flush, Narayanan et al. 2021): at most P - s microbatches in flight on stage s
+  eager_1f1b   1f1b warming up with 2 (P - 1 - s) forwards: in ticks where a message takes one tick per hop each
+               way (this executor's), the steady state runs one F and one B on every stage every tick, so its
+               bubble is 1f1b's closed form, for up to 2 (P - s) - 1 microbatches in flight (jaxpp's Eager1F1B)
+  interleaved  1f1b over V chunks per stage, microbatches in groups of P (Megatron-LM's interleaved schedule,
+               Narayanan et al. 2021): bubble (P-1)/(V M + P-1) for V times the point-to-point messages
+  zb_h1        1f1b with each backward split into B (input gradient: on the critical path) and W (weight
+               gradient: deferred into what would be bubble), holding no more microbatches than 1f1b (ZB-H1, Qi
+               et al. 2023, arXiv:2401.10241)
+
+Closed forms with uniform per-microbatch stage times and free links: gpipe and 1f1b leave a bubble of
+(P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1) (Qi et al.'s hand-placed ZB-H1: (P-1)/(3M+P-1) when
+T_F = T_B = T_W). tests/test_pipeline_tables.py checks `replay(sync=False)` against each; in the executor's
+neighbour-synchronised ticks (`sync=True`) gpipe, eager_1f1b and interleaved keep theirs and 1f1b pays a tick
+per hop: its P - 1 - s warm-up forwards are too few to keep every stage busy when the backward wave takes a whole
+tick per stage (50% at P = 4, M = 8, T_B = 2 T_F, against 27%).
+
+`check` rejects a table that reads an activation before it was sent, misses or repeats an action, or never runs a
+backward; `table` rejects orders that deadlock. Each is one ConfigError line naming the stage, tick and action.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardlab.errors import ConfigError
+from shardlab.loading import call_user, kind_of, load_object
+
+KINDS = ("F", "B", "W")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+  kind: str        # F | B | W
+  mb: int          # microbatch
+  chunk: int = 0   # which of the stage's V chunks (virtual stage chunk * P + stage)
+
+  def __str__(self) -> str:
+    return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def vstage(stage: int, chunk: int, P: int) -> int:
+  """The model stage (0 .. V P - 1, in the order layers run) of chunk `chunk` on pipeline stage `stage`."""
+  return chunk * P + stage
+
+
+def _where(v: int, P: int) -> tuple[int, int]:
+  """Virtual stage v -> (pipeline stage, chunk)."""
+  return v % P, v // P
+
+
+# ------------------------------------------------------------------------------------------- per-stage orders
+
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+  """`warmup` forwards, then alternate one forward and one backward, then the remaining backwards."""
+  out, f, b = list(fwd[:warmup]), warmup, 0
+  while f < len(fwd) or b < len(bwd):
+    if f < len(fwd):
+      out.append(fwd[f])
+      f += 1
+    if b < len(bwd):
+      out.append(bwd[b])
+      b += 1
+  return out
+
+
+def orders(name: str, P: int, M: int, V: int = 1) -> list[list[Action]]:
+  """Per stage, its actions in the order it runs them, for a named schedule."""
+  check_shape(name, P, M, V)
+  out = []
+  for s in range(P):
+    if name == "gpipe":
+      out.append([Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)])
+    elif name in ("1f1b", "eager_1f1b", "zb_h1"):
+      warmup = min((2 if name == "eager_1f1b" else 1) * (P - 1 - s), M)
+      order = _one_f_one_b([Action("F", m) for m in range(M)], [Action("B", m) for m in range(M)], warmup)
+      if name == "zb_h1":   # each B's weight gradient W: placed by `table` into the ticks B leaves idle
+        order = [a for x in order for a in ((x, Action("W", x.mb)) if x.kind == "B" else (x,))]
+      out.append(order)
+    else:                   # interleaved: microbatches in groups of P, chunks in turn (Megatron-LM)
+      fwd = [Action("F", g * P + i, c) for g in range(M // P) for c in range(V) for i in range(P)]
+      bwd = [Action("B", g * P + i, c) for g in range(M // P) for c in reversed(range(V)) for i in range(P)]
+      warmup = min((P - 1 - s) * 2 + (V - 1) * P, len(fwd))
+      out.append(_one_f_one_b(fwd, bwd, warmup))
+  return out
+
+
+def check_shape(name: str, P: int, M: int, V: int) -> None:
+  """The settings a named schedule can run with; one line otherwise."""
+  if name not in SCHEDULES:
+    raise ConfigError(f"pipeline={name}: unknown; choose one of {', '.join(SCHEDULES)}")
+  if P < 1 or M < 1 or V < 1:
+    raise ConfigError(f"pipeline: stages {P}, microbatches {M}, virtual stages {V}: each must be >= 1")
+  if name != "interleaved" and V != 1:
+    raise ConfigError(f"pipeline.virtual_stages={V}: only pipeline=interleaved runs several chunks per stage")
+  if name == "interleaved" and M % P:
+    raise ConfigError(f"pipeline.microbatches={M} is not a multiple of mesh.pipeline={P} (interleaved runs "
+                      f"microbatches in groups of P); choose microbatches a multiple of {P}")
+
+
+# ------------------------------------------------------------------------------------------ dependencies, ticks
+
+SLOT = {"F": 0, "B": 1, "W": 2}   # the order of a tick's slots on one stage
+
+
+def needs(a: Action, stage: int, P: int, V: int) -> list[tuple[int, Action]]:
+  """(stage, action) pairs that must be done (and, from another stage, sent) before `a` runs on `stage`."""
+  v, last = vstage(stage, a.chunk, P), V * P - 1
+  if a.kind == "F":
+    if v == 0:
+      return []
+    s, c = _where(v - 1, P)
+    return [(s, Action("F", a.mb, c))]
+  if a.kind == "B":
+    need = [(stage, Action("F", a.mb, a.chunk))]
+    if v < last:
+      s, c = _where(v + 1, P)
+      need.append((s, Action("B", a.mb, c)))
+    return need
+  return [(stage, Action("B", a.mb, a.chunk))]   # W after its own B
+
+
+def _ready(a: Action, s: int, t: int, cell, done: dict, P: int, V: int) -> bool:
+  """`a` can run on stage s in tick t after the actions already in `cell`: an input from another stage was made
+  in an earlier tick (it is sent at the end of that tick), one from this stage earlier, or earlier in this tick."""
+  return all((n in done and done[n] < t) or (n[0] == s and n[1] in cell) for n in needs(a, s, P, V))
+
+
+def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ...]]]:
+  """The static table [tick][stage] -> the actions that stage runs in that tick, in slot order: at most one
+  forward, then one backward, then one weight gradient (what one executor tick does; a 1F1B steady state runs
+  one F and one B per tick). Each stage takes the next action of its order at the first tick its inputs are
+  there (one from another stage: sent at the end of the tick it was made). A W (split weight gradient) may run
+  later than listed: in a tick where the stage runs nothing else, or when more are waiting than the stage's
+  order holds forwards before its first backward (each waiting W holds its microbatch's residuals and output
+  gradients). Orders that can never finish deadlock: one line naming the stuck stages."""
+  P = len(orders_)
+  done: dict[tuple[int, Action], int] = {}
+  pending = [list(o) for o in orders_]
+  deferred: list[list[Action]] = [[] for _ in range(P)]
+  cap = [next((i for i, a in enumerate(a for a in o if a.kind != "W") if a.kind == "B"), len(o)) for o in orders_]
+  ticks, t = [], 0
+  limit = 4 * sum(len(o) for o in orders_) + 4
+  while any(pending) or any(deferred):
+    row = []
+    for s in range(P):
+      cell: list[Action] = []
+      for kind in ("F", "B"):
+        while pending[s] and pending[s][0].kind == "W":    # W's wait in the stage's deferred queue
+          deferred[s].append(pending[s].pop(0))
+        if pending[s] and pending[s][0].kind == kind and _ready(pending[s][0], s, t, cell, done, P, V):
+          cell.append(pending[s].pop(0))
+      while pending[s] and pending[s][0].kind == "W":
+        deferred[s].append(pending[s].pop(0))
+      if deferred[s] and (not cell or len(deferred[s]) > cap[s]) and _ready(deferred[s][0], s, t, cell, done, P, V):
+        cell.append(deferred[s].pop(0))
+      row.append(tuple(cell))
+    for s, cell in enumerate(row):
+      for a in cell:
+        done[(s, a)] = t
+    if not any(row):
+      stuck = "; ".join(f"stage {s} waits to run {(pending[s] or deferred[s])[0]}" for s in range(P)
+                        if pending[s] or deferred[s])
+      raise ConfigError(f"pipeline table deadlocks at tick {t}: {stuck}")
+    ticks.append(row)
+    t += 1
+    if t > limit:
+      raise ConfigError("pipeline table does not finish")
+  return ticks
+
+
+def check(ticks, M: int, V: int = 1) -> None:
+  """A table [tick][stage] -> (actions) runs: each cell holds at most one F, B and W, in that order; every
+  stage runs F and B (and W, if any B is split) of every microbatch and chunk exactly once, and nothing before
+  its inputs were sent (the end of an earlier tick, for an input from another stage). One line otherwise."""
+  if not ticks or not ticks[0]:
+    raise ConfigError("pipeline table: it has no ticks or no stages")
+  P = len(ticks[0])
+  split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+  when: dict[tuple[int, Action], tuple[int, int]] = {}
+  for t, row in enumerate(ticks):
+    if len(row) != P:
+      raise ConfigError(f"pipeline table: tick {t} has {len(row)} stages, tick 0 has {P}")
+    for s, cell in enumerate(row):
+      kinds = [a.kind for a in cell]
+      if kinds != sorted(kinds, key=SLOT.get) or len(set(kinds)) < len(kinds):
+        raise ConfigError(f"pipeline table: stage {s} at tick {t} runs {', '.join(map(str, cell))}; a tick "
+                          f"holds at most one forward, then one backward, then one weight gradient")
+      for i, a in enumerate(cell):
+        if (s, a) in when:
+          raise ConfigError(f"pipeline table: stage {s} runs {a} twice (ticks {when[(s, a)][0]} and {t})")
+        when[(s, a)] = (t, i)
+  want = {(s, Action(k, m, c)) for s in range(P) for m in range(M) for c in range(V)
+          for k in (("F", "B", "W") if split else ("F", "B"))}
+  missing = sorted(want - set(when), key=lambda x: (x[1].kind != "B", x))
+  if missing:
+    s, a = missing[0]
+    what = "never runs a backward" if a.kind == "B" else "never runs"
+    raise ConfigError(f"pipeline table: stage {s} {what}: {a} is missing ({len(missing)} actions missing)")
+  extra = sorted(set(when) - want)
+  if extra:
+    s, a = extra[0]
+    raise ConfigError(f"pipeline table: stage {s} runs {a}, which is not an action of {M} microbatches x {V} chunks")
+  for (s, a), (t, i) in sorted(when.items(), key=lambda x: x[1]):
+    for n in needs(a, s, P, V):
+      ok = n in when and (when[n][0] < t or (n[0] == s and when[n] < (t, i)))
+      if not ok:
+        src = "never" if n not in when else f"at tick {when[n][0]}"
+        raise ConfigError(f"pipeline table: stage {s} runs {a} at tick {t}, but its input {n[1]} from stage "
+                          f"{n[0]} is made {src}: it reads an activation before it was sent")
+
+
+def build(name: str, P: int, M: int, V: int = 1) -> list[list[tuple[Action, ...]]]:
+  """The checked table of a named schedule."""
+  ticks = table(orders(name, P, M, V), V)
+  check(ticks, M, V)
+  return ticks
+
+
+def in_flight(ticks, until: str = "B") -> list[int]:
+  """Per stage, the most microbatch-chunks whose activations it holds at once, from each F until its B (the
+  residuals the backward reads): M for gpipe, at most P - s for 1f1b and zb_h1 on stage s. until="W": until the
+  weight gradient of a split table (the residuals and output gradients a waiting W still holds)."""
+  P = len(ticks[0])
+  out = []
+  for s in range(P):
+    live = peak = 0
+    for row in ticks:
+      for a in row[s]:
+        live += 1 if a.kind == "F" else -1 if a.kind == until else 0
+        peak = max(peak, live)
+    out.append(peak)
+  return out
+
+
+def closed_form_bubble(name: str, P: int, M: int, V: int = 1) -> float:
+  """(P-1)/(M+P-1) for gpipe, 1f1b and eager_1f1b, (P-1)/(V M+P-1) for interleaved; zb_h1: 1f1b's (an upper
+  bound)."""
+  return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
+
+
+# ---------------------------------------------------------------------------------------- the executor's plan
+#
+# One program runs every stage (SPMD). Each tick, a stage runs its F slot, its B slot and its W slot (each a
+# lax.cond: skipped when the table leaves it empty), then sends its forward output to the next stage and its
+# input gradient to the previous one (two ppermutes over `pipeline`, every tick, whatever was computed). What a
+# stage holds between slots lives in buffers of static slots, allocated here from the table (`Plan`), so a stage
+# holds no more microbatches than its table has in flight: P for 1f1b, M for gpipe.
+
+PHASE = {"F": 0, "B": 1, "W": 2, "recv": 3}   # order of the parts of a tick
+
+
+def _allocate(intervals: dict) -> tuple[dict, int]:
+  """{key: (first, last)} use of a buffer, each a (tick, phase) -> ({key: slot}, slots): the fewest slots such
+  that no two keys whose uses overlap share one (interval colouring, by start)."""
+  ends: list = []
+  out = {}
+  for key, (first, last) in sorted(intervals.items(), key=lambda kv: kv[1]):
+    slot = next((i for i, e in enumerate(ends) if e < first), len(ends))
+    if slot == len(ends):
+      ends.append(last)
+    ends[slot] = last
+    out[key] = slot
+  return out, len(ends)
+
+
+class Plan:
+  """The static arrays the executor reads, per tick and stage, from a checked table: which slots run, on which
+  microbatch and chunk, and which buffer slot each input is read from and each result written to. A buffer
+  slot index equal to the buffer's size is the trash slot (written, never read)."""
+
+  FIELDS = ("f_on", "f_mb", "f_chunk", "f_first", "f_last", "f_in", "f_res", "f_dy",
+            "b_on", "b_mb", "b_chunk", "b_first", "b_res", "b_dy", "b_w",
+            "w_on", "w_chunk", "w_res", "w_w", "r_in", "r_dy")
+
+  def __init__(self, ticks, M: int, V: int):
+    P, T = len(ticks[0]), len(ticks)
+    last = V * P - 1
+    self.P, self.M, self.V, self.T = P, M, V, T
+    self.split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
+    at = {(s, a): t for t, row in enumerate(ticks) for s, cell in enumerate(row) for a in cell}
+    use = {"in": {}, "res": {}, "dy": {}, "w": {}}
+    for (s, a), t in at.items():
+      v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
+      if a.kind == "F":
+        if v > 0:                      # its input arrives at the end of the tick its producer ran
+          src = _where(v - 1, P)
+          use["in"][key] = ((at[(src[0], Action("F", a.mb, src[1]))], PHASE["recv"]), (t, PHASE["F"]))
+        end = at[(s, Action("W" if self.split else "B", a.mb, a.chunk))]
+        use["res"][key] = ((t, PHASE["F"]), (end, PHASE["W" if self.split else "B"]))
+      elif a.kind == "B":
+        if v == last:                  # the head wrote it in this stage's F slot
+          made = (at[(s, Action("F", a.mb, a.chunk))], PHASE["F"])
+        else:
+          src = _where(v + 1, P)
+          made = (at[(src[0], Action("B", a.mb, src[1]))], PHASE["recv"])
+        use["dy"][key] = (made, (t, PHASE["B"]))
+        if self.split:
+          use["w"][key] = ((t, PHASE["B"]), (at[(s, Action("W", a.mb, a.chunk))], PHASE["W"]))
+    per_stage = {k: [_allocate({key: u for key, u in d.items() if key[0] == s}) for s in range(P)]
+                 for k, d in use.items()}
+    self.slots = {k: max(n for _, n in v) for k, v in per_stage.items()}   # slots per buffer, on the busiest stage
+    slot = lambda k, s, key: per_stage[k][s][0][key]
+    arr = {f: np.zeros((T, P), np.int32) for f in self.FIELDS}
+    for f in ("f_in", "f_res", "f_dy", "b_res", "b_dy", "b_w", "w_res", "w_w", "r_in", "r_dy"):
+      arr[f][:] = self.slots[{"f_in": "in", "r_in": "in", "f_res": "res", "b_res": "res", "w_res": "res",
+                               "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]   # trash
+    for (s, a), t in at.items():
+      v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
+      if a.kind == "F":
+        arr["f_on"][t, s], arr["f_mb"][t, s], arr["f_chunk"][t, s] = 1, a.mb, a.chunk
+        arr["f_first"][t, s], arr["f_last"][t, s] = v == 0, v == last
+        arr["f_res"][t, s] = slot("res", s, key)
+        if v > 0:
+          arr["f_in"][t, s] = slot("in", s, key)
+        if v == last:
+          arr["f_dy"][t, s] = slot("dy", s, key)
+        else:                          # sent at the end of tick t: the next virtual stage files it
+          ns, nc = _where(v + 1, P)
+          arr["r_in"][t, ns] = slot("in", ns, (ns, a.mb, nc))
+      elif a.kind == "B":
+        arr["b_on"][t, s], arr["b_mb"][t, s], arr["b_chunk"][t, s], arr["b_first"][t, s] = 1, a.mb, a.chunk, v == 0
+        arr["b_res"][t, s], arr["b_dy"][t, s] = slot("res", s, key), slot("dy", s, key)
+        if self.split:
+          arr["b_w"][t, s] = slot("w", s, key)
+        if v > 0:
+          ps, pc = _where(v - 1, P)
+          arr["r_dy"][t, ps] = slot("dy", ps, (ps, a.mb, pc))
+      else:
+        arr["w_on"][t, s], arr["w_chunk"][t, s] = 1, a.chunk
+        arr["w_res"][t, s], arr["w_w"][t, s] = slot("res", s, key), slot("w", s, key)
+    self.arrays = arr
+
+  def buffers(self) -> dict:
+    """What a stage holds, in units, each buffer with its trash slot (the memory model's terms): `res`,
+    microbatch-chunks of residuals; `x`, residual-stream blocks of one microbatch (every microbatch's embedding
+    and its input gradient, the received activations and output gradients, the two sends); `w`, microbatch-
+    chunks of per-layer output gradients kept for a split-off weight gradient."""
+    n = self.slots
+    return {"res": n["res"] + 1, "x": 2 * self.M + 1 + n["in"] + 1 + n["dy"] + 1 + 2,
+            "w": n["w"] + 1 if self.split else 0}
+
+  def sends(self) -> tuple[list, list]:
+    """The ppermute pairs over `pipeline`: forward (s -> s+1) and backward (s -> s-1), around the ring when
+    chunks wrap from the last stage to the first (V > 1)."""
+    P = self.P
+    if self.V > 1:
+      return [(s, (s + 1) % P) for s in range(P)], [(s, (s - 1) % P) for s in range(P)]
+    return [(s, s + 1) for s in range(P - 1)], [(s + 1, s) for s in range(P - 1)]
+
+
+def runs(slot: str, n: int, of: int) -> str:
+  """The named scope that declares that a lax.cond (a pipeline slot: F, B, W or head) runs its branch n times
+  in `of` executions of its context (on each device of the busiest stage): the static count the ledger and the
+  HLO analysis read (analysis/hlo.py: declared_runs), since a conditional's count is not in the program."""
+  return f"pipeline_{slot}_runs_{n}_of_{of}"
+
+
+def load_table(impl: str, P: int, M: int, V: int):
+  """The table of `pipeline.impl`: a named schedule, or `module:Name` in the user's own file: a class (built with
+  no arguments) or object with a method `orders(P, M, V)` (per stage, its list of Actions: placed on ticks by
+  `table`) or `table(P, M, V)` (the ticks themselves), or a plain function, taken as `orders(P, M, V)`. Checked
+  either way (`check`), before anything compiles: what the user's code returns that is not that, or raises, is one
+  line naming the setting (and the user's file and line: loading.call_user)."""
+  if ":" not in impl:
+    return build(impl, P, M, V)
+  setting, obj = f"pipeline.impl={impl}", load_object(impl, "pipeline.impl", {}, None)
+  has = lambda o, k: not inspect.ismodule(o) and callable(getattr(o, k, None))
+  if inspect.isclass(obj) and (has(obj, "table") or has(obj, "orders")):
+    obj = call_user(obj, impl, "pipeline.impl")
+  if has(obj, "table") or has(obj, "orders"):
+    kind, fn = ("table", obj.table) if has(obj, "table") else ("orders", obj.orders)
+  elif callable(obj) and not inspect.isclass(obj):
+    kind, fn = "orders", obj                        # a plain function: the orders (docs/pipeline.md)
+  else:
+    what = obj.__name__ if inspect.isclass(obj) else f"it is {kind_of(obj)} and"
+    raise ConfigError(f"{setting}: {what} has neither orders(P, M, V) nor table(P, M, V); name a class with one "
+                      f"of them, or a function f(P, M, V) returning each stage's list of Actions (docs/pipeline.md)")
+  got, call = call_user(fn, impl, "pipeline.impl", P, M, V), f"{getattr(fn, '__name__', kind)}({P}, {M}, {V})"
+
+  def action(a, where: str) -> Action:
+    """One item of what the user's code returned: an Action of a known kind, else one line saying which."""
+    if not isinstance(a, Action) or a.kind not in KINDS:
+      raise ConfigError(f"{setting}: {call} returned {a!r} at {where}: not an Action of kind F, B or W; write "
+                        f"Action('F', microbatch, chunk) (from shardlab.schedules.pipeline import Action)")
+    return a
+
+  def rows(x, n: int | None, where: str, want: str) -> list:
+    """`x` as a list (of `n` items, if given), else one line saying what it should have been."""
+    if not isinstance(x, (list, tuple)) or (n is not None and len(x) != n):
+      got = f"a {type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else repr(x)[:60]
+      raise ConfigError(f"{setting}: {call} returned {got}{where}; it must be {want} (docs/pipeline.md)")
+    return list(x)
+
+  per_stage = f"one per stage (mesh.pipeline={P})"
+  if kind == "orders":
+    ticks = table([[action(a, f"stage {s} item {i}") for i, a in enumerate(rows(o, None, f" for stage {s}",
+                                                                                "a list of Actions"))]
+                   for s, o in enumerate(rows(got, P, "", f"a list of {P} lists of Actions, {per_stage}"))], V)
+  else:
+    cell = lambda c, where: (() if c is None else (action(c, where),) if isinstance(c, Action) else
+                             tuple(action(a, where) for a in rows(c, None, f" at {where}", "a tuple of Actions")))
+    ticks = [[cell(c, f"tick {t} stage {s}") for s, c in enumerate(rows(row, P, f" at tick {t}", f"a list of {P} cells, {per_stage}"))]
+             for t, row in enumerate(rows(got, None, "", "a list of ticks"))]
+  check(ticks, M, V)
+  return ticks
+
+
+def depth_order(n_layers: int, P: int, V: int) -> list[int]:
+  """The stored layer index (0 .. n_layers-1, as `params` holds them) that runs at each depth on a pipeline of P
+  stages with V chunks each: the identity for V = 1; Megatron's interleaved assignment for V > 1 (see Pipeline)."""
+  k = n_layers // (P * V)
+  return [s * V * k + c * k + j for v in range(P * V) for s, c in [(v % P, v // P)] for j in range(k)]
