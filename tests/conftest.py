@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MESHES = testing.mesh_shapes(8)   # 1x8, 2x4, 4x2, 8x1
 
 # The tiny model, its batch and reference, meshes and compiled schedules come from the testing kit
-# (shardlab/testing.py): one cache, shared by these tests and the kit's own checks.
+# (shardlab/testing/): one cache, shared by these tests and the kit's own checks.
 tiny_config = testing.tiny_config
 mesh_of = testing.mesh_of
 batch = testing.tiny_batch

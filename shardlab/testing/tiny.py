@@ -1,0 +1,219 @@
+"""The tiny model: its config, batch, plain reference and compiled schedules (cached: one compile per distinct
+schedule, mesh and model in a process), and a schedule checked against baseline."""
+from __future__ import annotations
+
+import functools
+
+
+from shardlab.testing.compare import assert_trees_close
+from shardlab.testing.meshes import mesh_id, mesh_of, named_shape
+from shardlab.testing.programs import assert_collectives, assert_overlap, format_ledger
+
+
+def tiny_config(model: dict | None = None, **schedule):
+  """The tiny model used by the tests: 4 layers, so that prefetch depth 2 still runs a loop of 2 trips.
+  `model`: ModelConfig fields to change (e.g. {"n_kv_heads": 2, "attention": "blockwise"})."""
+  from shardlab.config import Config, ModelConfig, ScheduleConfig, TrainConfig
+  return Config(model=ModelConfig(**{"n_layers": 4, **(model or {})}), schedule=ScheduleConfig(**schedule),
+                train=TrainConfig(steps=3))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_batch():
+  """One batch of tokens[B, L+1] for the tiny model."""
+  from shardlab.data import markov_batch
+  cfg = tiny_config()
+  return markov_batch(0, 0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching)
+
+
+def placed_batch(tokens_BL1, mesh, layout=None, order=None):
+  """tokens[B, L+1] -> data.Batch (inputs, targets, positions), each field placed by the layout's data spec on
+  `mesh` (default layout: layout.Layout()), the tokens of each sequence in `order` (a schedule's data_order)."""
+  import jax
+  from jax.sharding import NamedSharding
+  from shardlab.data import split
+  from shardlab.layout import Layout
+  from shardlab.train import batch_specs
+  specs = batch_specs(layout or Layout(), mesh)
+  return jax.device_put(split(tokens_BL1, order), type(specs)(*(NamedSharding(mesh, s) for s in specs)))
+
+
+def abstract_batch(batch_size: int, seq_len: int, mesh, layout=None):
+  """A data.Batch of ShapeDtypeStructs (int32 inputs, targets [batch_size, seq_len], positions [seq_len]) placed
+  like placed_batch (for .lower)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from shardlab.data import Batch
+  from shardlab.layout import Layout
+  from shardlab.train import batch_specs
+  shapes = ((batch_size, seq_len), (batch_size, seq_len), (seq_len,))
+  return Batch(*(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, s))
+                 for shape, s in zip(shapes, batch_specs(layout or Layout(), mesh))))
+
+
+def reference_loss_and_grads(model: dict | None = None, depth_order=None):
+  """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
+  `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored.
+  depth_order: the stored layer that runs at each depth (an interleaved pipeline's, pipeline.depth_order); the
+  gradients come back in stored order."""
+  model = {k: v for k, v in (model or {}).items() if k not in ("attention", "attention_block")}
+  return _reference_loss_and_grads(tuple(sorted(model.items())), None if depth_order is None else tuple(depth_order))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_loss_and_grads(model_items: tuple, depth_order=None):
+  import jax
+  import numpy as np
+  from shardlab import params as PM, reference as R
+  cfg = tiny_config(dict(model_items))
+  p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
+  b = tiny_batch()
+  order = np.arange(cfg.model.n_layers) if depth_order is None else np.asarray(depth_order)
+
+  def loss(p):   # the layers run in depth order: stored layer order[d] at depth d
+    return R.loss({**p, "layers": jax.tree.map(lambda a: a[order], p["layers"])}, b[:, :-1], b[:, 1:], cfg)
+  with jax.numpy_dtype_promotion("strict"):
+    return jax.jit(jax.value_and_grad(loss))(p)
+
+
+def _schedule_key(schedule, knobs) -> tuple:
+  """(implementation class or None, the ScheduleConfig's fields as a hashable tuple, name aside)."""
+  import dataclasses
+  from shardlab.config import ScheduleConfig
+  cls = schedule if isinstance(schedule, type) else None
+  if isinstance(schedule, ScheduleConfig):
+    knobs = {**dataclasses.asdict(schedule), **knobs}
+  elif isinstance(schedule, dict):
+    knobs = {**schedule, **knobs}
+  elif schedule is not None and cls is None:
+    raise TypeError(f"schedule: a ScheduleConfig, a dict of knobs or a schedule class, not {schedule!r}")
+  cfg = dataclasses.asdict(ScheduleConfig(**knobs))
+  return cls, tuple(sorted((k, v) for k, v in cfg.items() if k != "name"))
+
+
+def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
+                     context: str | None = None, load_balance: bool = False, pipeline: dict | None = None, **knobs):
+  """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
+
+  schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
+  **knobs), model, compute_dtype, layout), like the registered ones); knobs override. model: ModelConfig fields
+  to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
+  the default layout). context: the context-parallel strategy (context.impl; None: all_gather); load_balance:
+  context.load_balance (the data in zigzag order). pipeline: PipelineConfig fields ({"impl": "1f1b",
+  "microbatches": 4}; None: no pipeline); compare with `reference_loss_and_grads(model, pipeline=..)`, which runs
+  the layers in the pipeline's depth order."""
+  items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
+  rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
+                                            for k, v in layout.items())
+  return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
+                           context, load_balance, tuple(sorted((pipeline or {}).items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False,
+                      pipe_items=()):
+  import jax
+  import jax.numpy as jnp
+  from shardlab import params as PM, schedules, train as T
+  cfg = tiny_config(dict(model_items), **dict(items))
+  mesh = mesh_of(mesh_items)
+  layout, decls, params = _tiny_model(mesh_items, model_items, rules)
+  from shardlab.config import ContextConfig
+  cp = None if context is None and not load_balance else ContextConfig(
+      name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance)
+  from shardlab.config import PipelineConfig
+  pipe = PipelineConfig(**{"name": dict(pipe_items).get("impl", "none"), **dict(pipe_items)}) if pipe_items else None
+  sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout, *([cp] if cp else [])) if cls
+           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp, pipe))
+  micro = getattr(sched, "microbatches_on", lambda shape: cfg.schedule.microbatches)(dict(mesh_items))
+  PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, micro,
+                     seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
+  b = placed_batch(tiny_batch(), mesh, layout, sched.data_order(dict(mesh_items)))
+  with jax.numpy_dtype_promotion("strict"):
+    compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
+  return compiled, jax.block_until_ready(compiled(params, b))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_model(mesh_items, model_items=(), rules=None):
+  """(layout, parameter declarations, parameters (seed 0) placed by the layout) of the tiny model on the mesh:
+  made once per mesh, model and layout (jax arrays are immutable; every compiled step of the kit takes them)."""
+  from shardlab import params as PM
+  from shardlab.axes import TENSOR
+  from shardlab.layout import Layout
+  cfg, mesh = tiny_config(dict(model_items)), mesh_of(mesh_items)
+  layout = Layout() if rules is None else Layout.of(dict(rules))
+  layout.check(mesh.axis_names)
+  decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
+  return layout, decls, PM.init_sharded(0, decls, cfg.model, mesh)
+
+
+def _check_claims(ledger, base, comm, label) -> None:
+  """`ledger` moves no more bytes than `comm` claims relative to `base` (see assert_schedule_matches_baseline)."""
+  rows = lambda l: {f"{k} {a}": r["bytes"] for k, axes in l.items() for a, r in axes.items()}
+  from shardlab.analysis.hlo import COLLECTIVES
+  have, was = rows(ledger), rows(base)
+  claims = {key: 1.0 for key in [*have, *was, "total"]} if comm == "baseline" else dict(comm)
+  for key in claims:
+    if key != "total" and (len(key.split()) != 2 or key.split()[0] not in COLLECTIVES):
+      raise ValueError(f"comm claim {key!r}: expected 'total' or '<kind> <axis>' with a kind of "
+                       f"{', '.join(COLLECTIVES)} (e.g. 'all-gather fsdp')")
+  errors = []
+  for key, factor in sorted(claims.items()):
+    got = sum(have.values()) if key == "total" else have.get(key, 0)
+    base_bytes = sum(was.values()) if key == "total" else was.get(key, 0)
+    if got > factor * base_bytes:
+      what = "in all" if key == "total" else "as " + key.replace(" ", " over ", 1)
+      errors.append(f"moves {got} bytes per device per step {what}, more than it claims: {factor:g}x the "
+                    f"baseline's {base_bytes}")
+  if errors:
+    raise AssertionError(f"{label}: " + "; ".join(errors) + f". Ledger: {format_ledger(ledger)}. "
+                         f"Baseline: {format_ledger(base)}")
+
+
+def _schedule_name(cls, items) -> str:
+  defaults = dict(_schedule_key(None, {})[1])
+  return cls.__name__ if cls else ", ".join(f"{k}={v}" for k, v in items if v != defaults[k]) or "baseline"
+
+
+def assert_schedule_matches_baseline(schedule=None, mesh_shapes=((2, 4),), comm=None, reference: bool = False,
+                                     rtol: float = 2e-5, atol: float = 2e-5, against=None, overlap=None,
+                                     **knobs) -> dict:
+  """A schedule trains the tiny model exactly as `baseline` does (loss and every gradient) on each mesh, and
+  moves no more bytes than it claims; returns {mesh id: {"ledger", "baseline"}}.
+
+  schedule    a ScheduleConfig, a dict of knobs, or a schedule class (see compile_schedule); knobs override.
+  against     the schedule to compare with instead of `baseline` (same forms as `schedule`, None: baseline);
+              `comm` claims are then relative to it, and the result's "baseline" is its ledger.
+  comm        the byte claim, checked on the compiled programs' ledgers: None (no claim); "baseline" (no
+              row and no total above the baseline's); or {"all-gather fsdp": 0.5, "total": 1.0, ...}: each
+              named row (kind and axis) or the total at most that many times the baseline's bytes.
+  overlap     a claim on what the schedule hides, checked on the compiled program (see assert_overlap): a dict
+              of its arguments ({"kind": "reduce-scatter", "scope": "fsdp_all_gather", "behind": "all"}), or a
+              list of them.
+  reference   also compare with the unsharded reference (the baseline already is, in tests/).
+  Every schedule is also audited: no collective that shardlab.collectives did not place (the one rule).
+  """
+  cls, items = _schedule_key(schedule, knobs)
+  other_cls, other_items = _schedule_key(against, {})
+  name, other = _schedule_name(cls, items), _schedule_name(other_cls, other_items)
+  out = {}
+  for shape in mesh_shapes:
+    shape = tuple(named_shape(shape).items())
+    label = f"{name} on {mesh_id(dict(shape))}"
+    compiled, (loss, grads) = _compile_schedule(shape, cls, items)
+    base_compiled, (base_loss, base_grads) = _compile_schedule(shape, other_cls, other_items)
+    assert_trees_close(loss, base_loss, rtol=1e-6, atol=0, label=f"{label}, loss vs {other}")
+    assert_trees_close(grads, base_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs {other} ")
+    if reference:
+      ref_loss, ref_grads = reference_loss_and_grads()
+      assert_trees_close(grads, ref_grads, rtol=rtol, atol=atol, label=f"{label}, gradient vs reference ")
+    ledger = assert_collectives(compiled, mesh=mesh_of(shape), label=f"{label}: ")
+    base = assert_collectives(base_compiled, mesh=mesh_of(shape), label=f"{other} on {mesh_id(dict(shape))}: ")
+    if comm is not None:
+      _check_claims(ledger, base, comm, label)
+    for claim in ([overlap] if isinstance(overlap, dict) else overlap or []):
+      assert_overlap(compiled, label=f"{label}: ", **claim)
+    out[mesh_id(dict(shape))] = {"ledger": ledger, "baseline": base}
+  return out
