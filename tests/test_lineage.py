@@ -302,19 +302,3 @@ def test_a_refused_job_keeps_a_finished_runs_summary(tmp_path):
   fresh = tmp_path / "1_baseline_4x2_tiny"
   record_failure(fresh, ConfigError("train.seed=1: differs from the checkpoint's"))
   assert json.loads((fresh / "summary.json").read_text())["status"] == "error"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["pipeline", "sweep"])
-def test_requeue_loop_over_a_pipeline_run_and_a_sweep(kind, tmp_path):
-  """One trial of experiments/requeue/requeue.py (which runs 5 of each and records them): a pipeline run (2
-  stages x fsdp 2 x tensor 2, 1f1b) and a two-job sweep, killed (-9) at a random point, then the same command until
-  it says every run is finished: the uninterrupted losses, bit for bit, and the last command touched nothing."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("requeue", ROOT / "experiments" / "requeue" / "requeue.py")
-  rq = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(rq)
-  ref = rq.uninterrupted(kind, tmp_path / "uninterrupted")
-  seed = random.randrange(1 << 30)
-  r = rq.trial(kind, seed, tmp_path / "requeued", ref, kills=1)
-  assert r["ok"], r

@@ -6,7 +6,7 @@ same mesh), and the last command touched nothing.
 
   python experiments/requeue/requeue.py --trials 5 --out experiments/requeue/results.json   # ~20 min on 2 cores
 
-tests/test_lineage.py runs one trial of each (`trial`)."""
+experiments/requeue/README.md has the measured results."""
 from __future__ import annotations
 
 import argparse

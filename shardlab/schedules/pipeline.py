@@ -27,11 +27,13 @@ def _zeros(aval, n: int | None = None, extra=()):
   return C.pvary(jnp.zeros(shape, aval.dtype), axes, name="zeros")
 
 
-def _slot(name: str, n: int, T: int, on, run, idle, *args):
-  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`). A branch that places a
-  ppermute is refused as it is traced (Pipeline.check_parts says why; this catches a part that misstated it)."""
+def _slot(name: str, n: int, T: int, on, run, idle, *args, check: bool = False):
+  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`). `check`: a branch that
+  places a ppermute is refused as it is traced (Pipeline.check_parts says why; this catches a user's part that
+  misstated it, at the cost of tracing the branch twice)."""
   with jax.named_scope(runs(name, n, T)):
-    _no_ppermute(jax.make_jaxpr(run)(*args).jaxpr, name)
+    if check:
+      _no_ppermute(jax.make_jaxpr(run)(*args).jaxpr, name)
     return jax.lax.cond(on == 1, run, idle, *args)
 
 
@@ -213,7 +215,10 @@ class Pipeline:
       return add_chunk(g, stage.backward((res, chunk(c)), dys, part="weight"), c)
 
     fwd, bwd = plan.sends()
-    cond = lambda name, n, on, run, idle, *args: _slot(name, n, T, on, run, idle, *args)
+    # Slots are traced twice to look for ppermutes only where code from outside shardlab runs in them (a user's
+    # schedule, TP contraction or context strategy): shardlab's own parts are tested for what they state.
+    users = any(type(x).__module__.split(".")[0] != "shardlab" for x in (sched, sched.ops, sched.cp))
+    cond = lambda name, n, on, run, idle, *args: _slot(name, n, T, on, run, idle, *args, check=users)
 
     def tick(st, r):
       x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
