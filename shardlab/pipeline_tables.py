@@ -103,6 +103,16 @@ def orders(name: str, P: int, M: int, V: int = 1) -> list[list[Action]]:
   return out
 
 
+def chunks_per_stage(name: str) -> int:
+  """The V a search runs the named schedule at: 2 where its table runs several chunks per stage (check_shape says
+  which), else 1."""
+  try:
+    check_shape(name, 2, 2, 2)
+  except ConfigError:
+    return 1
+  return 2
+
+
 def check_shape(name: str, P: int, M: int, V: int) -> None:
   """The settings a named schedule can run with; one line otherwise."""
   if name not in SCHEDULES:

@@ -49,7 +49,8 @@ from shardlab.analysis import memory_model as MM
 from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths, torus_axes
 from shardlab.analysis.memory_model import dtype_bytes, global_tokens
 from shardlab.analysis.pipeline_replay import replay
-from shardlab.pipeline_tables import SCHEDULES, Plan, build, check_shape, closed_form_bubble, in_flight
+from shardlab.pipeline_tables import (SCHEDULES, Plan, build, check_shape, chunks_per_stage, closed_form_bubble,
+                                      in_flight)
 from shardlab.layout import from_config
 
 BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
@@ -553,8 +554,9 @@ def _schedules() -> tuple[str, ...]:
 
 
 def pipeline_virtual_stages(name: str) -> int:
-  """V the search runs a schedule at: 2 for interleaved (chunks per stage), 1 for every other."""
-  return 2 if name == "interleaved" else 1
+  """V the search runs a schedule at: 2 where its table runs several chunks per stage (interleaved), else 1: asked
+  of the table (pipeline_tables.chunks_per_stage), not the name."""
+  return chunks_per_stage(name)
 
 
 _TABLES: dict = {}
