@@ -269,6 +269,9 @@ PAIRS = [  # (id, mesh, schedule knobs, context strategy, pipeline)
     ("context ring x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {"tp": "ring"}, "ring", None),
     ("context ulysses x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {}, "ulysses", None),
     ("context ulysses x tensor ring", {"fsdp": 2, "context": 2, "tensor": 2}, {"tp": "ring"}, "ulysses", None),
+    # a ring part inside a pipeline on a mesh where its axis does not split: it places no ppermute, so it runs
+    ("pipeline x tp ring, no tensor split", {"pipeline": 2, "fsdp": 4}, {"tp": "ring"}, None, "1f1b"),
+    ("pipeline x context ring, no context split", {"pipeline": 2, "fsdp": 2, "tensor": 2}, {}, "ring", "1f1b"),
 ]
 
 
