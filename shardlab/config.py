@@ -3,7 +3,7 @@
 Hydra validates overrides against these schemas, so a typo (`schedule.prefech=1`) or a wrong type
 (`mesh.fsdp=two`) fails before anything runs. Cross-field checks (mesh against devices, dimensions against
 axis sizes, schedule knobs against each other) live in `validate.py` and also run before any compile.
-The core never imports Hydra except here, in `register_configs`, which only the entry points call.
+The core never imports Hydra except here, in `register_configs` and `compose`, which only the entry points call.
 """
 from __future__ import annotations
 
@@ -284,6 +284,43 @@ def register_configs() -> None:
     cs.store(group=group, name=f"{group}_schema", node=node)
 
 
+def compose(overrides: list[str], job_name: str = "shardlab") -> Config:
+  """conf/ + overrides -> typed `Config`, outside a Hydra app (the planner, calibrate, experiments): Hydra
+  validates every override against the schemas."""
+  from hydra import compose as hydra_compose, initialize_config_dir
+  register_configs()
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=job_name):
+    return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
+
+
+def hardware_file(group: dict) -> HardwareConfig:
+  """`hardware.file=PATH.yaml`: the preset in that file (one `python -m shardlab.calibrate` wrote, or any file
+  shaped like conf/hardware/*.yaml), every figure from it; the group's other settings are replaced whole. A
+  missing file, a field no preset has or a value of the wrong kind is a ConfigError (one line)."""
+  import dataclasses
+  from omegaconf import OmegaConf
+  from shardlab.errors import ConfigError
+  path = Path(str(group["file"])).expanduser()
+  if not path.is_file():
+    raise ConfigError(f"hardware.file={path}: no such file (write one with `python -m shardlab.calibrate out={path}`)")
+  try:
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+  except Exception as e:  # noqa: BLE001  (a YAML syntax error: one line)
+    raise ConfigError(f"hardware.file={path}: not a YAML preset ({' '.join(str(e).split())[:200]})") from None
+  if not isinstance(loaded, dict):
+    raise ConfigError(f"hardware.file={path}: not a preset (a YAML mapping of hardware settings)")
+  loaded.pop("defaults", None)
+  names = {f.name for f in dataclasses.fields(HardwareConfig)}
+  extra = sorted(set(loaded) - names)
+  if extra:
+    raise ConfigError(f"hardware.file={path}: {extra[0]}: no such hardware setting; known: {', '.join(sorted(names))}")
+  try:   # checked against the schema as Hydra checks conf/hardware/*.yaml
+    typed = OmegaConf.merge(OmegaConf.structured(HardwareConfig), loaded)
+  except Exception as e:  # noqa: BLE001
+    raise ConfigError(f"hardware.file={path}: {' '.join(str(e).split('full_key:')[0].split())}") from None
+  return HardwareConfig(**{**OmegaConf.to_container(typed), "file": str(path)})
+
+
 def to_config(cfg: Any) -> Config:
   """An OmegaConf DictConfig (or a plain dict) -> typed `Config`. A key no schema has (`+typo=1`, which Hydra
   lets through) is a ConfigError, not silently dropped. The `hydra` node, if present, is left out."""
@@ -309,7 +346,7 @@ def to_config(cfg: Any) -> Config:
       extra = [n for n in v if n not in names]
       if extra:
         raise unknown(f"{k}.{extra[0]}", names)
-      out[k] = type(d)(**v)
+      out[k] = hardware_file(v) if k == "hardware" and v.get("file") else type(d)(**v)
     else:
       out[k] = v
   return Config(**out)

@@ -15,7 +15,7 @@ of those peaks (1.0: the peak-rate ceiling); each preset's YAML gives the source
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -47,6 +47,22 @@ class HardwareConfig:
   link_half_bytes: float = 0.0      # message size at which a collective reaches half its bus bandwidth
   collective_latency_s: float = 0.0  # fixed cost of one collective (launch, synchronization)
   kernel_launch_s: float = 0.0      # fixed cost of one compute kernel
+  gemm_flops_by_dtype: dict[str, float] = field(default_factory=dict)  # achieved FLOP/s of a large GEMM by its
+                                    # operands' dtype ("bfloat16", "float32"), where measured; else peak x efficiency
+  # ---- a preset measured by `python -m shardlab.calibrate` (shardlab/calibrate.py) ----
+  measured_on: str = ""             # the platform its rates were measured on (cpu | gpu | tpu); "" for a stock one
+  provenance: dict[str, str] = field(default_factory=dict)  # {figure: where it came from (measured when, where, how)}
+  file: str = ""                    # hardware.file=PATH.yaml: take every figure from that preset file (to_config)
+
+  def gemm_rate(self, dtype: str = "") -> float:
+    """Achieved FLOP/s of a large GEMM whose narrowest operand is `dtype`: the measured rate where the preset has
+    one, else peak_flops x gemm_efficiency (the published bf16 peak's fraction)."""
+    return self.gemm_flops_by_dtype.get(dtype) or self.peak_flops * self.gemm_efficiency
+
+  def describes(self, platform: str) -> bool:
+    """Its rates were measured on devices of `platform` (a local program there is replayed at them)."""
+    norm = {"cuda": "gpu", "rocm": "gpu"}
+    return bool(self.measured_on) and norm.get(platform, platform) == norm.get(self.measured_on, self.measured_on)
 
   def axis_bandwidth(self, physical_axes: int = 1) -> float:
     """Bytes/s one device moves on a mesh axis spanning `physical_axes` interconnect axes (see module doc)."""
@@ -61,4 +77,5 @@ class HardwareConfig:
     import dataclasses
     return dataclasses.replace(self, gemm_efficiency=1.0, compute_units=0, attention_efficiency=1.0,
                                hbm_efficiency=1.0, link_efficiency=1.0,
-                               link_half_bytes=0.0, collective_latency_s=0.0, kernel_launch_s=0.0)
+                               link_half_bytes=0.0, collective_latency_s=0.0, kernel_launch_s=0.0,
+                               gemm_flops_by_dtype={})

@@ -58,7 +58,9 @@ def human_bytes(b: float) -> str:
 def human_seconds(t: float) -> str:
   """'1.34 s', '138 us': 3 significant digits."""
   for unit, n in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-    if t >= n:
+    if t >= n * 0.9995:                  # 0.9996 s is '1 s', not '1e+03 ms'
+      if t < n:
+        return f"1 {unit}"
       return f"{t / n:.3g} {unit}"
   return f"{t * 1e9:.3g} ns"
 

@@ -48,7 +48,6 @@ import sys
 import textwrap
 
 from shardlab.axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
-from shardlab.config import CONF_DIR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
 from shardlab.outputs import human_bytes, human_seconds
 from shardlab.trainer import build
@@ -56,11 +55,8 @@ from shardlab.trainer import build
 
 def compose(overrides: list[str]):
   """conf/ + overrides -> typed `Config` (Hydra validates every override against the schemas)."""
-  from hydra import compose as hydra_compose, initialize_config_dir
-  from shardlab.config import register_configs, to_config
-  register_configs()
-  with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="plan"):
-    return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
+  from shardlab.config import compose as config_compose
+  return config_compose(overrides, "plan")
 
 
 def _one_line(e: BaseException) -> str:

@@ -84,7 +84,11 @@ def _train(dcfg, out_dir) -> dict:
       raise cannot_write(out, f"{HYDRA_DIR}/", "before the run") from None
   before = _stamp(out / "summary.json")
   try:
-    return train(to_config(dcfg), out_dir, OmegaConf.to_container(dcfg, resolve=True))
+    cfg, resolved = to_config(dcfg), OmegaConf.to_container(dcfg, resolve=True)
+    if cfg.hardware.file:                   # summary.json records the preset the file gave, not the group's default
+      import dataclasses
+      resolved["hardware"] = dataclasses.asdict(cfg.hardware)
+    return train(cfg, out_dir, resolved)
   finally:
     if not fresh and _stamp(out / "summary.json") != before:
       try:
@@ -162,7 +166,9 @@ def numbers(summary: dict) -> list[str]:
     kind = summary.get("device_kind") or summary.get("platform", "?")
     out.append(f"  measured            {human_seconds(median)} per step (median, {summary.get('devices', '?')} x "
                f"{kind})"
-               + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}" if pred else ""))
+               + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}"
+                  + (f" (prediction {pred['t_overlapped_s'] / median - 1:+.0%} of the measurement)" if median > 0 else "")
+                  if pred else ""))
   return out
 
 

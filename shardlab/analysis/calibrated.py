@@ -5,8 +5,10 @@ the order the device issues them, async collectives as `-start` ... `-done` pair
 scheduler. The replay walks that order (while bodies x trip count) with one compute stream and one collective
 stream (NCCL runs collectives one after another on its own stream):
 
-  kernel      GEMM (a dot fusion or cuBLAS call): FLOPs / (C gemm_efficiency q), q the wave-quantization of its
-              output tiles over the device's compute units, or its bytes at HBM rate if that is longer;
+  kernel      GEMM (a dot fusion or cuBLAS call): FLOPs / (R q), R the achieved rate of a large GEMM of its
+              operands' dtype (HardwareConfig.gemm_rate: measured by shardlab.calibrate, else C gemm_efficiency),
+              q the wave-quantization of its output tiles over the device's compute units, or its bytes at HBM
+              rate if that is longer;
               fused attention (cuDNN): FLOPs / (C attention_efficiency), causal blocks skipped;
               any other kernel: bytes accessed / (hbm_bandwidth hbm_efficiency); each + kernel_launch_s
   -start      the collective starts when the compute stream issues it and the collective stream is free, and
@@ -46,14 +48,33 @@ class Replayed:
   events: list                 # timeline events (the format of timeline.events)
 
 
-def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw) -> float:
-  """A matmul kernel: compute at the shape's achieved rate, or its bytes at HBM rate, whichever is longer."""
+def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw, dtype: str = "") -> float:
+  """A matmul kernel: compute at the shape's achieved rate (operands of `dtype`), or its bytes at HBM rate,
+  whichever is longer."""
   q = 1.0
   if hw.compute_units and len(out_dims) >= 2:
     m, n = out_dims[-2], out_dims[-1]
     tiles = math.ceil(m / hw.gemm_tile) * math.ceil(n / (2 * hw.gemm_tile)) * math.prod(out_dims[:-2])
     q = tiles / (math.ceil(tiles / hw.compute_units) * hw.compute_units)
-  return max(flops / (hw.peak_flops * hw.gemm_efficiency * q), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+  return max(flops / (hw.gemm_rate(dtype) * q), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+
+
+# HLO element types -> the dtype names shardlab.calibrate measures GEMMs under (numpy's)
+_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "f8e4m3fn": "float8_e4m3fn",
+           "f8e5m2": "float8_e5m2", "s8": "int8"}
+_WIDTH = {"f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8}
+
+
+def operand_dtype(ins: hlo.Instr, shapes: dict) -> str:
+  """The narrowest floating dtype among a kernel's array operands of rank 2 or more (a GEMM's inputs; a bf16
+  matmul that accumulates into f32 is a bf16 GEMM), numpy's name; "" when none is known."""
+  best = ""
+  for o in ins.operands:
+    m = re.match(r"(\w+)\[([^\]]*)\]", shapes.get(o, ""))
+    if m and m.group(1) in _WIDTH and m.group(2).count(",") >= 1:
+      if not best or _WIDTH[m.group(1)] < _WIDTH[best]:
+        best = m.group(1)
+  return _DTYPES.get(best, "")
 
 
 def kernel_bytes(ins: hlo.Instr, shapes: dict, comps: dict) -> float:
@@ -176,7 +197,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
         if hlo.is_attention_call(ins):             # cuDNN flash attention: its own achieved rate
           d = max(fl / (hw.peak_flops * hw.attention_efficiency), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
         else:
-          d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw) if fl > 0 else
+          d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw, operand_dtype(ins, shapes)) if fl > 0 else
                nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
         d += hw.kernel_launch_s
         st["gemm" if fl > 0 else "other"] += d

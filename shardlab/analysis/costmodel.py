@@ -25,7 +25,8 @@ gather queued behind FSDP gathers on a shared link charges the FSDP ones). MFU =
 every matmul the program runs (attention, recomputation) instead.
 
 That peak-rate replay of the dependency graph is the ceiling. A program compiled for a real target and scheduled by
-its compiler (GPU) is also replayed in its own scheduled order at achieved rates (analysis/calibrated.py): that
+its compiler (GPU), or a local program on a preset measured on its platform (`python -m shardlab.calibrate`), is also
+replayed in its own scheduled order at achieved rates (analysis/calibrated.py): that
 calibrated figure is the prediction, and the peak-rate one stays beside it as `ceiling`.
 """
 from __future__ import annotations
@@ -129,7 +130,9 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
       "note": "model prediction from the compiled HLO's dependency graph and the hardware preset, not a measurement",
   }
   evs = TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
-  if prog.scheduled and prog.platform != "cpu":   # the target's own order: the calibrated figure and its timeline
+  # the target's own order: the calibrated figure and its timeline; a local CPU program too when the preset's rates
+  # were measured on a CPU (python -m shardlab.calibrate): XLA:CPU's order is its own, at the rates measured there
+  if prog.scheduled and (prog.platform != "cpu" or hw.describes(prog.platform)):
     return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, prediction)
   return prediction, evs
 
