@@ -370,9 +370,9 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
   else:
     fields["hbm_efficiency"] = round(bw / base.hbm_bandwidth, 3)
     prov["hbm_efficiency"] = said(f"{how}, {bw:.4g} B/s, over the published {base.hbm_bandwidth:.4g}")
-  if dev.get("bytes_limit"):
-    fields["hbm_bytes"] = float(dev["bytes_limit"])
-    prov["hbm_bytes"] = said("the memory JAX's allocator may use on the device (memory_stats bytes_limit)")
+  if dev.get("bytes_limit"):   # the allocator's share (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by default), not the HBM
+    prov["hbm_bytes"] = kept(f"{base.source or 'no source'}; JAX's allocator may use {dev['bytes_limit']:.4g} B of "
+                             "it here (memory_stats bytes_limit)")
 
   fields["kernel_launch_s"] = float(f"{m['launch']['per_kernel_s']:.3g}")
   prov["kernel_launch_s"] = said(f"a program of {m['launch']['kernels']} tiny unfusable kernels against one of 1, "
