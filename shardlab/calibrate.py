@@ -115,9 +115,11 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
 
 # ------------------------------------------------------------------------------------------------- timing
 
-def timed(fn, args, warmup: int, repeats: int) -> dict:
+def timed(fn, args, warmup: int, repeats: int, wait_each: bool = False) -> dict:
   """{"s": median seconds per call, "spread": (max - min) / median of the samples, "samples": [...]}: `fn(*args)`
-  after `warmup` calls, in `repeats` samples of back-to-back calls (each sample at least SAMPLE_S long)."""
+  after `warmup` calls, in `repeats` samples of back-to-back calls (each sample at least SAMPLE_S long).
+  `wait_each`: wait for every call before the next (collectives: XLA:CPU aborts with hundreds of collective
+  programs in flight on its fake devices)."""
   import jax
   for _ in range(max(1, warmup)):
     jax.block_until_ready(fn(*args))
@@ -130,6 +132,8 @@ def timed(fn, args, warmup: int, repeats: int) -> dict:
     out = None
     for _ in range(calls):
       out = fn(*args)
+      if wait_each:
+        jax.block_until_ready(out)
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - t) / calls)
   med = statistics.median(samples)
@@ -268,16 +272,17 @@ def collectives(grid: dict, warmup: int, repeats: int, tick) -> list:
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from shardlab import collectives as C
   n = jax.device_count()
   if n < 2:
     return []
   mesh = Mesh(np.array(jax.devices()), ("x",))
   ring = [(i, (i + 1) % n) for i in range(n)]
   ops = {
-      "all-gather": (lambda s: jax.lax.all_gather(s, "x", tiled=True), lambda V: V * (n - 1) / n),
-      "reduce-scatter": (lambda s: jax.lax.psum_scatter(s, "x", tiled=True), lambda V: V * (n - 1) / n),
-      "all-reduce": (lambda s: jax.lax.psum(s, "x"), lambda V: 2 * V * (n - 1) / n),
-      "collective-permute": (lambda s: jax.lax.ppermute(s, "x", ring), lambda V: V),
+      "all-gather": (lambda s: C.all_gather(s, "x", 0), lambda V: V * (n - 1) / n),
+      "reduce-scatter": (lambda s: C.psum_scatter(s, "x", 0), lambda V: V * (n - 1) / n),
+      "all-reduce": (lambda s: C.psum(s, "x"), lambda V: 2 * V * (n - 1) / n),
+      "collective-permute": (lambda s: C.ppermute(s, "x", ring), lambda V: V),
   }
   rows = []
   for kind, (op, sent) in ops.items():
@@ -288,7 +293,7 @@ def collectives(grid: dict, warmup: int, repeats: int, tick) -> list:
       spec_out = P("x") if kind != "all-gather" else P()
       f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("x"), out_specs=spec_out, check_vma=False))
       V = 4.0 * per * (n if kind == "all-gather" else 1)
-      r = timed(f, (x,), warmup, repeats)
+      r = timed(f, (x,), warmup, repeats, wait_each=True)
       rows.append({"kind": kind, "devices": n, "array_bytes": V, "bytes_sent": sent(V), "s": r["s"],
                    "spread": r["spread"], "bus_bytes_per_s": sent(V) / r["s"]})
       tick(f"{kind} {V / 2 ** 20:.3g} MiB")
@@ -416,12 +421,12 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
 
 def to_yaml(fields: dict) -> str:
   """The preset as conf/hardware/*.yaml writes one (so it also works copied there, as `hardware=NAME`)."""
-  from omegaconf import OmegaConf
+  import yaml
   body = {k: v for k, v in fields.items() if k not in ("file",)}
   head = ("# A hardware preset MEASURED by `python -m shardlab.calibrate` (docs/calibrate.md); `provenance` says\n"
           "# where each figure came from. Use it with `python -m shardlab hardware.file=THIS.yaml`, or copy it into\n"
           "# conf/hardware/ and pick it with `hardware=NAME`.\n")
-  return head + OmegaConf.to_yaml({"defaults": ["hardware_schema"], **body})
+  return head + yaml.safe_dump({"defaults": ["hardware_schema"], **body}, sort_keys=False, width=120)
 
 
 def compare(m: dict, new, base) -> list[dict]:
@@ -471,8 +476,8 @@ def table(fields: dict, base, rows: list[dict], m: dict) -> str:
 
 def one_line(e: BaseException) -> str:
   try:
-    from shardlab.plan import _one_line
-    return _one_line(e)
+    from shardlab.plan import one_line as plan_line
+    return plan_line(e)
   except Exception:  # noqa: BLE001  (the training code does not import here: the message alone)
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -491,21 +496,13 @@ def default_base(overrides: list[str]) -> list[str]:
 
 
 def run(argv: list[str], progress: bool = True) -> dict:
-  """Calibrate (module doc): writes the preset and its sidecar; returns {"fields", "measurements", "rows",
-  "path", "table"}."""
+  """Calibrate (module doc) the devices JAX has (main sets the CPU's before it starts): writes the preset and its
+  sidecar; returns {"fields", "measurements", "rows", "path", "table"}."""
   import dataclasses
-  from shardlab.errors import ConfigError
-  from shardlab import mesh as M
   from shardlab.outputs import write_atomic
   opts, overrides = split_options(argv)
-  devices = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("cpu_devices=")
-                  and o.split("=", 1)[1].isdigit()), 1)
-  try:
-    M.set_cpu_devices(devices)
-  except ConfigError:
-    pass                                     # JAX already started (tests): calibrate the devices it has
   from shardlab.config import compose
-  cfg = compose([o for o in default_base(overrides) if not o.startswith("cpu_devices=")] + [f"cpu_devices={devices}"])
+  cfg = compose(default_base(overrides))
   import jax
   from tqdm import tqdm
   platform = jax.devices()[0].platform
@@ -534,7 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     print(__doc__)
     return 0
   try:
-    split_options(argv)                      # bad options: one line before JAX starts or anything is measured
+    _, overrides = split_options(argv)       # bad options: one line before JAX starts or anything is measured
+    from shardlab import mesh as M
+    M.set_cpu_devices(next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("cpu_devices=")
+                            and o.split("=", 1)[1].isdigit()), 1))
     result = run(argv)
   except Exception as e:  # noqa: BLE001  (Hydra/OmegaConf errors, ConfigError, ValueError, OSError: one line, exit 2)
     print(f"shardlab.calibrate: error: {one_line(e)}", file=sys.stderr)

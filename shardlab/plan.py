@@ -59,7 +59,7 @@ def compose(overrides: list[str]):
   return config_compose(overrides, "plan")
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
   """An exception and its causes, whitespace collapsed onto one line; OmegaConf's trailer (full_key, reference
   and object types) left out, a bad override pointed at the list of settings."""
   name, parts, hydra = type(e).__name__, [], False
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
       with open(path, "w") as f:
         f.write(text + "\n")
   except Exception as e:  # Hydra/OmegaConf errors, planner.check's ValueError, ConfigError, OSError: one line, exit 2
-    print(f"shardlab.plan: error: {_one_line(e)}", file=sys.stderr)
+    print(f"shardlab.plan: error: {one_line(e)}", file=sys.stderr)
     return 2
   if as_json:
     print(text)

@@ -62,6 +62,12 @@ COMMANDS = {
     "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50 checkpoint.resume=true": COVERED,
     "python -m shardlab mesh=1x8 train.steps=300 checkpoint.resume=true checkpoint.dir=outputs/r1/checkpoints": COVERED,
     "python -m shardlab schedule.impl=user_schedule:ExplicitReduce schedule.tp=user_schedule:NamedAllGatherTP": COVERED,
+    # docs/calibrate.md
+    "python -m shardlab.calibrate out=my_machine.yaml": "measures for a minute: tests/test_calibrate.py runs it "
+    "with grid=quick (in-process and as a command)",
+    "python -m shardlab.calibrate out=h200_measured.yaml": "a GPU's calibration: experiments/calibrate/device.sh",
+    "python -m shardlab hardware.file=my_machine.yaml cpu_devices=1 mesh=1x1 model.d_model=512 model.n_layers=4":
+    "needs a calibrated file: tests/test_calibrate.py reads one with hardware.file",
 }
 SLURM = "python -m shardlab -m hydra/launcher=slurm"   # needs a SLURM cluster: listed by its prefix
 

@@ -10,10 +10,11 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/nvidia-smi.csv"
 python3 -c "import jax; print(jax.__version__, jax.devices(), jax.devices()[0].device_kind)" > "$OUT/env.txt" 2>&1
 date -u +%FT%TZ >> "$OUT/env.txt"
-if [ "${PROBE:-0}" = 1 ]; then
+if [ "${PROBE:-0}" != 0 ]; then
   timeout 90 python3 experiments/calibrate/gemm_probe.py "$OUT/study" > /tmp/probe.log 2>&1
   tail -4 /tmp/probe.log
 fi
+[ "${PROBE:-0}" = only ] && exit 0
 timeout 230 python3 -m shardlab.calibrate out="$OUT/gpu_measured.yaml" 2>&1 | tr '\r' '\n' | grep -v "it/s" > "$OUT/calibrate.log"
 grep -A12 "preset gpu_measured" "$OUT/calibrate.log"; tail -4 "$OUT/calibrate.log"
 if [ -f "$OUT/gpu_measured.yaml" ]; then

@@ -5,6 +5,7 @@ with the GPU's SM clock, power and throttle reasons sampled by nvidia-smi meanwh
   rested      one call at a time, each after 200 ms idle (the GPU cools and its clock recovers), blocking;
               the host's dispatch (measured) subtracted
   zeros       sustained, on zeros instead of normal random data (less switching power)
+  init        sustained, activations N(0, 1) against weights N(0, 0.02^2) (a model's initial scale)
 
     python experiments/calibrate/gemm_probe.py OUT_DIR      # on a GPU; writes OUT_DIR/gemm_probe.json
 """
@@ -52,8 +53,9 @@ def main(out: Path) -> int:
     end = time.time() - t0
     za, zb = jnp.zeros_like(a), jnp.zeros_like(b)
     zero = timed(f, (za, zb), 2, 7)["s"]
+    init = timed(f, (a, (b.astype(jnp.float32) * 0.02).astype(jnp.bfloat16)), 2, 7)["s"]
     rows.append({"shape": [m, n, k], "flops": flops, "sustained_s": sus, "rested_s": statistics.median(rest),
-                 "zeros_s": zero, "sustained_flops_per_s": flops / sus,
+                 "zeros_s": zero, "init_s": init, "init_flops_per_s": flops / init, "sustained_flops_per_s": flops / sus,
                  "rested_flops_per_s": flops / statistics.median(rest), "zeros_flops_per_s": flops / zero,
                  "window_sustained": [start, mid], "window_rested": [mid, end]})
     print(json.dumps(rows[-1]), flush=True)

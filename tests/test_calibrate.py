@@ -1,0 +1,121 @@
+"""python -m shardlab.calibrate on this CPU (a quick grid): the preset it writes is a valid hardware preset with a
+provenance for every figure, `hardware.file=` reads it, a second calibration reproduces its rates, and a local
+program on a preset measured on its platform is predicted by the calibrated replay. Bad input: one line, exit 2,
+nothing written."""
+import dataclasses
+import functools
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from shardlab import calibrate as CAL
+from shardlab.config import hardware_file
+from shardlab.errors import ConfigError
+from shardlab.hardware import HardwareConfig
+from tests.joints import one_line
+
+QUICK = ["grid=quick", "repeats=3", "warmup=1"]
+MEASURED = ("peak_flops", "hbm_bandwidth", "kernel_launch_s", "gemm_flops_by_dtype", "ici_bandwidth",
+            "collective_latency_s")
+
+
+@functools.lru_cache(maxsize=None)
+def calibrated(tmp: str, n: int) -> dict:
+  return CAL.run([f"out={tmp}/cal{n}.yaml", *QUICK], progress=False)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("calibrate"))
+
+
+def test_preset_is_valid_and_says_where_each_figure_came_from(tmp):
+  r = calibrated(tmp, 1)
+  hw = hardware_file({"file": r["path"]})          # what `hardware.file=` reads: the schema checks it
+  assert hw.measured_on == "cpu" and hw.describes("cpu") and not hw.describes("gpu")
+  assert hw.name == "cal1" and hw.file == r["path"]
+  fields = {f.name for f in dataclasses.fields(HardwareConfig)} - {"name", "source", "note", "provenance", "file",
+                                                                  "measured_on"}
+  assert set(hw.provenance) == fields              # every figure: measured (when, where, how) or kept, and why
+  for k in MEASURED:                               # 8 fake devices here: collectives are measured too
+    assert hw.provenance[k].startswith("measured ") and "python -m shardlab.calibrate" in hw.provenance[k], k
+  assert hw.provenance["attention_efficiency"].startswith("kept from cpu (no fused attention kernel")
+  assert hw.peak_flops == hw.gemm_flops_by_dtype["float32"] > 0 and hw.gemm_efficiency == 1.0
+  assert hw.hbm_bandwidth > 0 and hw.ici_bandwidth > 0 and hw.kernel_launch_s >= 0
+  m = r["measurements"]
+  assert m["device"]["count"] == 8 and {c["kind"] for c in m["collectives"]} == {
+      "all-gather", "reduce-scatter", "all-reduce", "collective-permute"}
+  assert {a["kernel"] for a in m["attention"]} == {"plain", "blockwise", "dot_product", "ring_step"}
+  assert {g["layout"] for g in m["gemm"]} == {"nn", "nt", "tn"}
+  # the table: every measured kernel beside both presets' predictions
+  assert len(r["rows"]) == len(m["gemm"]) + len(m["memory"]) + len(m["attention"])
+  assert "median |error| of the PREDICTIONS" in r["table"]
+
+
+def test_a_second_calibration_reproduces_the_rates(tmp):
+  """The same machine, measured again: within a factor of 2 (the suite runs two workers on two cores beside it,
+  so "noise" here is wide; each figure's own spread is in the sidecar)."""
+  a, b = (hardware_file({"file": calibrated(tmp, n)["path"]}) for n in (1, 2))
+  for k in ("peak_flops", "hbm_bandwidth"):
+    assert 0.5 < getattr(a, k) / getattr(b, k) < 2.0, (k, getattr(a, k), getattr(b, k))
+
+
+def test_a_measured_preset_predicts_local_programs_with_the_calibrated_replay(tmp):
+  from shardlab.analysis import costmodel
+  from jax.sharding import Mesh
+  import numpy as np
+  hw = hardware_file({"file": calibrated(tmp, 1)["path"]})
+  mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
+  text = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text()
+  from shardlab.analysis.program import Program
+  prog = Program(text, mesh.device_ids, ("device",), "cpu")
+  measured, _ = costmodel.predict(prog, mesh, hw)
+  stock, _ = costmodel.predict(prog, mesh, HardwareConfig(name="cpu"))
+  assert measured["model"].startswith("calibrated") and stock["model"].startswith("peak-rate")
+  assert measured["t_gemm_s"] > 0 and measured["t_other_kernels_s"] > 0
+
+
+def test_gemm_rate_by_operand_dtype():
+  from shardlab.analysis import calibrated, hlo
+  hw = HardwareConfig(peak_flops=100.0, gemm_efficiency=0.5, gemm_flops_by_dtype={"float32": 10.0})
+  assert hw.gemm_rate("float32") == 10.0 and hw.gemm_rate("bfloat16") == 50.0 and hw.gemm_rate() == 50.0
+  assert hw.peak().gemm_rate("float32") == 100.0
+  ins = hlo.Instr(name="d", shape="f32[8,8]", opcode="dot", operands=["a", "b"], attrs="")
+  assert calibrated.operand_dtype(ins, {"a": "bf16[8,4]", "b": "f32[4,8]"}) == "bfloat16"
+  assert calibrated.operand_dtype(ins, {"a": "f32[8,4]", "b": "f32[4,8]"}) == "float32"
+  assert calibrated.operand_dtype(ins, {"a": "f32[8]"}) == ""
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "no such file"),
+    ("name: x\nflops_peak: 1\n", "flops_peak: no such hardware setting"),
+    ("name: x\npeak_flops: fast\n", "hardware.file="),
+    ("- a\n- b\n", "not a preset"),
+])
+def test_bad_hardware_file_is_one_config_error(tmp_path, content, says):
+  p = tmp_path / "hw.yaml"
+  if content is not None:
+    p.write_text(content)
+  with pytest.raises(ConfigError, match=says):
+    hardware_file({"file": str(p)})
+
+
+def test_bad_options_are_one_line_before_anything_is_measured(tmp_path):
+  (tmp_path / "kept.yaml").write_text("name: kept\n")
+  cases = [([], "out=PATH.yaml: name the preset file"),
+           ([f"out={tmp_path}/x.json"], "a preset is a YAML file"),
+           ([f"out={tmp_path}/kept.yaml"], "already exists"),
+           ([f"out={tmp_path}/no/such/x.yaml"], "does not exist"),
+           ([f"out={tmp_path}/x.yaml", "grid=huge"], "grid=huge: full or quick"),
+           ([f"out={tmp_path}/x.yaml", "repeats=0"], "repeats=0")]
+  for argv, says in cases:
+    with pytest.raises(ValueError, match=says):
+      CAL.split_options(argv)
+  p = subprocess.run([sys.executable, "-m", "shardlab.calibrate", f"out={tmp_path}/kept.yaml"],
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and "already exists" in one_line(p.stderr, "shardlab.calibrate: error: ")
+  assert (tmp_path / "kept.yaml").read_text() == "name: kept\n"      # nothing lost
+  assert sorted(x.name for x in tmp_path.iterdir()) == ["kept.yaml"]
