@@ -61,11 +61,15 @@ def build(cfg: Config, devices=None):
 
 
 def lower(built: dict):
-  """built["step_fn"].lower(...) for build()'s abstract inputs; one layer's residual bytes, which the schedule's
+  """built["step_fn"] traced and lowered for build()'s abstract inputs (its pipeline slots checked on that one
+  trace: schedules/pipeline.py, check_slots); one layer's residual bytes, which the schedule's
   stage unit returns while that trace runs (Stage.residual_bytes; schedules without a stage unit record none),
   go into built["layer_residuals"] for the memory breakdown."""
+  from shardlab.schedules.pipeline import check_slots
   with built["schedule"].recording_residuals() as rec:
-    lowered = built["step_fn"].lower(built["abstract_state"], built["abstract_batch"])
+    traced = built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
+  check_slots(traced.jaxpr)          # a part that misstated what it places: one line, before compiling
+  lowered = traced.lower()
   built["layer_residuals"] = max(rec, key=lambda r: r["saved"]) if rec else None
   return lowered
 

@@ -133,3 +133,34 @@ def test_a_users_table_is_checked_before_anything_compiles(tmp_path, monkeypatch
   with pytest.raises(ConfigError, match=r"^pipeline table deadlocks at tick 0"):
     PL.load_table("my_pipe:Backwards", 2, 2, 1)
   assert PL.load_table("my_pipe:Mine", 2, 4, 1) == PL.build("gpipe", 2, 4)
+
+
+def test_check_slots_reads_the_one_trace_for_a_ppermute_inside_a_slot():
+  """A pipeline slot (a lax.cond in a `runs` scope) whose branch places a ppermute over an axis of more than one
+  device is refused from the step's one trace (trainer.lower), whoever wrote the part; over an axis of one device,
+  or outside a slot, it is not."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+  from shardlab import collectives as C
+  from shardlab.axes import PIPELINE, TENSOR
+  from shardlab.errors import ConfigError
+  from shardlab.pipeline_tables import runs
+  from shardlab.schedules.pipeline import check_slots
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), (PIPELINE, TENSOR))
+
+  def step(axis, in_slot):
+    def body(x):
+      send = lambda x: C.ppermute(x, axis, [(0, 1), (1, 0)] if axis == PIPELINE else [(0, 0)])
+      if not in_slot:
+        return send(x)
+      with jax.named_scope(runs("B", 4, 8)):
+        return jax.lax.cond(x.sum() > 0, send, lambda x: x, x)
+    f = jax.shard_map(body, mesh=mesh, in_specs=P(PIPELINE), out_specs=P(PIPELINE), check_vma=False)
+    return jax.jit(f).trace(jnp.ones((2, 4))).jaxpr
+
+  with pytest.raises(ConfigError, match="the B slot places a ppermute over pipeline"):
+    check_slots(step(PIPELINE, True))
+  check_slots(step(TENSOR, True))        # an axis of one device: no message crosses stages
+  check_slots(step(PIPELINE, False))     # the pipeline's own sends, outside the slots

@@ -9,6 +9,8 @@ a ppermute is refused (Pipeline.check_parts): only the stages running a slot rea
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 
@@ -27,29 +29,41 @@ def _zeros(aval, n: int | None = None, extra=()):
   return C.pvary(jnp.zeros(shape, aval.dtype), axes, name="zeros")
 
 
-def _slot(name: str, n: int, T: int, on, run, idle, *args, check: bool = False):
-  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`). `check`: a branch that
-  places a ppermute is refused as it is traced (Pipeline.check_parts says why; this catches a user's part that
-  misstated it, at the cost of tracing the branch twice)."""
+def _slot(name: str, n: int, T: int, on, run, idle, *args):
+  """lax.cond(on, run, idle, *args) in the named scope that declares its count (`runs`; check_slots finds the
+  slots by it)."""
   with jax.named_scope(runs(name, n, T)):
-    if check:
-      _no_ppermute(jax.make_jaxpr(run)(*args).jaxpr, name)
     return jax.lax.cond(on == 1, run, idle, *args)
 
 
-def _no_ppermute(jaxpr, slot: str) -> None:
+_SLOT = re.compile(r"pipeline_(\w+?)_runs_\d+_of_\d+")
+
+
+def check_slots(jaxpr) -> None:
+  """A pipeline slot (a lax.cond in a `runs` scope) whose branch places a ppermute over an axis of more than one
+  device is a ConfigError (one line), read off the step's one trace before it is lowered (trainer.lower): a
+  ppermute inside a slot, which only some stages run in a tick, would be paired with other stages' pipeline sends
+  and hang. Pipeline.check_parts refuses the parts that say they place one; this catches a part that misstated
+  it, whoever wrote it."""
   from jax.extend.core import jaxprs_in_params
-  sizes = dict(jax.sharding.get_abstract_mesh().shape)
-  for eqn in jaxpr.eqns:
-    axes = eqn.params.get("axis_name", ())
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    if eqn.primitive.name == "ppermute" and any(sizes.get(a, 1) > 1 for a in axes):
-      raise ConfigError(f"pipeline: the {slot} slot places a ppermute over {'+'.join(axes)} "
-                        f"({eqn.source_info.name_stack}); a ppermute inside a slot, which only some stages run in a "
-                        f"tick, would be paired with other stages' pipeline sends: a part inside the stages says "
-                        f"point_to_point = False but is not (schedules/capability.py)")
-    for sub in jaxprs_in_params(eqn.params):
-      _no_ppermute(sub, slot)
+
+  def walk(jx, sizes: dict, slot: str | None) -> None:
+    for eqn in jx.eqns:
+      here = dict(eqn.params["mesh"].shape) if eqn.primitive.name == "shard_map" else sizes
+      inner = slot
+      if slot is None and eqn.primitive.name == "cond":
+        found = _SLOT.findall(str(eqn.source_info.name_stack))
+        inner = found[-1] if found else None
+      axes = eqn.params.get("axis_name", ())
+      axes = axes if isinstance(axes, tuple) else (axes,)
+      if slot is not None and eqn.primitive.name == "ppermute" and any(here.get(a, 1) > 1 for a in axes):
+        raise ConfigError(f"pipeline: the {slot} slot places a ppermute over {'+'.join(axes)} "
+                          f"({eqn.source_info.name_stack}); a ppermute inside a slot, which only some stages run in "
+                          f"a tick, would be paired with other stages' pipeline sends: a part inside the stages "
+                          f"says point_to_point = False but is not (schedules/capability.py)")
+      for sub in jaxprs_in_params(eqn.params):
+        walk(sub, here, inner)
+  walk(getattr(jaxpr, "jaxpr", jaxpr), {}, None)
 
 
 def _take(tree, i):
@@ -215,10 +229,7 @@ class Pipeline:
       return add_chunk(g, stage.backward((res, chunk(c)), dys, part="weight"), c)
 
     fwd, bwd = plan.sends()
-    # Slots are traced twice to look for ppermutes only where code from outside shardlab runs in them (a user's
-    # schedule, TP contraction or context strategy): shardlab's own parts are tested for what they state.
-    users = any(type(x).__module__.split(".")[0] != "shardlab" for x in (sched, sched.ops, sched.cp))
-    cond = lambda name, n, on, run, idle, *args: _slot(name, n, T, on, run, idle, *args, check=users)
+    cond = lambda name, n, on, run, idle, *args: _slot(name, n, T, on, run, idle, *args)
 
     def tick(st, r):
       x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
