@@ -147,6 +147,11 @@ class PipelineConfig:
     """M on a pipeline of `pipeline` stages."""
     return self.microbatches or pipeline
 
+  @property
+  def staged(self) -> bool:
+    """A schedule table runs the layers as stages (impl is not `none`): the one place that reads the sentinel."""
+    return self.impl != "none"
+
 
 @dataclass
 class TrainConfig:

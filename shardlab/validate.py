@@ -50,7 +50,7 @@ def microbatches(cfg: Config, sched=None) -> tuple[int, str]:
   on = getattr(sched, "microbatches_on", None)
   with _user(cfg, "microbatches_on(...)"):
     n = on(dict(cfg.mesh.shape)) if on else cfg.schedule.microbatches
-  return n, "pipeline.microbatches" if cfg.pipeline.impl != "none" else "schedule.microbatches"
+  return n, "pipeline.microbatches" if cfg.pipeline.staged else "schedule.microbatches"
 
 
 # The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),

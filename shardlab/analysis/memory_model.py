@@ -209,7 +209,7 @@ def local_tokens(cfg) -> float:
 
 def stages(cfg) -> int:
   """Pipeline stages the run has: mesh.pipeline under a pipeline schedule, else 1."""
-  return cfg.mesh.sizes.get(PIPELINE, 1) if cfg.pipeline.impl != "none" else 1
+  return cfg.mesh.sizes.get(PIPELINE, 1) if cfg.pipeline.staged else 1
 
 
 def microbatches(cfg) -> int:

@@ -35,9 +35,9 @@ def runs_pipelines(cls) -> bool:
 def check_pipeline(cfg, cls, pipeline) -> None:
   """A pipeline schedule (pipeline.impl other than none) on a schedule class that cannot run one: one line,
   before the class is built (it would fail on the argument, or run the layers unstaged)."""
-  impl = getattr(pipeline, "impl", "none")
-  if impl == "none":
+  if not getattr(pipeline, "staged", False):
     return
+  impl = pipeline.impl
   setting = f"pipeline={pipeline.name}" if getattr(pipeline, "name", impl) == impl else f"pipeline.impl={impl}"
   who = f"schedule={cfg.name} (schedule.impl={cfg.impl}, class {cls.__name__})"
   if not runs_pipelines(cls):

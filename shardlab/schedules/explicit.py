@@ -314,14 +314,14 @@ class ExplicitSchedule:
     self.cp = CP.make(context or ContextConfig(), model, self.layout)   # attention across `context`
     self.residuals: list | None = None   # a list while recording_residuals() is active
     self.pipe = pipeline or PipelineConfig()   # the pipeline schedule (schedules/pipeline.py) when mesh.pipeline > 1
-    if self.pipe.impl != "none" and (cfg.microbatches != 1 or cfg.grad_reduce == "deferred"):
+    if self.pipe.staged and (cfg.microbatches != 1 or cfg.grad_reduce == "deferred"):
       raise ConfigError(f"pipeline={self.pipe.name} splits the batch into pipeline.microbatches and gathers "
                         f"weights per pipeline.gather; set schedule.microbatches=1 and a grad_reduce other than "
                         f"deferred (pipeline.gather=step gathers once per step)")
 
   def pipeline(self, P: int):
     """The pipeline executor on P stages (schedules/pipeline.py: Pipeline), or None without one."""
-    if self.pipe.impl == "none":
+    if not self.pipe.staged:
       return None
     from shardlab.schedules.pipeline import Pipeline
     return Pipeline(self, self.pipe, P)
@@ -344,7 +344,7 @@ class ExplicitSchedule:
     schedule (the `pipeline` group), split into stages over `pipeline`."""
     weights = set(self.layout.rule("embed", axis_names))
     batch = self.layout.batch_axes(axis_names)
-    layers = [(PIPELINE,)] if self.pipe.impl != "none" and PIPELINE in axis_names else [()]
+    layers = [(PIPELINE,)] if self.pipe.staged and PIPELINE in axis_names else [()]
     return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": layers, "length": [(), (CONTEXT,)],
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
