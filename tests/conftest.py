@@ -79,4 +79,4 @@ def compiled_grads(mesh_shape: tuple, schedule_items: tuple):
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: runs the CLI in subprocesses")
+  config.addinivalue_line("markers", "slow: left out of the quick subset, `pytest -n 2 -m \"not slow\"` (CLI processes, target compiles, the equivalence matrix): docs/testing.md")

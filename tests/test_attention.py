@@ -44,6 +44,7 @@ def _model(kv, attention):
           **({"attention_block": 8} if attention == "blockwise" else {})}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,kv,attention,knobs", CASES,
                          ids=[f"{m[0]}x{m[1]}-kv{g}-{a}" + "".join(f",{k}={v}" for k, v in s.items())
                               for m, g, a, s in CASES])

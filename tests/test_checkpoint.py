@@ -16,6 +16,8 @@ import pytest
 
 from conftest import ROOT, compose
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 # steps <= 6: the same learning rates as any longer prefix of them. fsdp_prefetch: a step whose collectives all sit
 # in one computation, so the persistent compilation cache serves it to every process these tests start (the
 # default schedule's are in its layer loops too, a program mesh.guard_persistent_cache keeps out of that cache).

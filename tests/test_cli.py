@@ -9,6 +9,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 SUMMARY_KEYS = {"status", "losses", "final_loss", "mesh", "devices", "schedule", "compile_time_s",
                 "step_time_s_median", "jax_version", "config"}
 METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tokens_per_s"}

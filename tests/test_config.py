@@ -11,6 +11,7 @@ GROUPS = ["mesh", "model", "schedule", "train", "data", "precision", "hardware"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_and_validates(group, option):
   from shardlab.config import to_config
@@ -56,6 +57,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_invalid_setting_is_one_line_before_compiling(overrides, message, tmp_path):
   from shardlab.config import to_config

@@ -8,6 +8,8 @@ from conftest import reference_loss_and_grads
 from shardlab import testing
 from shardlab.testing import assert_trees_close
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 RTOL = ATOL = 2e-5
 MESHES = [{"context": 8}, {"fsdp": 2, "context": 4}, {"fsdp": 2, "context": 2, "tensor": 2}]
 

@@ -86,6 +86,7 @@ def hand_matmul_flops(mesh_shape) -> int:
   return 3 * (m.n_layers * layer + 2 * T * D * V // Y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,mesh_shape", [("baseline", (2, 4)), ("collective_matmul_bidi", (2, 4))])
 def test_prediction_bounds_and_flops(preset, mesh_shape):
   from shardlab.analysis import costmodel
@@ -100,6 +101,7 @@ def test_prediction_bounds_and_flops(preset, mesh_shape):
   assert sum(pred["critical_path_s"].values()) == pytest.approx(pred["t_overlapped_s"])
 
 
+@pytest.mark.slow
 def test_prefetch_hides_the_fsdp_gathers_and_baseline_does_not():
   """Pure FSDP (8x1), on hardware where a layer's gathers take about half its matmuls. Baseline: each forward
   layer starts with gathers nothing can hide (its first matmul needs them). Prefetch 1: layer l+1's gathers run

@@ -12,6 +12,8 @@ import pytest
 from conftest import ROOT
 from test_checkpoint import RUN, ref, run  # noqa: F401  (ref: the 1-process, 8-device run, shared)
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 
 def free_port() -> int:
   with socket.socket() as s:

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # command (as written, continuations joined, comment dropped) -> how this test treats it

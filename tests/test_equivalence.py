@@ -21,6 +21,7 @@ def _check(mesh_shape, knobs, label):
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=label)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("preset", preset_names())
 def test_preset_matches_reference(preset, mesh_shape):
@@ -43,6 +44,7 @@ MATRIX = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,knobs", MATRIX,
                          ids=[f"{m[0]}x{m[1]}-" + ",".join(f"{a}={b}" for a, b in k.items()) for m, k in MATRIX])
 def test_knob_matrix_matches_reference(mesh_shape, knobs):
@@ -60,6 +62,7 @@ def test_a_data_axis_of_one_is_the_2d_mesh():
   assert named_shape((1, 2, 4)) == named_shape((2, 4)) == {"fsdp": 2, "tensor": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", HSDP_MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("preset", preset_names())
 def test_preset_matches_reference_with_a_data_axis(preset, mesh_shape):
@@ -91,6 +94,7 @@ def test_one_device_mesh_matches_reference():
   _check((1, 1), {}, "1x1: ")
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_matches_reference():
   """One full step (clip, AdamW) on the sharded state equals optax on the unsharded params."""
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -119,6 +123,7 @@ def test_one_optimizer_step_matches_reference():
   assert int(state["step"]) == 1
 
 
+@pytest.mark.slow
 def test_gather_dtype_compute_is_exact_in_fp32():
   """gather_dtype=compute in float32 is the same program's numbers (the cast is the identity)."""
   a = compiled_grads((4, 2), tuple(sorted(dict(gather_dtype="compute").items())))[1]
@@ -126,6 +131,7 @@ def test_gather_dtype_compute_is_exact_in_fp32():
   assert_trees_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_trains_the_same_model_and_gathers_half_the_bytes():
   """precision.compute_dtype=bfloat16: bf16 matmuls and, with gather_dtype=compute, bf16 FSDP gathers (half
   the bytes of fp32 in the traced program); loss and gradients stay close to the fp32 reference."""

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 SLOW = ("import sys, time, shardlab.data as D, shardlab.run as R; b = D.MarkovData.batch; "
         "D.MarkovData.batch = lambda self, i: (time.sleep({s}), b(self, i))[1]; R.cli()")

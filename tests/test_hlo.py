@@ -23,6 +23,7 @@ def placed_kinds(compiled_fn_jaxpr: str) -> set:
   return {PLACED_TO_HLO[p] for p in prims}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", preset_names())
 def test_hlo_collectives_are_the_placed_ones(preset):
   import jax

@@ -15,6 +15,8 @@ import pytest
 from conftest import compose
 from joints import ROOT, checksums, one_line, shardlab
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 TESTS = str(ROOT / "tests")
 USER = {"PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
 PIPE = ["mesh.pipeline=2", "mesh.fsdp=2", "model.n_layers=4", "pipeline.microbatches=4", "tensorboard=false"]

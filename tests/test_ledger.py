@@ -135,6 +135,7 @@ def without_arrays(totals: dict) -> dict:
   return {key: {"count": t["count"], "bytes": t["bytes"]} for key, t in totals.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESHES + [(2, 2, 2), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
 def test_program_ledger_equals_hand_count(mesh_shape):
   """Every schedule family, from the traced program (no compile): executions and bytes per (kind, axis)."""

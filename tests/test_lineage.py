@@ -23,6 +23,8 @@ import pytest
 from conftest import ROOT
 from test_checkpoint import RUN, metrics, ref, run  # noqa: F401  (ref: the shared uninterrupted run)
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 CMD = [*RUN, "checkpoint.every=2"]          # the command that made `ref`
 SLOW = ("import sys, time, shardlab.data as D, shardlab.run as R; b = D.MarkovData.batch; "

@@ -10,6 +10,8 @@ from shardlab.mesh import ConfigError
 from shardlab import pipeline_tables as PL
 from shardlab.testing import assert_trees_close
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 RTOL = ATOL = 2e-5
 MODEL = {"n_layers": 8}     # divisible by P x V for every case below
 P2F2T2 = {"pipeline": 2, "fsdp": 2, "tensor": 2}

@@ -10,6 +10,8 @@ import pytest
 from shardlab.analysis import planner
 from shardlab.plan import compose, main
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 TINY = ["model=tiny", "hardware=h100", "devices=8"]
 
 

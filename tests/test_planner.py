@@ -216,6 +216,7 @@ def test_memory_zero3_divides_state_not_activations():
 
 # -------------------------------------------------------------------------------------------- presets and the CLI
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hw", sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml")))
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
 def test_every_preset_plans(hw, model):
@@ -284,6 +285,7 @@ def test_microbatches_fit_the_global_batch():
   assert two["grads"] == pytest.approx(2 * one["grads"])
 
 
+@pytest.mark.slow
 def test_calibrated_batch_window_against_cpu_compiles():
   """What this checks: planner.calibrated_batch_window, the window of a line through compiled peaks at two batch
   sizes, on XLA:CPU (the tiny model on 4x2): its max batch fits the budget and one more sequence per shard does
@@ -419,6 +421,7 @@ def test_hsdp_replicates_state_over_data_and_reduces_gradients_over_it():
 
 # ------------------------------------------------------------------------------------------------------- the CLI
 
+@pytest.mark.slow
 def test_cli_search_top_and_plot(tmp_path):
   args = ["hardware=tpu_v5p", "model=llama2_13b", "mesh.fsdp=1024", "mesh.tensor=4", "model.seq_len=32768",
           "train.global_batch_tokens=3000000", "train.mfu=0.4", "precision.compute_dtype=bfloat16",
@@ -480,6 +483,7 @@ def test_cli_bad_override_is_one_readable_line(capsys):
 PP70 = ["model=llama3_70b", "hardware=h100_multinode", "precision=bf16", "train.global_batch_tokens=4194304"]
 
 
+@pytest.mark.slow
 def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
   from shardlab.axes import PIPELINE
   from shardlab.pipeline_tables import SCHEDULES

@@ -20,6 +20,8 @@ import pytest
 
 from joints import ENV, ROOT, checksums, one_line, shardlab
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 PLAIN = ["train.steps=2", "checkpoint.enabled=false"]       # a run without checkpoints
 SWEEP = ["train.steps=2", "train.lr=1e-3,2e-3"]             # a sweep of two jobs (checkpoints on)
 PIPE = ["train.steps=2", "mesh.pipeline=2", "mesh.fsdp=4", "mesh.tensor=1", "model.n_layers=2", "pipeline=gpipe"]

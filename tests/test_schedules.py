@@ -65,6 +65,7 @@ def _temp_bytes(**knobs):
   return memory(fn.lower(p, b).compile())["temp"]
 
 
+@pytest.mark.slow
 def test_prefetch_and_reshard_change_memory_as_theory_says():
   """G = one layer's gathered weights. Theory (ZeRO-3 / FSDP2):
   - keep gathered weights for backward: all NL layers stay gathered until their backward, (NL-1) G more

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 
 def _sweep(out, *overrides, returncode=0):
   r = subprocess.run([sys.executable, "-m", "shardlab", "-m", "progress=false", "train.steps=2",

@@ -17,6 +17,8 @@ from shardlab.axes import FSDP  # noqa: E402
 from shardlab.trainer import build  # noqa: E402
 from shardlab.analysis.confirm import confirm_layouts  # noqa: E402
 
+pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
+
 H100 = None
 
 

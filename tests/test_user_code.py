@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, compose
 from joints import ENV, checksums, shardlab
 
@@ -137,6 +139,7 @@ def _write_files(d) -> str:
   return str(d.resolve())
 
 
+@pytest.mark.slow
 def test_bad_user_code_is_exit_2_one_line_nothing_written(tmp_path):
   """Every row of BAD in one fresh Python process (Hydra's in-process runs kept away from pytest's capture)."""
   base = _write_files(tmp_path)
