@@ -43,13 +43,26 @@ def balance_at_8() -> list[dict]:
   return out
 
 
+def choose(cfg, n: int, degrees: tuple, skips) -> dict:
+  """context_cost.choose over the three strategies, each with the attention it runs: Ulysses and the ring the
+  model's own (cuDNN's, model.attention=dot_product), all_gather the plain one (model.attention=plain: what the run
+  needs for it; with dot_product it refuses, and so does the planner)."""
+  from dataclasses import replace
+  plain = replace(cfg, model=replace(cfg.model, attention="plain"))
+  a = CC.choose(cfg, devices=n, degrees=degrees, skips_masked=skips, strategies=("ulysses", "ring"))
+  b = CC.choose(plain, devices=n, degrees=degrees, skips_masked=skips, strategies=("all_gather",))
+  cands = sorted(a["candidates"] + b["candidates"], key=lambda p: p["t_step_s"])
+  return {"best": cands[0] if cands else None, "candidates": cands, "excluded": {**a["excluded"], **b["excluded"]},
+          "reason": CC.reason(cands) if cands else "nothing fits"}
+
+
 def main() -> None:
   rows = []
   for seq, n in CASES:
     hw = "h100" if n <= 8 else "h100_multinode"
     cfg = config(BASE + [f"model.seq_len={seq}", f"train.batch_size={max(1, n // 8)}", f"hardware={hw}"])
     for kernel, skips in (("shardlab's", None), ("flash", True)):
-      r = CC.choose(cfg, devices=n, degrees=tuple(c for c in (2, 4, 8, 16, 32) if c <= n), skips_masked=skips)
+      r = choose(cfg, n, tuple(c for c in (2, 4, 8, 16, 32) if c <= n), skips)
       rows.append({"seq": seq, "devices": n, "hardware": hw, "kernel": kernel, "best": r["best"] and r["best"]["label"],
                    "reason": r["reason"], "excluded": r["excluded"],
                    "candidates": [{k: v for k, v in p.items() if k != "note"} for p in r["candidates"]]})

@@ -131,8 +131,13 @@ class AllGatherKV:
     return 0
 
   def why_not(self, shape: dict) -> str | None:
-    """What this strategy itself cannot split on a mesh of `shape`, in a few words (the planner's `excluded`), or
-    None. (The sequence's own divisibility is the analysis's: context_cost.why_not.)"""
+    """What this strategy itself refuses on a mesh of `shape` (the planner's `excluded`), or None: its own `check`,
+    so that the planner never prices what the run would refuse (all_gather with an attention other than the plain
+    one, say). (The sequence's own divisibility is the analysis's too: context_cost.why_not.)"""
+    try:
+      self.check(shape)
+    except ConfigError as e:
+      return str(e)
     return None
 
 
