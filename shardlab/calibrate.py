@@ -106,8 +106,9 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   if opts["overwrite"] not in ("true", "false"):
     raise ValueError(f"overwrite={opts['overwrite']}: true or false")
   out = Path(opts["out"])
-  if out.exists() and opts["overwrite"] != "true":
-    raise ValueError(f"out={out}: already exists; pick another path or add overwrite=true")
+  for p in (out, out.with_suffix(".json")):       # the preset and its sidecar: neither is written over unasked
+    if p.exists() and opts["overwrite"] != "true":
+      raise ValueError(f"out={out}: {p} already exists; pick another path or add overwrite=true")
   if not out.parent.is_dir():
     raise ValueError(f"out={out}: the directory {out.parent} does not exist")
   return opts, rest
@@ -293,7 +294,7 @@ def collectives(grid: dict, warmup: int, repeats: int, tick) -> list:
       spec_out = P("x") if kind != "all-gather" else P()
       f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("x"), out_specs=spec_out, check_vma=False))
       V = 4.0 * per * (n if kind == "all-gather" else 1)
-      r = timed(f, (x,), warmup, repeats, wait_each=True)
+      r = timed(f, (x,), warmup, repeats, wait_each=jax.devices()[0].platform == "cpu")
       rows.append({"kind": kind, "devices": n, "array_bytes": V, "bytes_sent": sent(V), "s": r["s"],
                    "spread": r["spread"], "bus_bytes_per_s": sent(V) / r["s"]})
       tick(f"{kind} {V / 2 ** 20:.3g} MiB")
@@ -397,7 +398,9 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
     bus = 1.0 / inv if inv > 0 else max(r["bus_bytes_per_s"] for r in m["collectives"])
     n = m["collectives"][0]["devices"]
     what = (f"the line t = latency + bytes / bus bandwidth through {len(m['collectives'])} collectives over {n} "
-            f"devices: {bus:.4g} B/s, {max(lat, 0.0) * 1e6:.3g} us")
+            f"devices: {bus:.4g} B/s, {max(lat, 0.0) * 1e6:.3g} us"
+            + (" (each call waited for: the latency holds the host's dispatch and sync)"
+               if dev["platform"] == "cpu" else ""))
     if nominal:
       fields.update(ici_bandwidth=float(f"{bus:.4g}"), link_efficiency=1.0)
       prov["ici_bandwidth"] = said(what)
@@ -503,6 +506,10 @@ def run(argv: list[str], progress: bool = True) -> dict:
   opts, overrides = split_options(argv)
   from shardlab.config import compose
   cfg = compose(default_base(overrides))
+  bad = [k for k in ("peak_flops", "hbm_bandwidth", "ici_bandwidth") if not getattr(cfg.hardware, k) > 0]
+  if bad:                                    # the measured rates are divided by these: say so before measuring
+    raise ValueError(f"hardware {cfg.hardware.name}: {bad[0]}={getattr(cfg.hardware, bad[0])} must be > 0 in the "
+                     f"base preset")
   import jax
   from tqdm import tqdm
   platform = jax.devices()[0].platform

@@ -294,8 +294,21 @@ def compose(overrides: list[str], job_name: str = "shardlab") -> Config:
   validates every override against the schemas."""
   from hydra import compose as hydra_compose, initialize_config_dir
   register_configs()
+  check_hardware_overrides(list(overrides))
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=job_name):
     return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
+
+
+def check_hardware_overrides(overrides: list[str]) -> None:
+  """`hardware.file=` takes every figure from its file: another hardware setting beside it would be silently
+  dropped, so the two together are a ConfigError (one line)."""
+  from shardlab.errors import ConfigError
+  keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+  if "hardware.file" in keys:
+    other = [k for k in keys if k == "hardware" or (k.startswith("hardware.") and k != "hardware.file")]
+    if other:
+      raise ConfigError(f"{other[0]}= beside hardware.file=: the file gives every hardware figure; change it in the "
+                        f"file (or drop hardware.file)")
 
 
 def hardware_file(group: dict) -> HardwareConfig:
@@ -322,7 +335,8 @@ def hardware_file(group: dict) -> HardwareConfig:
   try:   # checked against the schema as Hydra checks conf/hardware/*.yaml
     typed = OmegaConf.merge(OmegaConf.structured(HardwareConfig), loaded)
   except Exception as e:  # noqa: BLE001
-    raise ConfigError(f"hardware.file={path}: {' '.join(str(e).split('full_key:')[0].split())}") from None
+    key = f"{e.full_key}: " if getattr(e, "full_key", None) else ""
+    raise ConfigError(f"hardware.file={path}: {key}{' '.join(str(e).split('full_key:')[0].split())}") from None
   return HardwareConfig(**{**OmegaConf.to_container(typed), "file": str(path)})
 
 

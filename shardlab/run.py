@@ -10,6 +10,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from shardlab.config import CONF_DIR, Config, register_configs, to_config  # noqa: F401  (CONF_DIR: re-exported)
+from shardlab.config import check_hardware_overrides
 from shardlab.errors import ConfigError
 from shardlab.outputs import final_line, human_bytes, human_seconds, prediction_model, record_failure
 from shardlab.trainer import build, lower, train  # noqa: F401  (the library entry points, re-exported)
@@ -264,6 +265,11 @@ def cli() -> None:
   if unknown:
     print(f"shardlab: error: unknown option {' '.join(unknown)}: settings are key=value (e.g. train.steps=10); "
           "`python -m shardlab --help` lists every group, option and setting", file=sys.stderr)
+    sys.exit(2)
+  try:
+    check_hardware_overrides(sys.argv[1:])
+  except ConfigError as e:
+    print(f"shardlab: error: {e}", file=sys.stderr)
     sys.exit(2)
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
   try:

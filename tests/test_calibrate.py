@@ -44,7 +44,7 @@ def test_preset_is_valid_and_says_where_each_figure_came_from(tmp):
     assert hw.provenance[k].startswith("measured ") and "python -m shardlab.calibrate" in hw.provenance[k], k
   assert hw.provenance["attention_efficiency"].startswith("kept from cpu (no fused attention kernel")
   assert hw.peak_flops == hw.gemm_flops_by_dtype["float32"] > 0 and hw.gemm_efficiency == 1.0
-  assert hw.hbm_bandwidth > 0 and hw.ici_bandwidth > 0 and hw.kernel_launch_s >= 0
+  assert hw.hbm_bandwidth > 0 and hw.hbm_efficiency == 1.0
   m = r["measurements"]
   assert m["device"]["count"] == 8 and {c["kind"] for c in m["collectives"]} == {
       "all-gather", "reduce-scatter", "all-reduce", "collective-permute"}
@@ -56,11 +56,12 @@ def test_preset_is_valid_and_says_where_each_figure_came_from(tmp):
 
 
 def test_a_second_calibration_reproduces_the_rates(tmp):
-  """The same machine, measured again: within a factor of 2 (the suite runs two workers on two cores beside it,
-  so "noise" here is wide; each figure's own spread is in the sidecar)."""
+  """The same machine, measured again: within a factor of 3 (the quick grid's few samples, with the suite's other
+  worker on the second of two cores beside it: "noise" here is wide; each figure's own spread is in the sidecar,
+  and a quiet machine reproduces them far closer: experiments/calibrate/results)."""
   a, b = (hardware_file({"file": calibrated(tmp, n)["path"]}) for n in (1, 2))
   for k in ("peak_flops", "hbm_bandwidth"):
-    assert 0.5 < getattr(a, k) / getattr(b, k) < 2.0, (k, getattr(a, k), getattr(b, k))
+    assert 1 / 3 < getattr(a, k) / getattr(b, k) < 3.0, (k, getattr(a, k), getattr(b, k))
 
 
 def test_a_measured_preset_predicts_local_programs_with_the_calibrated_replay(tmp):
@@ -87,12 +88,22 @@ def test_gemm_rate_by_operand_dtype():
   assert calibrated.operand_dtype(ins, {"a": "bf16[8,4]", "b": "f32[4,8]"}) == "bfloat16"
   assert calibrated.operand_dtype(ins, {"a": "f32[8,4]", "b": "f32[4,8]"}) == "float32"
   assert calibrated.operand_dtype(ins, {"a": "f32[8]"}) == ""
+  # in a fusion, the dot's own operands: converts fused before it do not change the dtype it multiplies in
+  body = [hlo.Instr(name="p0", shape="f32[8,4]", opcode="parameter", operands=[], attrs=""),
+          hlo.Instr(name="c0", shape="bf16[8,4]", opcode="convert", operands=["p0"], attrs=""),
+          hlo.Instr(name="p1", shape="bf16[4,8]", opcode="parameter", operands=[], attrs=""),
+          hlo.Instr(name="d", shape="f32[8,8]", opcode="dot", operands=["c0", "p1"], attrs="")]
+  fusion = hlo.Instr(name="f", shape="f32[8,8]", opcode="fusion", operands=["a", "b"], attrs="calls=%body")
+  assert calibrated.operand_dtype(fusion, {"a": "f32[8,4]", "b": "bf16[4,8]"}, {"body": body}) == "bfloat16"
+  body[2] = hlo.Instr(name="p1", shape="f32[4,8]", opcode="parameter", operands=[], attrs="")
+  body[3] = hlo.Instr(name="d", shape="f32[8,8]", opcode="dot", operands=["p0", "p1"], attrs="")
+  assert calibrated.operand_dtype(fusion, {"a": "bf16[8,4]", "b": "bf16[4,8]"}, {"body": body}) == "float32"
 
 
 @pytest.mark.parametrize("content, says", [
     (None, "no such file"),
     ("name: x\nflops_peak: 1\n", "flops_peak: no such hardware setting"),
-    ("name: x\npeak_flops: fast\n", "hardware.file="),
+    ("name: x\npeak_flops: fast\n", "peak_flops: Value 'fast'"),
     ("- a\n- b\n", "not a preset"),
 ])
 def test_bad_hardware_file_is_one_config_error(tmp_path, content, says):
@@ -105,7 +116,9 @@ def test_bad_hardware_file_is_one_config_error(tmp_path, content, says):
 
 def test_bad_options_are_one_line_before_anything_is_measured(tmp_path):
   (tmp_path / "kept.yaml").write_text("name: kept\n")
+  (tmp_path / "side.json").write_text("{}")
   cases = [([], "out=PATH.yaml: name the preset file"),
+           ([f"out={tmp_path}/side.yaml"], "side.json already exists"),
            ([f"out={tmp_path}/x.json"], "a preset is a YAML file"),
            ([f"out={tmp_path}/kept.yaml"], "already exists"),
            ([f"out={tmp_path}/no/such/x.yaml"], "does not exist"),
@@ -118,4 +131,38 @@ def test_bad_options_are_one_line_before_anything_is_measured(tmp_path):
                      capture_output=True, text=True, timeout=120)
   assert p.returncode == 2 and "already exists" in one_line(p.stderr, "shardlab.calibrate: error: ")
   assert (tmp_path / "kept.yaml").read_text() == "name: kept\n"      # nothing lost
-  assert sorted(x.name for x in tmp_path.iterdir()) == ["kept.yaml"]
+  assert sorted(x.name for x in tmp_path.iterdir()) == ["kept.yaml", "side.json"]
+
+
+def test_hardware_file_beside_another_hardware_setting_is_refused():
+  from shardlab.config import check_hardware_overrides
+  for argv in (["hardware.file=x.yaml", "hardware.peak_flops=1"], ["hardware=h200", "hardware.file=x.yaml"]):
+    with pytest.raises(ConfigError, match="beside hardware.file=: the file gives every hardware figure"):
+      check_hardware_overrides(argv)
+  check_hardware_overrides(["hardware.file=x.yaml", "mesh=1x1"])
+  check_hardware_overrides(["hardware=h200", "hardware.peak_flops=1"])
+
+
+@pytest.mark.slow
+def test_the_commands_calibrate_then_predict_with_the_file(tmp_path):
+  """As a user types them: `python -m shardlab.calibrate out=...` (quick grid), then a dry run with
+  `hardware.file=` that file: the local CPU program predicted by the calibrated replay at the measured rates, the
+  preset recorded in summary.json; another hardware setting beside the file is one line, exit 2."""
+  import json
+  from conftest import ROOT
+  out = tmp_path / "mine.yaml"
+  p = subprocess.run([sys.executable, "-m", "shardlab.calibrate", f"out={out}", *QUICK, "repeats=1"],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert p.returncode == 0 and f"wrote {out}" in p.stdout, p.stderr[-2000:]
+  run = tmp_path / "run"
+  args = [sys.executable, "-m", "shardlab", f"hardware.file={out}", "cpu_devices=1", "mesh=1x1", "dry_run=true",
+          "progress=false", f"hydra.run.dir={run}"]
+  p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert p.returncode == 0 and "prediction for mine (calibrated model over the cpu program)" in p.stdout, p.stderr
+  s = json.loads((run / "summary.json").read_text())
+  assert s["config"]["hardware"]["name"] == "mine" and s["config"]["hardware"]["measured_on"] == "cpu"
+  assert s["prediction"]["model"].startswith("calibrated")
+  p = subprocess.run(args[:4] + ["hardware.peak_flops=1", "dry_run=true", f"hydra.run.dir={tmp_path}/other"],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert p.returncode == 2 and "beside hardware.file=" in one_line(p.stderr), p.stderr
+  assert not (tmp_path / "other").exists()

@@ -65,12 +65,24 @@ _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float
 _WIDTH = {"f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8}
 
 
-def operand_dtype(ins: hlo.Instr, shapes: dict) -> str:
-  """The narrowest floating dtype among a kernel's array operands of rank 2 or more (a GEMM's inputs; a bf16
-  matmul that accumulates into f32 is a bf16 GEMM), numpy's name; "" when none is known."""
+def operand_dtype(ins: hlo.Instr, shapes: dict, comps: dict | None = None) -> str:
+  """The dtype a GEMM kernel multiplies in, numpy's name ("" when none is known): the narrowest floating dtype
+  among the operands of rank 2 or more of the dot it runs (a bf16 matmul that accumulates into f32 is a bf16
+  GEMM). In a fusion, its dot's operands: a convert fused before the dot does not change the dtype the dot
+  multiplies in (XLA:CPU runs a bf16 matmul as converts to f32, then an f32 dot: an f32 GEMM)."""
+  called = hlo.called(ins) if comps is not None and ins.opcode == "fusion" else []
+  body = comps.get(called[0], []) if called else []
+  dots = [i for i in body if i.opcode == "dot" or hlo.is_gemm_call(i)]
+  if dots:
+    inner = {i.name: i.shape for i in body}
+    return _narrowest([inner.get(o, "") for d in dots for o in d.operands])
+  return _narrowest([shapes.get(o, "") for o in ins.operands])
+
+
+def _narrowest(shapes: list[str]) -> str:
   best = ""
-  for o in ins.operands:
-    m = re.match(r"(\w+)\[([^\]]*)\]", shapes.get(o, ""))
+  for shape in shapes:
+    m = re.match(r"(\w+)\[([^\]]*)\]", shape)
     if m and m.group(1) in _WIDTH and m.group(2).count(",") >= 1:
       if not best or _WIDTH[m.group(1)] < _WIDTH[best]:
         best = m.group(1)
@@ -197,7 +209,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
         if hlo.is_attention_call(ins):             # cuDNN flash attention: its own achieved rate
           d = max(fl / (hw.peak_flops * hw.attention_efficiency), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
         else:
-          d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw, operand_dtype(ins, shapes)) if fl > 0 else
+          d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw, operand_dtype(ins, shapes, comps)) if fl > 0 else
                nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
         d += hw.kernel_launch_s
         st["gemm" if fl > 0 else "other"] += d
