@@ -116,6 +116,8 @@ BAD = [
     (["hardware.hbm_bytes=0"], "hardware.hbm_bytes=0.0"),
     (["hardware.hbm_bandwidth=0"], "hardware.hbm_bandwidth=0.0"),
     (["hardware.hop_latency_s=-1e-6"], "hardware.hop_latency_s"),
+    (["hardware.file={tmp}/none.yaml"], "no such file (write one with `python -m shardlab.calibrate"),
+    (["hardware.file={tmp}/none.yaml", "hardware.peak_flops=1"], "hardware.peak_flops= beside hardware.file="),
     (["hardware.dcn_bandwidth=-1"], "hardware.dcn_bandwidth=-1.0"),
     (["hardware.domain_devices=-1"], "hardware.domain_devices=-1"),
     (["data.branching=0"], "data.branching=0"),
