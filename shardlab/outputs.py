@@ -201,12 +201,15 @@ def step_times(out: Path, steps: int) -> list[float]:
 
 class Metrics:
   """metrics.jsonl, one line per step, appended unbuffered. A line that fails to be written whole (a full disk)
-  is cut off again, so the file keeps only whole lines; the OSError is raised."""
+  is cut off again, so the file keeps only whole lines; the OSError is raised. `opener`: opens the file when the
+  first line is written (a resumed run drops the rows it runs again only then: open_metrics)."""
 
-  def __init__(self, f):
-    self.f = f
+  def __init__(self, f=None, opener=None):
+    self.f, self.opener = f, opener
 
   def write(self, line: str) -> None:
+    if self.f is None:
+      self.f = self.opener()
     data, pos = line.encode(), self.f.tell()
     try:
       while data:
@@ -225,19 +228,25 @@ class Metrics:
     return self
 
   def __exit__(self, *exc):
-    self.f.close()
+    if self.f is not None:
+      self.f.close()
 
 
 def open_metrics(out: Path, start: int, main: bool) -> Metrics:
   """metrics.jsonl for appending, keeping the rows before `start` when resuming into the same run dir (the rows
   of steps after the restored checkpoint are run again; the kept rows are rewritten atomically, so a failure
-  leaves the old file). A fresh run (start 0) starts an empty file. Processes other than 0 write nowhere."""
+  leaves the old file). A fresh run (start 0) starts an empty file. Both happen when the first new row is
+  written: a run that fails before its first step leaves the file it found whole. Processes other than 0 write
+  nowhere."""
   if not main:
     return Metrics(open(os.devnull, "wb", buffering=0))
   path = out / "metrics.jsonl"
-  kept = [l for l in _rows(path) if json.loads(l)["step"] < start] if start else []
-  write_atomic(path, "".join(l + "\n" for l in kept))
-  return Metrics(open(path, "ab", buffering=0))
+
+  def opener():
+    kept = [l for l in _rows(path) if json.loads(l)["step"] < start] if start else []
+    write_atomic(path, "".join(l + "\n" for l in kept))
+    return open(path, "ab", buffering=0)
+  return Metrics(opener=opener)
 
 
 def record_failure(out_dir, e: BaseException) -> None:

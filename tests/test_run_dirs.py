@@ -289,3 +289,19 @@ def test_sweep_into_a_single_runs_directory_is_refused(plain, tmp_path, resume):
   before = checksums(run)
   r = shardlab("-m", f"hydra.sweep.dir={run}", *SWEEP, f"checkpoint.resume={resume}")
   _refused(before, run, r, f"hydra.sweep.dir={run}: holds a single run (summary.json and metrics.jsonl and .hydra)")
+
+
+def test_a_resume_drops_the_rows_it_runs_again_only_when_it_writes_its_first(tmp_path):
+  """metrics.jsonl of a run resumed from step 2: a failure before its first new row leaves the file it found
+  whole (it used to be cut back to the checkpoint's step at once); the first new row drops the rows after the
+  checkpoint and follows the kept ones."""
+  import json as J
+  from shardlab import outputs as O
+  rows = "".join(J.dumps({"step": i, "loss": 5.0 - i}) + "\n" for i in range(5))
+  (tmp_path / "metrics.jsonl").write_text(rows)
+  with O.open_metrics(tmp_path, 2, True):
+    pass                                          # the resumed run failed before its first step
+  assert (tmp_path / "metrics.jsonl").read_text() == rows
+  with O.open_metrics(tmp_path, 2, True) as f:
+    f.write(J.dumps({"step": 2, "loss": 9.0}) + "\n")
+  assert [J.loads(l)["loss"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [5.0, 4.0, 9.0]
