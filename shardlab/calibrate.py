@@ -339,43 +339,41 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
   where = f"{dev['kind']} ({dev['platform']}, jax {dev['jax']})"
   said = lambda what: f"measured {when} on {where}: {what}; `{command}`"
   kept = lambda why: f"kept from {base.name} ({why})"
-  nominal = "nominal" in (base.source or "").lower() or base.name == "cpu"
+  nominal = "nominal" in (base.source or "").lower()    # the base says it has no published peaks (conf/hardware)
   fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
   prov = {k: kept(base.source or "no source") for k in fields if k not in ("name", "source", "note", "provenance",
                                                                           "file", "measured_on")}
   fields.update(name=name, measured_on=dev["platform"], file="")
 
+  def rate(peak: str, efficiency: str, measured: float, how: str) -> None:
+    """A measured rate in the base's terms: a nominal base takes it as its peak (efficiency 1); a base with a
+    published peak keeps it and gets measured / peak."""
+    if nominal:
+      fields.update({peak: float(f"{measured:.4g}"), efficiency: 1.0})
+      prov[peak] = said(how + " (a nominal base has no published peak)")
+      prov[efficiency] = said(f"1: {peak} is itself the measured rate")
+    else:
+      fields[efficiency] = round(measured / getattr(base, peak), 3)
+      prov[efficiency] = said(f"{how}, {measured:.4g}, over the published {peak} {getattr(base, peak):.4g}")
+
   floor = DISPATCH_BOUND * m["dispatch"]["s"]
   by_dtype: dict = {}
   for dt in dict.fromkeys(r["dtype"] for r in m["gemm"]):
     by_dtype[dt] = plateau([r for r in m["gemm"] if r["dtype"] == dt], "flops", "flops_per_s", floor)
-  best = max(by_dtype.values())
-  compute = by_dtype.get("bfloat16", best) if dev["platform"] != "cpu" else best
   fields["gemm_flops_by_dtype"] = {k: float(f"{v:.4g}") for k, v in by_dtype.items()}
   how = "the median rate of the larger half (by FLOPs) of the GEMM grid, layouts nn, nt and tn"
   prov["gemm_flops_by_dtype"] = said(how + ", per operand dtype")
-  if nominal:
-    fields.update(peak_flops=float(f"{best:.4g}"), gemm_efficiency=1.0)
-    prov["peak_flops"] = said(how + " (a nominal base has no published peak)")
-    prov["gemm_efficiency"] = said("1: peak_flops is itself the measured rate")
-  else:
-    fields["gemm_efficiency"] = round(compute / base.peak_flops, 3)
-    prov["gemm_efficiency"] = said(f"{how} in bf16, {compute:.4g} FLOP/s, over the published peak "
-                                   f"{base.peak_flops:.4g}")
+  # a published peak is bf16's (hardware.py); a nominal one becomes the fastest dtype measured
+  best = max(by_dtype.values())
+  rate("peak_flops", "gemm_efficiency", best if nominal else by_dtype.get("bfloat16", best),
+       how + ("" if nominal else " in bf16, FLOP/s"))
   if dev.get("core_count") and dev["platform"] == "gpu":
     fields["compute_units"] = int(dev["core_count"])
     prov["compute_units"] = said("the device's multiprocessor count, as JAX reports it")
 
-  bw = plateau(m["memory"], "bytes", "bytes_per_s", floor)
-  how = ("the median rate (bytes read + written) of the memory-bound kernels (affine, row softmax, row norm) at "
-         "the larger half of the sizes")
-  if nominal:
-    fields.update(hbm_bandwidth=float(f"{bw:.4g}"), hbm_efficiency=1.0)
-    prov["hbm_bandwidth"] = said(how)
-    prov["hbm_efficiency"] = said("1: hbm_bandwidth is itself the measured rate")
-  else:
-    fields["hbm_efficiency"] = round(bw / base.hbm_bandwidth, 3)
-    prov["hbm_efficiency"] = said(f"{how}, {bw:.4g} B/s, over the published {base.hbm_bandwidth:.4g}")
+  rate("hbm_bandwidth", "hbm_efficiency", plateau(m["memory"], "bytes", "bytes_per_s", floor),
+       "the median rate (bytes read + written) of the memory-bound kernels (affine, row softmax, row norm) at the "
+       "larger half of the sizes, B/s")
   if dev.get("bytes_limit"):   # the allocator's share (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by default), not the HBM
     prov["hbm_bytes"] = kept(f"{base.source or 'no source'}; JAX's allocator may use {dev['bytes_limit']:.4g} B of "
                              "it here (memory_stats bytes_limit)")
@@ -401,13 +399,7 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
             f"devices: {bus:.4g} B/s, {max(lat, 0.0) * 1e6:.3g} us"
             + (" (each call waited for: the latency holds the host's dispatch and sync)"
                if dev["platform"] == "cpu" else ""))
-    if nominal:
-      fields.update(ici_bandwidth=float(f"{bus:.4g}"), link_efficiency=1.0)
-      prov["ici_bandwidth"] = said(what)
-      prov["link_efficiency"] = said("1: ici_bandwidth is itself the measured bus bandwidth")
-    else:
-      fields["link_efficiency"] = round(bus / base.ici_bandwidth, 3)
-      prov["link_efficiency"] = said(what + f", over the published {base.ici_bandwidth:.4g}")
+    rate("ici_bandwidth", "link_efficiency", bus, what)
     fields.update(collective_latency_s=float(f"{max(lat, 0.0):.3g}"), link_half_bytes=0.0)
     prov["collective_latency_s"] = said(what)
     prov["link_half_bytes"] = said("0: a line has no separate ramp (S / (W e r(S)) = S / (W e) + h / (W e): the "

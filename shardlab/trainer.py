@@ -69,6 +69,7 @@ def lower(built: dict):
   with built["schedule"].recording_residuals() as rec:
     traced = built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
   check_slots(traced.jaxpr)          # a part that misstated what it places: one line, before compiling
+  built["traced"] = traced           # the ledger reads the same trace (costmodel.predict_run)
   lowered = traced.lower()
   built["layer_residuals"] = max(rec, key=lambda r: r["saved"]) if rec else None
   return lowered

@@ -176,8 +176,8 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   from shardlab.analysis import memory_model
   program, residuals = None, None
   if built is not None:
-    traced = built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
-    program = ledger.from_program(traced.jaxpr)   # traced as .lower() traces it
+    traced = built.get("traced") or built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
+    program = ledger.from_program(traced.jaxpr)   # the trace trainer.lower lowered (traced again without it)
     residuals = built.get("layer_residuals")      # one layer's residual bytes, read off that trace by trainer.lower
   n_params = PM.count(PM.declare(cfg.model))
   tokens = cfg.train.batch_size * cfg.model.seq_len
