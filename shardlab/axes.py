@@ -3,6 +3,7 @@
   pipeline  the `layers` dim: stages of the layer stack (across nodes on multi-node clusters)
   data      the batch only; weights replicated (HSDP's replica groups, usually across nodes)
   fsdp      the batch and every weight's `embed` dim (ZeRO-3)
+  expert    a MoE layer's experts (expert parallelism); the batch everywhere else, like a data axis
   context   the sequence of every activation (context parallelism, long sequences)
   tensor    heads, d_ff and vocab (Megatron TP); the residual stream's sequence when sequence-parallel
 
@@ -31,7 +32,7 @@ class Axis:
   doc: str = ""
 
 
-PIPELINE, DATA, FSDP, CONTEXT, TENSOR = "pipeline", "data", "fsdp", "context", "tensor"
+PIPELINE, DATA, FSDP, EXPERT, CONTEXT, TENSOR = "pipeline", "data", "fsdp", "expert", "context", "tensor"
 
 REGISTRY: dict[str, Axis] = {}
 
@@ -55,8 +56,10 @@ for _axis in (
     Axis(PIPELINE, ("layers",), link="slow", short="p", doc="pipeline stages (the layers dim)"),
     Axis(DATA, ("batch",), link="slow", short="d", doc="HSDP replicas: batch only, weights replicated"),
     Axis(FSDP, ("batch", "embed"), always=True, short="f", doc="batch and every weight's embed dim (ZeRO-3)"),
+    Axis(EXPERT, ("batch", "experts"), short="e",
+         doc="a MoE layer's experts; outside the MoE layers the batch (its gradients summed over it)"),
     Axis(CONTEXT, ("length", "embed"), short="c", doc="the sequence of every activation"),
-    Axis(TENSOR, ("heads", "kv_heads", "mlp", "vocab", "seq"), always=True, short="t",
+    Axis(TENSOR, ("heads", "kv_heads", "mlp", "vocab", "seq", "expert_mlp"), always=True, short="t",
          doc="heads, d_ff, vocab; the residual stream's sequence when sequence-parallel"),
 ):
   declare(_axis)

@@ -71,6 +71,17 @@ def all_to_all(x, axis, split_dim: int, concat_dim: int, name: str = "all_to_all
     return jax.lax.all_to_all(x, axis, split_dim, concat_dim, tiled=True)
 
 
+def ragged_all_to_all(x, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis: str,
+                      name: str = "ragged_all_to_all"):
+  """Rows of x[M, ..] to each device along `axis`: send_sizes[j] rows from input_offsets[j] go to device j, into
+  its `out` at output_offsets[j] (an offset in j's buffer); recv_sizes[j] rows arrive from j. Only the rows sent
+  travel (the MoE dispatch of MaxText's sparse matmul). XLA:CPU cannot run it (schedules/expert.py has the
+  padded all_to_all that gives the same numbers there). Backward: the exchange the other way round."""
+  with scope(name):
+    return jax.lax.ragged_all_to_all(x, out, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axis)
+
+
 def pmax(x, axes, name: str = "pmax"):
   """All-reduce (max); only ever applied to values outside the gradient (stop_gradient'd)."""
   with scope(name):

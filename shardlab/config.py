@@ -32,6 +32,7 @@ class MeshConfig:
   pipeline: int = 1        # pipeline stages: the layers split over `pipeline`
   data: int = 1            # size of the `data` mesh axis (HSDP replicas: batch only, weights replicated); 1: none
   fsdp: int = 4            # size of the `fsdp` mesh axis: batch and every large weight's `embed` dim
+  expert: int = 1          # size of the `expert` mesh axis: a MoE layer's experts (the batch elsewhere)
   context: int = 1         # size of the `context` mesh axis: the sequence of every activation
   tensor: int = 2          # size of the `tensor` mesh axis: heads, d_ff, vocab (and sequence, when sequence-parallel)
   fsdp_ici_axes: int = 1
@@ -39,6 +40,7 @@ class MeshConfig:
   data_ici_axes: int = 1
   pipeline_ici_axes: int = 1
   context_ici_axes: int = 1
+  expert_ici_axes: int = 1
 
   @property
   def sizes(self) -> dict:
@@ -84,6 +86,16 @@ class ModelConfig:
   attention: str = "plain"   # plain (materialises [B, H, L, L]) | blockwise (online softmax, O(L) memory)
                              # | dot_product (jax.nn.dot_product_attention: cuDNN flash attention on GPU)
   attention_block: int = 512  # blockwise: queries and keys per block (min(this, seq_len))
+  # Mixture of experts (model.n_experts > 0): every layer's MLP is a router and n_experts SwiGLU experts of width
+  # expert_d_ff, each token through its top_k (softmax, then the top k renormalised: Mixtral, Qwen3-MoE), plus
+  # n_shared_experts always-on experts (one dense SwiGLU of n_shared_experts x expert_d_ff, DeepSeek-MoE). The
+  # dispatch over `mesh.expert` is the `expert` group (schedules/expert.py).
+  n_experts: int = 0         # 0: dense (d_ff); else experts per layer
+  top_k: int = 2
+  expert_d_ff: int = 0       # 0: d_ff
+  n_shared_experts: int = 0
+  router_aux_loss: float = 0.01  # load-balancing loss (Switch, arXiv:2101.03961), per sequence, times this
+  router_z_loss: float = 0.0     # router z-loss (ST-MoE, arXiv:2202.08906): mean logsumexp(logits)^2, times this
 
   @property
   def head_dim(self) -> int:
@@ -93,6 +105,21 @@ class ModelConfig:
   def kv_heads(self) -> int:
     """Key/value heads: n_kv_heads, or n_heads when it is 0."""
     return self.n_kv_heads or self.n_heads
+
+  @property
+  def moe(self) -> bool:
+    return self.n_experts > 0
+
+  @property
+  def expert_ff(self) -> int:
+    """Each routed expert's hidden width: expert_d_ff, or d_ff when it is 0."""
+    return self.expert_d_ff or self.d_ff
+
+  @property
+  def mlp_ff(self) -> int:
+    """The dense SwiGLU's width: d_ff, or in a MoE layer the shared experts' n_shared_experts x expert_ff (0:
+    none)."""
+    return self.n_shared_experts * self.expert_ff if self.moe else self.d_ff
 
 
 def schedule_label(name: str, impl: str, tp: str) -> str:
@@ -131,6 +158,18 @@ class ContextConfig:
   def order(self, seq_len: int, parts: int):
     """The order the data holds a sequence's tokens in over `parts` context devices (None: as they come)."""
     return zigzag(seq_len, parts) if self.load_balance and parts > 1 else None
+
+
+@dataclass
+class ExpertConfig:
+  """Expert parallelism (`mesh.expert=N`, model.n_experts > 0): how a MoE layer's tokens reach their experts and
+  come back (schedules/expert.py, docs/experts.md)."""
+  name: str = "all_to_all"
+  impl: str = "all_to_all"        # all_to_all | all_gather | ragged | package.module:Class
+  capacity_factor: float = 0.0    # all_to_all: slots per expert = ceil(factor x tokens x top_k / experts) per
+                                  # device, the rest dropped (GShard); 0: dropless (every token kept)
+  cpu_fallback: bool = True       # ragged on a CPU (no ragged_all_to_all there): the same exchange through a
+                                  # padded all_to_all; false refuses to run ragged on a CPU
 
 
 @dataclass
@@ -228,6 +267,7 @@ class Config:
   model: ModelConfig = field(default_factory=ModelConfig)
   schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
   context: ContextConfig = field(default_factory=ContextConfig)
+  expert: ExpertConfig = field(default_factory=ExpertConfig)
   pipeline: PipelineConfig = field(default_factory=PipelineConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
   data: DataConfig = field(default_factory=DataConfig)
@@ -259,15 +299,17 @@ def _mesh_label(*args) -> str:
   return label(shape_of(sizes))
 
 
-def parallel_label(mesh, pipeline, context) -> str:
+def parallel_label(mesh, pipeline, context, expert=None) -> str:
   """What splits the model beyond data x fsdp x tensor, for run and sweep directory names (and so the report's
-  labels): '' with neither; '-1f1b' with pipeline stages (a user's class: its name), '-ring' or '-ring-zigzag'
-  with a context split; both in that order."""
-  from shardlab.axes import CONTEXT, PIPELINE
+  labels): '' with none; '-1f1b' with pipeline stages (a user's class: its name), '-ring' or '-ring-zigzag'
+  with a context split, '-all_to_all' with an expert split; in that order."""
+  from shardlab.axes import CONTEXT, EXPERT, PIPELINE
   cls = lambda c: c["impl"].rpartition(":")[2] if ":" in c["impl"] else c["name"]
   out = f"-{cls(pipeline)}" if int(mesh.get(PIPELINE, 1)) > 1 else ""
   if int(mesh.get(CONTEXT, 1)) > 1:
     out += f"-{cls(context)}" + ("-zigzag" if context["load_balance"] else "")
+  if expert is not None and int(mesh.get(EXPERT, 1)) > 1:
+    out += f"-{cls(expert)}"
   return out
 
 

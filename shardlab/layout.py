@@ -5,7 +5,10 @@ today's table), passed to whatever shards: parameter declarations, schedules, th
   layers    -> pipeline        the layer stack's stages
   embed     -> fsdp            every weight's d_model dim (ZeRO-3); () replicates weights (plain data parallelism)
   heads, kv_heads, mlp, vocab -> tensor   Megatron's column/row-parallel dims
-  batch     -> data, fsdp      activations' batch (HSDP: replicas over data, each FSDP-sharded)
+  batch     -> data, fsdp, expert   activations' batch (HSDP: replicas over data, each FSDP-sharded; the
+                              expert axis carries batch outside the MoE layers)
+  experts   -> expert          a MoE layer's experts (expert parallelism)
+  expert_mlp -> (none)         each expert's hidden width (tensor: expert tensor parallelism, not yet run)
   length    -> context         every activation's sequence (and the data's)
   seq       -> tensor          the residual stream's sequence between layers, when sequence-parallel
 
@@ -31,7 +34,9 @@ DEFAULT_RULES = {
     "kv_heads": (X.TENSOR,),
     "mlp": (X.TENSOR,),
     "vocab": (X.TENSOR,),
-    "batch": (X.DATA, X.FSDP),
+    "experts": (X.EXPERT,),
+    "expert_mlp": (),
+    "batch": (X.DATA, X.FSDP, X.EXPERT),
     "length": (X.CONTEXT,),
     "seq": (X.TENSOR,),
 }
@@ -39,7 +44,8 @@ ACTIVATION_DIMS = ("batch", "length", "seq")   # the rest are weight dims
 
 # The model setting each logical weight dim comes from (messages name it).
 SETTING = {"layers": "model.n_layers", "embed": "model.d_model", "heads": "model.n_heads",
-           "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size"}
+           "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
+           "experts": "model.n_experts", "expert_mlp": "model.expert_d_ff"}
 
 
 def known_dims() -> tuple[str, ...]:

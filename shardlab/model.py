@@ -67,9 +67,90 @@ def local_kv(ops, m: ModelConfig, wkv_D2GK, h_local: int):
   return w_D2NK, (None if need == 1 else (h0 + jnp.arange(h_local)) // R - start)
 
 
+def swiglu(ops, h_BLD, wi_D2F, wd_FD):
+  """The dense MLP: column-parallel gate and up, row-parallel down."""
+  gu_BL2F = ops.column(h_BLD, wi_D2F, "bld,dtf->bltf")
+  a_BLF = jax.nn.silu(gu_BL2F[:, :, 0]) * gu_BL2F[:, :, 1]
+  return ops.row(a_BLF, wd_FD, "blf,fd->bld")
+
+
+# ---- mixture of experts: the router and the experts' math; where tokens travel is the dispatcher's
+# (ctx.experts: schedules/expert.py) ----
+
+STATS = ("aux", "z", "dropped", "load")   # what a MoE layer reports, summed over layers (and devices)
+
+
+def route(m: ModelConfig, x_TD, w_DE):
+  """Softmax over every expert's logit, the top k kept and renormalised (Qwen3-MoE's norm_topk_prob; the same
+  weights as Mixtral's softmax over the top-k logits). -> logits [T, E] (float32), probs [T, E], idx [T, k]
+  (each token's experts, best first), gate [T, k] (their weights, summing to 1)."""
+  logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_DE.astype(jnp.float32))
+  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  top_TK, idx_TK = jax.lax.top_k(probs_TE, m.top_k)
+  return logits_TE, probs_TE, idx_TK, top_TK / jnp.sum(top_TK, axis=-1, keepdims=True)
+
+
+def expert_mlp(x_ECD, wi_ED2F, wd_EFD):
+  """Each expert's SwiGLU on its own rows (capacity buffers: a row of zeros gives zeros)."""
+  gu_EC2F = jnp.einsum("ecd,edtf->ectf", x_ECD, wi_ED2F)
+  return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gu_EC2F[:, :, 0]) * gu_EC2F[:, :, 1], wd_EFD)
+
+
+def grouped_mlp(x_MD, sizes_E, wi_ED2F, wd_EFD):
+  """Rows sorted by expert, sizes_E rows for each (a grouped GEMM: jax.lax.ragged_dot); rows past their sum
+  give zeros."""
+  E, D, _, F = wi_ED2F.shape
+  gu_M2F = jax.lax.ragged_dot(x_MD, wi_ED2F.reshape(E, D, 2 * F), sizes_E)
+  return jax.lax.ragged_dot(jax.nn.silu(gu_M2F[:, :F]) * gu_M2F[:, F:], wd_EFD, sizes_E)
+
+
+def combine(y_TKD, gate_TK):
+  """Each token's expert outputs weighted by its gates and summed (in float32), in the outputs' dtype."""
+  return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), gate_TK).astype(y_TKD.dtype)
+
+
+def local_experts(x_TD, idx_TK, gate_TK, wi_ED2F, wd_EFD, first=0):
+  """The routed experts on one device, dropless: the assignments to experts first .. first + E - 1 (E local
+  experts) sorted by expert, one grouped GEMM, unsorted and combined; assignments to other experts give zeros.
+  -> y [T, D]."""
+  T, K = idx_TK.shape
+  E = wi_ED2F.shape[0]
+  e_M = idx_TK.reshape(-1) - first
+  e_M = jnp.where((e_M >= 0) & (e_M < E), e_M, E)                 # another device's expert: sorted last
+  order_M = jnp.argsort(e_M, stable=True)
+  sizes_E = jnp.bincount(e_M, length=E + 1)[:E].astype(jnp.int32)
+  y_MD = grouped_mlp(x_TD[order_M // K], sizes_E, wi_ED2F, wd_EFD)
+  y_MD = jax.lax.stop_gradient(jnp.zeros_like(y_MD)).at[order_M].set(y_MD)   # back to (token, k) order
+  return combine(y_MD.reshape(T, K, -1), gate_TK)
+
+
+def moe_mlp(ctx, m: ModelConfig, h_BLD, w):
+  """The routed experts of one layer on this device's tokens h [B, L, D] -> (y [B, L, D], stats). Where the
+  tokens travel is `ctx.experts(x, idx, gate, we_i, we_d) -> (y, dropped)` (the dispatcher). stats (STATS),
+  this device's share: aux, the load-balancing loss summed over its sequences (Switch's E sum_e f_e P_e per
+  sequence: f_e the fraction of the sequence's assignments routed to e, P_e its mean probability; a sequence
+  split over devices is counted through `ctx.seq_sum`); z, the sum over its tokens of logsumexp(logits)^2;
+  dropped, the assignments over capacity; load [E], the assignments each expert got."""
+  B, L, D = h_BLD.shape
+  E, K = m.n_experts, m.top_k
+  x_TD = h_BLD.reshape(B * L, D)
+  logits_TE, probs_TE, idx_TK, gate_TK = route(m, x_TD, w["router"])
+  y_TD, dropped = ctx.experts(x_TD, idx_TK, gate_TK, w["we_i"], w["we_d"])
+  counts_BE = jnp.sum(jax.nn.one_hot(idx_TK, E, dtype=jnp.float32), axis=1).reshape(B, L, E).sum(axis=1)
+  f_BE = ctx.seq_sum(jax.lax.stop_gradient(counts_BE)) / (m.seq_len * K)
+  aux = E * jnp.sum(f_BE * probs_TE.reshape(B, L, E).sum(axis=1)) / m.seq_len
+  z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+  stats = {"aux": aux, "z": z, "dropped": jnp.asarray(dropped, jnp.float32) + jnp.zeros_like(z),
+           "load": jnp.sum(counts_BE, axis=0)}
+  return y_TD.reshape(B, L, D), stats
+
+
 def layer(ctx, m: ModelConfig, x_BLD, w, positions_L):
   """One block. x is the residual stream (sequence-sharded over `tensor` when ctx.tp.seq_sharded); positions are
-  those of the tokens attention sees (the whole local sequence)."""
+  those of the tokens attention sees (the whole local sequence). A MoE model's block takes and returns
+  (x, stats): the router statistics summed over the layers so far."""
+  if m.moe:
+    x_BLD, stats = x_BLD
   ops = ctx.tp
   h_BLD = rms_norm(x_BLD, w["attn_norm"], m.norm_eps)
   wkv_D2GK, kv_index = local_kv(ops, m, w["wkv"], w["wq"].shape[1])
@@ -82,9 +163,12 @@ def layer(ctx, m: ModelConfig, x_BLD, w, positions_L):
                       positions_L)
   x_BLD = x_BLD + ops.row(o_BLHK, w["wo"], "blhk,hkd->bld")
   h_BLD = rms_norm(x_BLD, w["mlp_norm"], m.norm_eps)
-  gu_BL2F = ops.column(h_BLD, w["wi"], "bld,dtf->bltf")
-  a_BLF = jax.nn.silu(gu_BL2F[:, :, 0]) * gu_BL2F[:, :, 1]
-  return x_BLD + ops.row(a_BLF, w["wd"], "blf,fd->bld")
+  if not m.moe:
+    return x_BLD + swiglu(ops, h_BLD, w["wi"], w["wd"])
+  y_BLD, st = moe_mlp(ctx, m, h_BLD, w)
+  if m.mlp_ff:                      # shared experts: every token, tensor-parallel like the dense MLP
+    y_BLD = y_BLD + swiglu(ops, h_BLD, w["wi"], w["wd"])
+  return x_BLD + y_BLD, jax.tree.map(jnp.add, stats, st)
 
 
 def embed(ops, tokens_BL, emb_VD):
@@ -120,10 +204,29 @@ def ffn_layer(ops, x_BLD, w):
 
 def embed_in(ctx, m: ModelConfig, batch):
   """The residual stream's input: the vocabulary-parallel embedding of the inputs (the FFN-only model: their
-  codes, data.token_code)."""
+  codes, data.token_code); a MoE model's is (x, zero stats)."""
   if m.kind == "ffn":
     return ctx.tp.seq_shard(token_code(batch.inputs, m.d_model))
-  return embed(ctx.tp, batch.inputs, ctx.weight("embed"))
+  x_BLD = embed(ctx.tp, batch.inputs, ctx.weight("embed"))
+  if not m.moe:
+    return x_BLD
+  zero = jnp.zeros_like(x_BLD[0, 0, 0], dtype=jnp.float32)      # varying like the residual stream
+  return x_BLD, {**{k: zero for k in STATS[:-1]}, "load": jnp.zeros_like(x_BLD[0, 0, :1], jnp.float32,
+                                                                          shape=(m.n_experts,))}
+
+
+def zero_stats(m: ModelConfig) -> dict:
+  """The global router statistics (router_terms) as zeros: a microbatch loop's start."""
+  return {**{k: jnp.zeros((), jnp.float32) for k in STATS[:-1]}, "load": jnp.zeros((m.n_experts,), jnp.float32)}
+
+
+def router_terms(ctx, m: ModelConfig, stats, n_tokens: int):
+  """A MoE model's stats summed over every device -> (the loss terms router_aux_loss x the mean over sequences
+  of the load-balancing loss, summed over layers, and router_z_loss x the mean over tokens of the z-loss,
+  summed over layers; the stats themselves, global)."""
+  total = ctx.tp.token_sum(stats)
+  terms = m.router_aux_loss * total["aux"] * m.seq_len / n_tokens + m.router_z_loss * total["z"] / n_tokens
+  return terms, total
 
 
 def block(ctx, m: ModelConfig, batch):
@@ -150,5 +253,17 @@ def head_loss(ctx, m: ModelConfig, x_BLD, batch, n_tokens: int):
 def loss(ctx, m: ModelConfig, batch, n_tokens: int):
   """Sum of this device's token losses over the global token count: summed over devices (and over
   microbatches) it is the global mean. `batch`: data.Batch (inputs and targets [B, L], positions [L]). The three
-  parts (embed_in, the layers of `block`, head_loss) are what a pipeline runs on different stages."""
-  return head_loss(ctx, m, ctx.layers(embed_in(ctx, m, batch), block(ctx, m, batch)), batch, n_tokens)
+  parts (embed_in, the layers of `block`, head_loss) are what a pipeline runs on different stages. A MoE
+  model's loss adds its router terms (router_terms)."""
+  return loss_and_stats(ctx, m, batch, n_tokens)[0]
+
+
+def loss_and_stats(ctx, m: ModelConfig, batch, n_tokens: int):
+  """(loss, stats): `loss` and, for a MoE model, its router statistics summed over layers and devices
+  (router_terms; {} for a dense one)."""
+  out = ctx.layers(embed_in(ctx, m, batch), block(ctx, m, batch))
+  if not m.moe:
+    return head_loss(ctx, m, out, batch, n_tokens), {}
+  x_BLD, stats = out
+  terms, total = router_terms(ctx, m, stats, n_tokens)
+  return head_loss(ctx, m, x_BLD, batch, n_tokens) + terms, total

@@ -65,6 +65,15 @@ def _logical(m: ModelConfig, tensor: int | None) -> dict:
     return {"layers": {"wi": Param((NL, D, F), ("layers", "embed", "mlp")),
                        "wd": Param((NL, F, D), ("layers", "mlp", "embed"))}}
   G = m.kv_heads
+  mlp = {}
+  if m.mlp_ff:   # the dense SwiGLU (a MoE layer's shared experts)
+    mlp = {"wi": Param((NL, D, 2, m.mlp_ff), ("layers", "embed", None, "mlp")),   # SwiGLU gate and up, fused
+           "wd": Param((NL, m.mlp_ff, D), ("layers", "mlp", "embed"))}
+  if m.moe:      # the router and the routed experts (model.moe_mlp)
+    E, FE = m.n_experts, m.expert_ff
+    mlp.update(router=Param((NL, D, E), ("layers", "embed", None)),
+               we_i=Param((NL, E, D, 2, FE), ("layers", "experts", "embed", None, "expert_mlp")),
+               we_d=Param((NL, E, FE, D), ("layers", "experts", "expert_mlp", "embed")))
   kv = Param((NL, D, 2, G, K), ("layers", "embed", None, "kv_heads", "head_dim"))
   if not kv_sharded(m, tensor):
     kv = Param(kv.shape, ("layers", "embed", None, None, "head_dim"), tensor_replicated=True)
@@ -76,8 +85,7 @@ def _logical(m: ModelConfig, tensor: int | None) -> dict:
           "wkv": kv,
           "wo": Param((NL, H, K, D), ("layers", "heads", "head_dim", "embed")),
           "mlp_norm": Param((NL, D), ("layers", "embed"), "ones", decay=False),
-          "wi": Param((NL, D, 2, F), ("layers", "embed", None, "mlp")),   # SwiGLU gate and up, fused
-          "wd": Param((NL, F, D), ("layers", "mlp", "embed")),
+          **mlp,
       },
       "final_norm": Param((D,), ("embed",), "ones", decay=False),
       "unembed": Param((D, V), ("embed", "vocab")),

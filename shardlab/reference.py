@@ -22,6 +22,27 @@ def _rope(x, theta):
   return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
 
 
+def _moe(h, p, m):
+  """The routed experts the obvious way: every expert on every token, each output weighted by the token's gate
+  for that expert (0 unless it is one of the token's top k). -> (y, load-balancing loss: the mean over
+  sequences of E sum_e f_e P_e, z-loss: the mean over tokens of logsumexp(logits)^2)."""
+  E, k = m.n_experts, m.top_k
+  logits = jnp.einsum("bld,de->ble", h, p["router"])
+  probs = jax.nn.softmax(logits, axis=-1)
+  top, idx = jax.lax.top_k(probs, k)
+  chosen = jax.nn.one_hot(idx, E).sum(axis=2)                            # [B, L, E]: 1 where e is in the top k
+  weight = jnp.where(chosen > 0, probs, 0.0) / jnp.sum(top, axis=-1, keepdims=True)
+  y = jnp.zeros_like(h)
+  for e in range(E):
+    g = h @ p["we_i"][e][:, 0]
+    u = h @ p["we_i"][e][:, 1]
+    y = y + weight[..., e:e + 1] * ((jax.nn.silu(g) * u) @ p["we_d"][e])
+  f = chosen.mean(axis=1) / k                                            # [B, E]: share of each row's picks
+  balance = jnp.mean(E * jnp.sum(f * probs.mean(axis=1), axis=-1))
+  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+  return y, balance, z
+
+
 def loss(params, tokens, targets, cfg: Config):
   m = cfg.model
   if m.kind == "ffn":
@@ -31,6 +52,7 @@ def loss(params, tokens, targets, cfg: Config):
       x = x + jnp.maximum(x @ params["layers"]["wi"][i], 0.0) @ params["layers"]["wd"][i]
     return jnp.mean(jnp.square(x - token_code(targets, m.d_model)))
   x = params["embed"][tokens]
+  router = 0.0
   L = tokens.shape[1]
   mask = jnp.tril(jnp.ones((L, L), bool))
   for i in range(m.n_layers):
@@ -47,12 +69,17 @@ def loss(params, tokens, targets, cfg: Config):
     o = jnp.einsum("bhlm,bmhk->blhk", att, v)
     x = x + jnp.einsum("blhk,hkd->bld", o, p["wo"])
     h = _norm(x, p["mlp_norm"], m.norm_eps)
-    g = h @ p["wi"][:, 0]
-    u = h @ p["wi"][:, 1]
-    x = x + (jax.nn.silu(g) * u) @ p["wd"]
+    if m.n_experts:
+      y, balance, z = _moe(h, p, m)
+      x = x + y
+      router = router + m.router_aux_loss * balance + m.router_z_loss * z
+    if "wi" in p:       # the dense MLP (a MoE model's shared experts)
+      g = h @ p["wi"][:, 0]
+      u = h @ p["wi"][:, 1]
+      x = x + (jax.nn.silu(g) * u) @ p["wd"]
   logits = _norm(x, params["final_norm"], m.norm_eps) @ params["unembed"]
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)) + router
 
 
 def optimizer(cfg: Config, params):

@@ -80,11 +80,24 @@ def batch_specs(layout, mesh) -> Batch:
   return Batch(spec, spec, layout.spec(("length",), mesh.axis_names))
 
 
+def router_metrics(m, stats, n_tokens: int) -> dict:
+  """A MoE step's router statistics (model.loss_and_stats, global sums over layers) as metrics.jsonl keys, each a
+  mean over the layers: router_aux_loss (the load-balancing loss, per sequence), router_z_loss, dropped_fraction
+  (of the token-expert assignments, over capacity) and expert_load_max_over_mean (the busiest expert's
+  assignments over the mean, over the step's layers)."""
+  NL = m.n_layers
+  load = stats["load"]
+  return {"router_aux_loss": stats["aux"] * m.seq_len / n_tokens / NL,
+          "router_z_loss": stats["z"] / n_tokens / NL,
+          "dropped_fraction": stats["dropped"] / (n_tokens * m.top_k * NL),
+          "expert_load_max_over_mean": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)}
+
+
 def make_grad_fn(cfg: Config, schedule, decls, mesh):
   """(params, data.Batch) -> (loss, grads sharded like params), jitted. For tests and analysis."""
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   pspecs = specs(decls)
-  fn = lambda p, b: schedule.loss_and_grads(p, b, n_tokens)
+  fn = lambda p, b: schedule.loss_and_grads(p, b, n_tokens)[:2]
   schedule.bind(mesh)
   return _jit(fn, mesh, (pspecs, batch_specs(schedule.layout, mesh)), (P(), pspecs), schedule.shard_mapped)
 
@@ -99,11 +112,12 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
 
   def step(state, batch):
     params = state["params"]
-    loss, grads = schedule.loss_and_grads(params, batch, n_tokens)
+    loss, grads, *stats = schedule.loss_and_grads(params, batch, n_tokens)
     norm = global_norm(grads, decls) if shard_mapped else optax.tree.norm(grads)
     grads = clip_by_global_norm(grads, norm, cfg.train.grad_clip)
     updates, opt_state = opt.update(grads, state["opt"], params)
     params = optax.apply_updates(params, updates)
-    return {"params": params, "opt": opt_state, "step": state["step"] + 1}, {"loss": loss, "grad_norm": norm}
+    metrics = {"loss": loss, "grad_norm": norm, **(router_metrics(cfg.model, stats[0], n_tokens) if stats else {})}
+    return {"params": params, "opt": opt_state, "step": state["step"] + 1}, metrics
 
   return _jit(step, mesh, (sspecs, batch_specs(schedule.layout, mesh)), (sspecs, P()), shard_mapped, donate_argnums=0)

@@ -44,7 +44,7 @@ def build(cfg: Config, devices=None):
   layout = from_config(cfg)
   decls = PM.declare(cfg.model, cfg.mesh.tensor, layout, mesh.axis_names)
   sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype], layout, cfg.context,
-                          cfg.pipeline)
+                          cfg.pipeline, cfg.expert)
   opt = T.make_optimizer(cfg, decls)
   step_fn = T.make_train_step(cfg, sched, decls, opt, mesh)
   specs = T.state_specs(opt, decls)
@@ -240,7 +240,8 @@ def fit(cfg: Config, b: dict, compiled, summary: dict, out: Path, main: bool, st
           dt = time.perf_counter() - t
           losses.append(loss)
           times.append(dt)
-          rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt}
+          rec = {"step": step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                 **{k: float(v) for k, v in met.items() if k not in ("loss", "grad_norm")}}   # a MoE's router
           try:
             f.write(json.dumps(O.strict(rec), allow_nan=False) + "\n")   # strict JSON: null for NaN/inf
           except OSError:

@@ -180,15 +180,44 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _validate_ffn(cfg)
   else:
     _validate_attention(cfg)
+  _validate_experts(cfg)
   from_config(cfg).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
   sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg), cfg.context,
-                          cfg.pipeline)  # its knobs
+                          cfg.pipeline, cfg.expert)  # its knobs
   check_layout(cfg, sched)
+  ep = getattr(sched, "ep", None)
+  if m.moe and ep is not None and n_devices is not None:   # the local devices run it (not a target's dry run)
+    import jax
+    why = ep.runs_on(jax.devices()[0].platform)
+    if why:
+      raise ConfigError(why)
   if t.steps < 1:
     raise ConfigError(f"train.steps={t.steps}: must be >= 1")
   if not 1 <= cfg.data.branching <= m.vocab_size:
     raise ConfigError(f"data.branching={cfg.data.branching}: must be between 1 and model.vocab_size")
   validate_launch(cfg)
+
+
+def _validate_experts(cfg: Config) -> None:
+  """A mixture of experts' settings, and an expert axis only for one."""
+  m, n = cfg.model, cfg.mesh.sizes.get(X.EXPERT, 1)
+  if m.n_experts < 0:
+    raise ConfigError(f"model.n_experts={m.n_experts}: must be >= 0 (0: a dense MLP)")
+  if not m.moe:
+    if n > 1:
+      raise ConfigError(f"mesh.expert={n} splits a MoE layer's experts, but model.n_experts=0 (a dense model); "
+                        f"set model.n_experts (e.g. model=tiny_moe) or mesh.expert=1")
+    return
+  if m.kind == "ffn":
+    raise ConfigError("model.n_experts: the FFN-only model (model.kind=ffn) has no MoE layers; set model.n_experts=0")
+  if not 1 <= m.top_k <= m.n_experts:
+    raise ConfigError(f"model.top_k={m.top_k}: each token picks between 1 and model.n_experts={m.n_experts} experts; "
+                      f"choose top_k <= n_experts")
+  for name in ("expert_d_ff", "n_shared_experts", "router_aux_loss", "router_z_loss"):
+    if getattr(m, name) < 0:
+      raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 0")
+  if cfg.expert.capacity_factor < 0:
+    raise ConfigError(f"expert.capacity_factor={cfg.expert.capacity_factor}: must be >= 0 (0: dropless)")
 
 
 FFN_REMAT = ("none", "full", "save_matmuls")   # the FFN-only model has no attention to save or recompute

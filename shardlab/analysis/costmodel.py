@@ -214,9 +214,9 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
 
 def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
   """A collective the compiler built from planned ones (combined several into one buffer, turned a
-  reduce-scatter into an all-reduce) carries no op_name, hence no scope. It is listed under `combined`, with the
-  ledger rewrites that explain it, when the ledger's reconciliation explains every byte of its axis; anything
-  else without a scope stays unplanned."""
+  reduce-scatter into an all-reduce) carries no op_name, hence no scope; so does a ragged all-to-all, whose
+  metadata the GPU compiler drops. It is listed under `combined`, with the ledger rewrites that explain it, when
+  the ledger's reconciliation explains every byte of its axis; anything else without a scope stays unplanned."""
   names = {c.name: c for c in prog.collectives}
   keep, combined = [], []
   for u in audit["unplanned"]:
@@ -224,7 +224,8 @@ def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
     if c is not None and not c.op_name and c.axis not in rec.unexplained:
       made = lambda r: (r["rewrite"] == "combined"
                         or (r["compiled"]["kind"], r["compiled"]["dtype"]) == (c.kind, c.dtype))
-      why = sorted({r["rewrite"] for r in rec.rewrites if r["axis"] == c.axis and made(r)})
+      why = (["placed; its op_name dropped by the compiler"] if c.kind == "ragged-all-to-all" else
+             sorted({r["rewrite"] for r in rec.rewrites if r["axis"] == c.axis and made(r)}))
       combined.append({**u, "rewrite": why})
     else:
       keep.append(u)

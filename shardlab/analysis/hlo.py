@@ -17,7 +17,7 @@ import numpy as np
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all", "ragged-all-to-all")
 # The audit's one rule: a collective placed through shardlab.collectives runs under a named scope
 # `shardlab.<name>` (collectives.scope), whatever the name; any other collective is unplanned (UNPLANNED).
 SCOPE_PREFIX = "shardlab."   # = collectives.SCOPE_PREFIX (tests/test_hlo.py checks; this module imports no JAX)
@@ -392,7 +392,9 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
       if n == 1:   # over one device (an axis of size 1): a copy that moves nothing, and no axis to name
         continue
       # XLA's combiners merge several arrays into one tuple-shaped collective: sum over every operand.
-      operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+      # (a ragged all-to-all's bytes are data-dependent: counted at the most it can send, its input operand)
+      operands = ins.operands[:1] if kind == "ragged-all-to-all" else ins.operands
+      operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in operands)
       full = shape_bytes(ins.shape) if kind == "all-gather" else operand_bytes
       if kind == "all-gather" and ins.opcode.endswith("-start"):   # async (GPU): the result tuple holds the operand
         full = operand_bytes * n
@@ -401,8 +403,8 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
       dtype = re.search(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[", typed).group(1)
       scope = scope_of(ins.op_name)
       out.append(Collective(kind, axis_of(groups, device_ids, axis_names), dtype, n, full,
-                            moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name, len(ins.operands),
-                            ins.op_name, _parts([shapes.get(o, "") for o in ins.operands], full)))
+                            moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name, len(operands),
+                            ins.op_name, _parts([shapes.get(o, "") for o in operands], full)))
   return out
 
 

@@ -27,7 +27,7 @@ from shardlab.analysis import hlo
 # jaxpr primitive -> HLO opcode (the ledger speaks HLO's names on both sides). `pvary`/`pcast` move nothing.
 PRIMITIVES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "psum": "all-reduce",
               "psum_invariant": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce",
-              "ppermute": "collective-permute", "all_to_all": "all-to-all"}
+              "ppermute": "collective-permute", "all_to_all": "all-to-all", "ragged_all_to_all": "ragged-all-to-all"}
 HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "int32": "s32",
              "int64": "s64", "int8": "s8", "uint8": "u8", "uint32": "u32", "bool": "pred"}
 
@@ -102,10 +102,12 @@ def _row(eqn, name, times, sizes, where, axis_order) -> Row:
   if n > 1:   # axes of size 1 take no part (the compiled program names the group by the others)
     axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
   kind = PRIMITIVES[name]
-  operand = sum(_nbytes(v.aval) for v in eqn.invars)
+  # a ragged all-to-all's bytes are data-dependent: counted at the most it can send (its whole input operand)
+  invars = eqn.invars[:1] if kind == "ragged-all-to-all" else eqn.invars
+  operand = sum(_nbytes(v.aval) for v in invars)
   full = operand * n if kind == "all-gather" else operand
   dtype = HLO_DTYPE.get(str(eqn.invars[0].aval.dtype), str(eqn.invars[0].aval.dtype))
-  return Row(kind, "+".join(axes), dtype, hlo.scope_of(where), "transpose(" in where, n, len(eqn.invars), times,
+  return Row(kind, "+".join(axes), dtype, hlo.scope_of(where), "transpose(" in where, n, len(invars), times,
              full, hlo.moved_bytes(kind, full, n))
 
 

@@ -48,7 +48,15 @@ def check_pipeline(cfg, cls, pipeline) -> None:
                       f"(schedule.impl=explicit, e.g. schedule=baseline) or pipeline=none with mesh.pipeline=1")
 
 
-def build(cfg, model, compute_dtype, layout=None, context=None, pipeline=None):
+def check_experts(cfg, cls, model) -> None:
+  """A MoE model on a schedule class that runs no dispatcher (its constructor takes no `expert=`): one line."""
+  if getattr(model, "moe", False) and not accepts(cls, "expert"):
+    raise ConfigError(f"model.n_experts={model.n_experts}: schedule={cfg.name} (schedule.impl={cfg.impl}, class "
+                      f"{cls.__name__}) runs no MoE dispatch (its constructor takes no expert=); choose "
+                      f"schedule.impl=explicit (e.g. schedule=baseline)")
+
+
+def build(cfg, model, compute_dtype, layout=None, context=None, pipeline=None, expert=None):
   """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())
   and context-parallel strategy (a ContextConfig; default: all_gather) and pipeline schedule (a PipelineConfig;
   default: none), each passed only where the class's constructor takes it. A `schedule.tp=module:Class` is
@@ -60,8 +68,11 @@ def build(cfg, model, compute_dtype, layout=None, context=None, pipeline=None):
     load_object(cfg.tp, "schedule.tp", TP, TPContraction)
   cls = resolve(cfg.impl)
   check_pipeline(cfg, cls, pipeline)
-  extra = {k: v for k, v in (("context", context), ("pipeline", pipeline)) if v is not None and accepts(cls, k)}
-  others = {"schedule.tp": str(cfg.tp), "context.impl": str(getattr(context, "impl", ""))}
+  check_experts(cfg, cls, model)
+  extra = {k: v for k, v in (("context", context), ("pipeline", pipeline), ("expert", expert))
+           if v is not None and accepts(cls, k)}
+  others = {"schedule.tp": str(cfg.tp), "context.impl": str(getattr(context, "impl", "")),
+            "expert.impl": str(getattr(expert, "impl", ""))}
   with user_code(cfg.impl, "schedule.impl", f"{cls.__name__}(...)", others):
     sched = cls(cfg, model, compute_dtype, layout, **extra)
   if loaded_tp:

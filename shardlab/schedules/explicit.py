@@ -29,14 +29,15 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import model as M
-from shardlab.axes import CONTEXT, FSDP, PIPELINE, TENSOR
-from shardlab.config import ContextConfig, ModelConfig, PipelineConfig, ScheduleConfig
+from shardlab.axes import CONTEXT, EXPERT, FSDP, PIPELINE, TENSOR
+from shardlab.config import ContextConfig, ExpertConfig, ModelConfig, PipelineConfig, ScheduleConfig
 from shardlab.data import Batch
 from shardlab.jax_private import dce_used_inputs
 from shardlab.layout import Layout, honoured
 from shardlab.errors import ConfigError
 from shardlab.params import declare, is_param
 from shardlab.schedules import context as CP
+from shardlab.schedules import expert as EP
 from shardlab.schedules.parallel import Parallel, accumulate, microbatches
 from shardlab.schedules.tp import MATMUL, TP, make_tp
 
@@ -292,7 +293,8 @@ class ExplicitSchedule:
   pipelines = True      # runs the layer stack as pipeline stages (schedules/pipeline.py) when given a pipeline
 
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
-               context: ContextConfig | None = None, pipeline: PipelineConfig | None = None):
+               context: ContextConfig | None = None, pipeline: PipelineConfig | None = None,
+               expert: ExpertConfig | None = None):
     for knob, allowed in KNOBS.items():
       if knob == "tp":
         continue                                    # a registered contraction or package.module:Class
@@ -312,12 +314,16 @@ class ExplicitSchedule:
     self.decls = declare(model, layout=self.layout)
     self.policy = remat_policy(cfg.remat)
     self.cp = CP.make(context or ContextConfig(), model, self.layout)   # attention across `context`
+    self.ep = EP.make(expert or ExpertConfig(), model, self.layout)     # a MoE layer's dispatch over `expert`
     self.residuals: list | None = None   # a list while recording_residuals() is active
     self.pipe = pipeline or PipelineConfig()   # the pipeline schedule (schedules/pipeline.py) when mesh.pipeline > 1
     if self.pipe.staged and (cfg.microbatches != 1 or cfg.grad_reduce == "deferred"):
       raise ConfigError(f"pipeline={self.pipe.name} splits the batch into pipeline.microbatches and gathers "
                         f"weights per pipeline.gather; set schedule.microbatches=1 and a grad_reduce other than "
                         f"deferred (pipeline.gather=step gathers once per step)")
+    if self.pipe.staged and model.moe:
+      raise ConfigError(f"model.n_experts={model.n_experts} with pipeline={self.pipe.name}: the pipeline's stages do "
+                        f"not carry a MoE layer's router statistics yet; use pipeline=none (mesh.pipeline=1)")
 
   def pipeline(self, P: int):
     """The pipeline executor on P stages (schedules/pipeline.py: Pipeline), or None without one."""
@@ -346,6 +352,7 @@ class ExplicitSchedule:
     batch = self.layout.batch_axes(axis_names)
     layers = [(PIPELINE,)] if self.pipe.staged and PIPELINE in axis_names else [()]
     return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": layers, "length": [(), (CONTEXT,)],
+            "experts": [(EXPERT,), ()], "expert_mlp": [()],
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
@@ -353,6 +360,8 @@ class ExplicitSchedule:
     attention strategy cannot run: one line."""
     honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or f"the {type(self).__name__} schedule")
     self.cp.check(dict(shape))
+    if self.model.moe:
+      self.ep.check(dict(shape))
     pipe = self.pipeline(shape.get(PIPELINE, 1))
     if pipe is not None:
       pipe.check(self.model.n_layers, dict(shape))
@@ -363,8 +372,9 @@ class ExplicitSchedule:
     return self.cp.cfg.order(self.model.seq_len, self.cp.parts(shape))
 
   def bind(self, mesh) -> None:
-    """The mesh the step is built for: checked (check_mesh)."""
+    """The mesh the step is built for: checked (check_mesh); the dispatcher learns its devices' platform."""
     self.check_mesh(dict(mesh.shape))
+    self.ep.bind(mesh)
 
   @property
   def residual_axes(self) -> tuple[str, ...]:
@@ -453,10 +463,18 @@ class ExplicitSchedule:
     demand through `fetch`, or already gathered) and layer loop, and the model's attention."""
     weight = (lambda name: params[name]) if gathered else (lambda name: self.fetch(params[name], self.decls[name]))
     layers = lambda x, layer_fn: self.layer_loop(x, params["layers"], layer_fn, gathered)
-    return Parallel(self.ops, weight, layers, self.cp.attend)
+    return Parallel(self.ops, weight, layers, self.cp.attend, self.ep.dispatch, self.seq_sum)
+
+  def seq_sum(self, a):
+    """A per-sequence sum over the devices that split each sequence: the `length` axes and, when the residual
+    stream is sequence-parallel, `tensor` (the router's per-sequence counts)."""
+    names = jax.sharding.get_abstract_mesh().axis_names
+    axes = self.layout.rule("length", names) + ((TENSOR,) if self.ops.seq_sharded else ())
+    return C.psum(a, axes, name="router_counts") if axes else a
 
   def loss_and_grads(self, params, batch: Batch, n_tokens: int):
-    """Loss and gradients (shaped and sharded like `params`, fully reduced) for this device's batch."""
+    """Loss and gradients (shaped and sharded like `params`, fully reduced) for this device's batch; a MoE model's
+    router statistics third (model.loss_and_stats)."""
     names = jax.sharding.get_abstract_mesh().axis_names
     pipe = self.pipeline(jax.sharding.get_abstract_mesh().shape[PIPELINE] if PIPELINE in names else 1)
     if pipe is not None:
@@ -464,10 +482,15 @@ class ExplicitSchedule:
     batches = microbatches(batch, self.cfg.microbatches)
     if self.cfg.grad_reduce == "deferred":
       gathered = self.gather_all(params)                          # one all-gather per parameter per step
-      loss, g = self._accumulate(gathered, batches, n_tokens, gathered=True)
-      return loss, self.reduce_all(g, params)                     # one reduce-scatter per parameter per step
+      loss, g, *stats = self._accumulate(gathered, batches, n_tokens, gathered=True)
+      return (loss, self.reduce_all(g, params), *stats)           # one reduce-scatter per parameter per step
     return self._accumulate(params, batches, n_tokens, gathered=False)
 
   def _accumulate(self, params, batches: Batch, n_tokens, gathered):
+    if self.model.moe:
+      loss_fn = lambda p, b: M.loss_and_stats(self.context(p, gathered), self.model, b, n_tokens)
+      (loss, stats), g = accumulate(jax.value_and_grad(loss_fn, has_aux=True), params, batches, C.zeros_like,
+                                    M.zero_stats(self.model))
+      return loss, g, stats
     loss_fn = lambda p, b: M.loss(self.context(p, gathered), self.model, b, n_tokens)
     return accumulate(jax.value_and_grad(loss_fn), params, batches, C.zeros_like)

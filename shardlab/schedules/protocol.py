@@ -89,6 +89,27 @@ class ContextStrategy(Protocol):
     ...
 
 
+@runtime_checkable
+class ExpertDispatcher(Protocol):
+  """How a MoE layer's tokens reach their experts over `expert` and come back (`expert.impl`,
+  schedules/expert.py). Built as `cls(model: ModelConfig, layout: Layout, cfg: ExpertConfig)`; subclassing
+  schedules.expert.Dispatcher gives the checks."""
+  cfg: Any   # the ExpertConfig it was built with
+
+  def check(self, shape: dict) -> None:
+    """One ConfigError line for a mesh of `shape` ({axis: size}) or settings it cannot run."""
+    ...
+
+  def runs_on(self, platform: str) -> str | None:
+    """Why it cannot run on devices of `platform` ("cpu", "gpu", "tpu"), or None."""
+    ...
+
+  def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    """Inside shard_map: this device's tokens x [T, D], each token's experts idx [T, k] and gates [T, k], this
+    device's experts' weights -> (y [T, D], the assignments dropped)."""
+    ...
+
+
 class ContextCost(Protocol):
   """A context strategy's cost terms (optional: schedules/context.py's classes have them, and a subclass inherits
   them): what the analysis evaluates to price it (analysis/context_cost.py, memory_model.py), so a user's

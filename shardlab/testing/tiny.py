@@ -93,7 +93,8 @@ def _schedule_key(schedule, knobs) -> tuple:
 
 
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
-                     context: str | None = None, load_balance: bool = False, pipeline: dict | None = None, **knobs):
+                     context: str | None = None, load_balance: bool = False, pipeline: dict | None = None,
+                     expert: dict | None = None, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
@@ -102,17 +103,18 @@ def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None
   the default layout). context: the context-parallel strategy (context.impl; None: all_gather); load_balance:
   context.load_balance (the data in zigzag order). pipeline: PipelineConfig fields ({"impl": "1f1b",
   "microbatches": 4}; None: no pipeline); compare with `reference_loss_and_grads(model, pipeline=..)`, which runs
-  the layers in the pipeline's depth order."""
+  the layers in the pipeline's depth order. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all)."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
   return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
-                           context, load_balance, tuple(sorted((pipeline or {}).items())))
+                           context, load_balance, tuple(sorted((pipeline or {}).items())),
+                           tuple(sorted((expert or {}).items())))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False,
-                      pipe_items=()):
+                      pipe_items=(), expert_items=()):
   import jax
   import jax.numpy as jnp
   from shardlab import params as PM, schedules, train as T
@@ -124,8 +126,10 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
       name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance)
   from shardlab.config import PipelineConfig
   pipe = PipelineConfig(**{"name": dict(pipe_items).get("impl", "none"), **dict(pipe_items)}) if pipe_items else None
+  from shardlab.config import ExpertConfig
+  ep = ExpertConfig(**{"name": dict(expert_items).get("impl", "all_to_all"), **dict(expert_items)}) if expert_items else None
   sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout, *([cp] if cp else [])) if cls
-           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp, pipe))
+           else schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, cp, pipe, ep))
   micro = getattr(sched, "microbatches_on", lambda shape: cfg.schedule.microbatches)(dict(mesh_items))
   PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, micro,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)

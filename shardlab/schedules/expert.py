@@ -1,0 +1,210 @@
+"""Expert parallelism: a MoE layer's experts split over the `expert` mesh axis (the layout rule `experts ->
+expert`), and how each token reaches the experts its router picked and comes back. Outside the MoE layers the
+axis is one more batch axis (its own tokens; a weight replicated over it has its gradient summed over it), so
+expert parallelism borrows the data ranks, as Megatron-Core and torchtitan do.
+
+A dispatcher is the model's `ctx.experts(x, idx, gate, wi, wd) -> (y, dropped)` hook (schedules/parallel.py):
+x [T, D] this device's tokens, idx / gate [T, k] each token's experts and weights (model.route), wi / wd this
+device's experts' weights (E / N of them, gathered over fsdp by the schedule like every weight). Picked by the
+Hydra group `expert/` (`expert.impl`: a name in DISPATCHERS or `package.module:Class`):
+
+  all_to_all  GShard / DeepSpeed-MoE: each device fills `capacity` slots per expert with its assignments in
+              token order (the rest dropped; capacity_factor 0: as many slots as it has tokens, dropless), one
+              dense all_to_all over `expert` takes the [E, capacity, D] buffer to the experts' devices, each runs
+              its experts on N x capacity rows, one all_to_all brings them back. Backward (AD): the same two
+              all_to_alls the other way. Bytes per device per layer: 2 (N-1)/N x E x capacity x D each way.
+  all_gather  Megatron-Core's allgather dispatcher, MaxText's ring of experts: tokens, routes and gates
+              all-gathered over `expert`; each device runs its experts on the assignments routed to them (a
+              grouped GEMM, jax.lax.ragged_dot) and psum_scatters the combined outputs. Dropless. Backward: the
+              transposes (reduce-scatter of the tokens' gradients, all-gather of the outputs').
+  ragged      dropless, only the routed rows travel: each device all-gathers the per-expert counts, sorts its
+              assignments by expert and sends each device exactly its rows with ragged_all_to_all, which runs
+              the grouped GEMM on them and sends them back. XLA:CPU has no ragged_all_to_all: on a CPU the same
+              exchange runs through an all_to_all padded to the worst case (each device may send all its rows
+              to one device), which gives the same numbers (tests/test_expert.py), so the tests run on fake
+              devices; a program built for a GPU or TPU mesh (a target compile's) has the real collective.
+
+Each dispatcher places its collectives through shardlab.collectives, named expert_*, so the ledger and the
+audit read them.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from shardlab import collectives as C
+from shardlab import model as M
+from shardlab.config import ExpertConfig, ModelConfig
+from shardlab.errors import ConfigError
+from shardlab.layout import Layout
+from shardlab.loading import load_object
+
+
+class Dispatcher:
+  """What every dispatcher shares: the mesh axis the experts are split over, and the checks."""
+  point_to_point = False   # places no ppermute (what a pipeline asks: schedules/capability.py)
+  drops = False            # may drop assignments over a capacity
+
+  def __init__(self, model: ModelConfig, layout: Layout, cfg: ExpertConfig | None = None):
+    self.model, self.layout, self.cfg = model, layout, cfg or ExpertConfig()
+    self.platform = "cpu"   # of the devices the step is built for (bind)
+
+  def bind(self, mesh) -> None:
+    """The mesh the step is built for (the schedule's bind): its devices' platform ("cpu", "gpu", "tpu"; a target
+    compile's are the target's)."""
+    self.platform = mesh.devices.flat[0].platform
+
+  def axis(self):
+    """The mesh axis the experts are split over on the mesh being traced, or None."""
+    axes = self.layout.rule("experts", jax.sharding.get_abstract_mesh().axis_names)
+    return axes[0] if axes else None
+
+  def check(self, shape: dict) -> None:
+    """One line for a mesh of `shape` ({axis: size}) or settings it cannot run."""
+    axes = self.layout.rule("experts", tuple(shape))
+    name = f"expert={self.cfg.name}" if self.cfg.name == self.cfg.impl else f"expert.impl={self.cfg.impl}"
+    if len(axes) > 1:
+      raise ConfigError(f"layout rule experts -> {' x '.join(axes)}: {name} splits experts over one mesh axis")
+    if axes and axes[0] not in self.layout.batch_axes(tuple(shape)):
+      raise ConfigError(f"layout rule experts -> {axes[0]} with batch -> {' x '.join(self.layout.batch_axes(tuple(shape))) or 'none'}: "
+                        f"the expert axis must also carry the batch (each device routes its own tokens); add "
+                        f"{axes[0]} to layout.rules.batch")
+    if self.cfg.capacity_factor < 0:
+      raise ConfigError(f"expert.capacity_factor={self.cfg.capacity_factor}: must be >= 0 (0: dropless)")
+    if self.cfg.capacity_factor and not self.drops:
+      raise ConfigError(f"expert.capacity_factor={self.cfg.capacity_factor}: {name} is dropless (every token "
+                        f"reaches its experts); set expert.capacity_factor=0 or expert=all_to_all for a capacity")
+
+  def runs_on(self, platform: str) -> str | None:
+    """Why it cannot run on devices of `platform` ("cpu", "gpu", "tpu"), or None."""
+    return None
+
+  def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    raise NotImplementedError
+
+
+class AllToAll(Dispatcher):
+  """Capacity slots per expert, one dense all_to_all there and one back (GShard)."""
+  drops = True
+
+  def capacity(self, tokens: int) -> int:
+    """Slots per expert on a device with `tokens` tokens: ceil(capacity_factor x tokens x top_k / experts), at
+    least 1; capacity_factor 0: `tokens` (no expert can get more: a token picks an expert once)."""
+    f, m = self.cfg.capacity_factor, self.model
+    return tokens if not f else max(1, min(tokens, math.ceil(f * tokens * m.top_k / m.n_experts)))
+
+  def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    T, K = idx_TK.shape
+    D = x_TD.shape[-1]
+    E, El = self.model.n_experts, wi.shape[0]
+    N, cap = E // El, self.capacity(T)
+    e_M = idx_TK.reshape(-1)                                         # assignments in token order
+    pos_M = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(e_M, E, dtype=jnp.int32), axis=0), e_M[:, None],
+                                axis=1)[:, 0] - 1                    # its place in its expert's queue
+    keep_M = pos_M < cap
+    buf_ECD = jax.lax.stop_gradient(jnp.zeros_like(x_TD, shape=(E, cap, D)))   # varying like x
+    buf_ECD = buf_ECD.at[e_M, jnp.where(keep_M, pos_M, cap)].set(x_TD[jnp.arange(T * K) // K], mode="drop")
+    axis = self.axis()
+    buf = buf_ECD.reshape(N, El, cap, D)
+    if axis:                                                         # block j -> the device holding experts j
+      buf = C.all_to_all(buf, axis, 0, 0, name="expert_dispatch")    # [N sources, El, cap, D]
+    h_ERD = buf.transpose(1, 0, 2, 3).reshape(El, N * cap, D)
+    out = M.expert_mlp(h_ERD, wi, wd).reshape(El, N, cap, D).transpose(1, 0, 2, 3)
+    if axis:
+      out = C.all_to_all(out, axis, 0, 0, name="expert_combine")     # back to where the tokens live
+    y_MD = out.reshape(E, cap, D)[e_M, jnp.minimum(pos_M, cap - 1)] * keep_M[:, None].astype(x_TD.dtype)
+    return M.combine(y_MD.reshape(T, K, D), gate_TK), jnp.sum(~keep_M)
+
+
+class AllGather(Dispatcher):
+  """Tokens gathered over the expert axis, local experts on the ones routed to them, outputs reduce-scattered."""
+
+  def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    axis = self.axis()
+    if not axis:
+      return M.local_experts(x_TD, idx_TK, gate_TK, wi, wd), 0
+    first = jax.lax.axis_index(axis) * wi.shape[0]
+    xg = C.all_gather(x_TD, axis, 0, name="expert_gather_tokens")
+    ig = C.all_gather(idx_TK, axis, 0, name="expert_gather_routes")
+    gg = C.all_gather(gate_TK, axis, 0, name="expert_gather_gates")
+    y = M.local_experts(xg, ig, gg, wi, wd, first=first)            # this device's experts' share, every token
+    return C.psum_scatter(y, axis, 0, name="expert_combine"), 0
+
+
+class Ragged(Dispatcher):
+  """Counts exchanged, then exactly the routed rows, with ragged_all_to_all (a padded all_to_all on a CPU)."""
+
+  def runs_on(self, platform: str) -> str | None:
+    if platform == "cpu" and not self.cfg.cpu_fallback:
+      return ("expert=ragged with expert.cpu_fallback=false cannot run on a CPU (XLA:CPU has no "
+              "ragged_all_to_all); set expert.cpu_fallback=true, or compile_for=target dry_run=true to see the "
+              "GPU/TPU program")
+    return None
+
+  def exchange(self, x_MD, rows: int, cap: int, in_off, send, out_off, recv, axis, name):
+    """ragged_all_to_all of x's rows into a [rows, D] buffer; on a CPU (cpu_fallback) the same numbers through
+    an all_to_all of [N, cap, D] (cap: the most rows one device sends to another)."""
+    out = jax.lax.stop_gradient(jnp.zeros_like(x_MD, shape=(rows, x_MD.shape[-1])))   # (no gradient: a
+    # buffer's varying zeros would transpose to an all-reduce of its cotangent)
+
+    def real(x, out, in_off, send, out_off, recv):
+      return C.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis, name=name)
+
+    def padded(x, out, in_off, send, out_off, recv):
+      N, D = send.shape[0], x.shape[-1]
+      i = jnp.arange(x.shape[0])
+      dest = jnp.searchsorted(jnp.cumsum(send), i, side="right")     # N: sent nowhere
+      j = i - in_off[jnp.minimum(dest, N - 1)]
+      buf = jax.lax.stop_gradient(jnp.zeros_like(x, shape=(N, cap, D))).at[dest, j].set(x, mode="drop")
+      got = C.all_to_all(buf, axis, 0, 0, name=name)                 # [N sources, cap, D]
+      at = C.all_to_all(out_off.reshape(N, 1), axis, 0, 0, name=name + "_offsets")[:, 0]   # where each put it
+      k = jnp.arange(cap)[None, :]
+      where = jnp.where(k < recv[:, None], at[:, None] + k, rows).reshape(-1)
+      return out.at[where].set(got.reshape(N * cap, D), mode="drop")
+
+    args = (x_MD, out, in_off, send, out_off, recv)
+    return padded(*args) if self.platform == "cpu" and self.cfg.cpu_fallback else real(*args)
+
+  def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    axis = self.axis()
+    if not axis:
+      return M.local_experts(x_TD, idx_TK, gate_TK, wi, wd), 0
+    T, K = idx_TK.shape
+    D = x_TD.shape[-1]
+    E, El = self.model.n_experts, wi.shape[0]
+    N, MK = E // El, T * K
+    me = jax.lax.axis_index(axis)
+    e_M = idx_TK.reshape(-1)
+    order = jnp.argsort(e_M, stable=True)                            # by expert, so by destination
+    counts = jnp.bincount(e_M, length=E).astype(jnp.int32)
+    every = C.all_gather(counts[None], axis, 0, name="expert_counts")   # [N sources, E]
+    sd = every.reshape(N, N, El).sum(axis=2)                         # rows source s sends to device d
+    send, recv = sd[me], sd[:, me]
+    ex = lambda a, axis_: jnp.cumsum(a, axis=axis_) - a              # exclusive prefix sums
+    got = self.exchange(x_TD[order // K], N * MK, MK, ex(send, 0), send, ex(sd, 0)[me], recv, axis,
+                        "expert_dispatch")                           # [N MK, D]: source by source
+    mine = jax.lax.dynamic_slice_in_dim(every, me * El, El, axis=1).reshape(-1)   # [N sources x El] rows
+    seg = jnp.searchsorted(jnp.cumsum(mine), jnp.arange(N * MK), side="right")
+    local = jnp.where(seg < N * El, seg % El, El)                    # each row's local expert (El: empty)
+    order2 = jnp.argsort(local, stable=True)
+    out = M.grouped_mlp(got[order2], jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32), wi, wd)
+    out = jax.lax.stop_gradient(jnp.zeros_like(out)).at[order2].set(out)
+    back = self.exchange(out, MK, MK, ex(recv, 0), recv, ex(sd, 1)[:, me], send, axis, "expert_combine")
+    y_MD = jax.lax.stop_gradient(jnp.zeros_like(back)).at[order].set(back)
+    return M.combine(y_MD.reshape(T, K, D), gate_TK), 0
+
+
+DISPATCHERS = {"all_to_all": AllToAll, "all_gather": AllGather, "ragged": Ragged}
+
+
+def make(cfg: ExpertConfig, model: ModelConfig, layout: Layout):
+  """The dispatcher `expert.impl` names, built for the model, the run's layout and its settings; what a user's
+  constructor raises is one line (loading.call_user)."""
+  from shardlab.loading import call_user, check_instance
+  from shardlab.schedules.protocol import ExpertDispatcher
+  cls = load_object(cfg.impl, "expert.impl", DISPATCHERS, ExpertDispatcher)
+  out = call_user(cls, cfg.impl, "expert.impl", model, layout, cfg)
+  check_instance(out, cfg.impl, "expert.impl", ExpertDispatcher)
+  return out
