@@ -86,6 +86,7 @@ class ModelConfig:
   attention: str = "plain"   # plain (materialises [B, H, L, L]) | blockwise (online softmax, O(L) memory)
                              # | dot_product (jax.nn.dot_product_attention: cuDNN flash attention on GPU)
   attention_block: int = 512  # blockwise: queries and keys per block (min(this, seq_len))
+  head_size: int = 0         # each head's width; 0: d_model / n_heads (Qwen3 sets 128 beside d_model 2048, 32 heads)
   # Mixture of experts (model.n_experts > 0): every layer's MLP is a router and n_experts SwiGLU experts of width
   # expert_d_ff, each token through its top_k (softmax, then the top k renormalised: Mixtral, Qwen3-MoE), plus
   # n_shared_experts always-on experts (one dense SwiGLU of n_shared_experts x expert_d_ff, DeepSeek-MoE). The
@@ -99,7 +100,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    return self.head_size or self.d_model // self.n_heads
 
   @property
   def kv_heads(self) -> int:

@@ -150,6 +150,13 @@ def count(decls) -> int:
   return sum(math.prod(d.shape) for d in jax.tree.leaves(decls, is_leaf=is_param))
 
 
+def count_active(m: ModelConfig) -> int:
+  """Parameters one token computes with: all of them, less a MoE layer's experts it is not routed to
+  (n_experts - top_k of them per layer): what 6 N tokens counts for a MoE model's FLOPs."""
+  idle = m.n_layers * (m.n_experts - m.top_k) * 3 * m.d_model * m.expert_ff if m.moe else 0
+  return count(declare(m)) - idle
+
+
 class Need(NamedTuple):
   """One divisibility a mesh imposes: `setting`=`value` must be a multiple of the product of `axes`' sizes."""
   setting: str

@@ -22,16 +22,25 @@ def _rope(x, theta):
   return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
 
 
-def _moe(h, p, m):
+def _moe(h, p, m, capacity=None):
   """The routed experts the obvious way: every expert on every token, each output weighted by the token's gate
   for that expert (0 unless it is one of the token's top k). -> (y, load-balancing loss: the mean over
-  sequences of E sum_e f_e P_e, z-loss: the mean over tokens of logsumexp(logits)^2)."""
+  sequences of E sum_e f_e P_e, z-loss: the mean over tokens of logsumexp(logits)^2).
+
+  capacity (groups, slots): the batch's rows cut into `groups` equal runs; in each, the token-expert
+  assignments in token order, then k, and an expert keeps its first `slots` (GShard's capacity, per group)."""
   E, k = m.n_experts, m.top_k
   logits = jnp.einsum("bld,de->ble", h, p["router"])
   probs = jax.nn.softmax(logits, axis=-1)
   top, idx = jax.lax.top_k(probs, k)
   chosen = jax.nn.one_hot(idx, E).sum(axis=2)                            # [B, L, E]: 1 where e is in the top k
   weight = jnp.where(chosen > 0, probs, 0.0) / jnp.sum(top, axis=-1, keepdims=True)
+  if capacity is not None:
+    groups, slots = capacity
+    B, L = h.shape[:2]
+    picks = jax.nn.one_hot(idx, E).reshape(groups, B // groups * L * k, E)
+    kept = ((jnp.cumsum(picks, axis=1) <= slots).astype(picks.dtype) * picks).reshape(B, L, k, E).sum(axis=2)
+    weight = weight * kept
   y = jnp.zeros_like(h)
   for e in range(E):
     g = h @ p["we_i"][e][:, 0]
@@ -43,7 +52,8 @@ def _moe(h, p, m):
   return y, balance, z
 
 
-def loss(params, tokens, targets, cfg: Config):
+def loss(params, tokens, targets, cfg: Config, capacity=None):
+  """The mean next-token loss (and a MoE model's router losses). capacity: see _moe."""
   m = cfg.model
   if m.kind == "ffn":
     from shardlab.data import token_code   # the task's fixed input and target codes, not model math
@@ -70,7 +80,7 @@ def loss(params, tokens, targets, cfg: Config):
     x = x + jnp.einsum("blhk,hkd->bld", o, p["wo"])
     h = _norm(x, p["mlp_norm"], m.norm_eps)
     if m.n_experts:
-      y, balance, z = _moe(h, p, m)
+      y, balance, z = _moe(h, p, m, capacity)
       x = x + y
       router = router + m.router_aux_loss * balance + m.router_z_loss * z
     if "wi" in p:       # the dense MLP (a MoE model's shared experts)

@@ -142,7 +142,10 @@ def validate_plan(cfg: Config) -> None:
   m, mesh = cfg.model, cfg.mesh
   if m.kind not in ("transformer", "ffn"):
     raise ConfigError(f"model.kind={m.kind}: choose transformer or ffn")
-  if m.kind == "transformer":
+  if m.moe:
+    raise ConfigError(f"model.n_experts={m.n_experts}: the planner does not price a mixture of experts yet; compile "
+                      f"one instead (python -m shardlab model={m.name} dry_run=true compile_for=target)")
+  if m.kind == "transformer" and not m.head_size:
     _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
   layout = from_config(cfg)
   layout.check(tuple(mesh.shape))
@@ -233,7 +236,10 @@ def _validate_attention(cfg: Config) -> None:
   """The transformer's heads, attention and vocabulary."""
   from shardlab.attention import IMPLS, block_size
   m = cfg.model
-  _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
+  if m.head_size < 0:
+    raise ConfigError(f"model.head_size={m.head_size}: must be >= 1 (or 0: d_model / n_heads)")
+  if not m.head_size:
+    _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
   if m.n_kv_heads < 0:
     raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must be >= 1 (or 0: as many as model.n_heads)")
   if m.n_heads % m.kv_heads:

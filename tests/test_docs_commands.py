@@ -27,6 +27,7 @@ COMMANDS = {
     "python -m shardlab mesh=2x4 schedule=collective_matmul train.steps=50": COVERED,
     "python -m shardlab mesh.fsdp=8 mesh.tensor=1 schedule=fsdp_prefetch schedule.remat=full": COVERED,
     "python -m shardlab mesh=2x2x2": COVERED,
+    "python -m shardlab model=tiny_moe mesh.expert=2 mesh.fsdp=2 mesh.tensor=2 expert=all_gather": COVERED,
     "python -m shardlab mesh.context=2 mesh.fsdp=2": COVERED,
     "python -m shardlab mesh.context=4 mesh.fsdp=1 context=ulysses": COVERED,
     "python -m shardlab mesh.context=8 mesh.fsdp=1 mesh.tensor=1 context=ring context.load_balance=true": COVERED,

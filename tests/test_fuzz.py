@@ -170,6 +170,19 @@ BAD = [
     (["schedule.tp=shardlab.mesh:ConfigError"], "ConfigError is not a TPContraction: it has no honours, columns, "),
     (["train.seed=1"], "holds another run (summary.json: status ok, 6 steps); a new run would overwrite it"),
     (["checkpoint.every=2"], "holds checkpoints of another run (6); a fresh run would mix with them"),
+    # a mixture of experts (conf/model/tiny_moe.yaml: 8 experts, top 2)
+    (["model=tiny_moe", "model.top_k=9"], "model.top_k=9: each token picks between 1 and model.n_experts=8 experts"),
+    (["model=tiny_moe", "model.n_experts=6", "mesh.expert=4", "mesh.fsdp=2", "mesh.tensor=1"],
+     "model.n_experts=6 is not divisible by mesh.expert=4"),
+    (["model=tiny_moe", "expert=ragged", "expert.cpu_fallback=false", "mesh.expert=2", "mesh.fsdp=2"],
+     "expert=ragged with expert.cpu_fallback=false cannot run on a CPU"),
+    (["model=tiny_moe", "expert.capacity_factor=-1"], "expert.capacity_factor=-1.0: must be >= 0"),
+    (["model=tiny_moe", "expert=all_gather", "expert.capacity_factor=1.25", "mesh.expert=2", "mesh.fsdp=2"],
+     "expert=all_gather is dropless"),
+    (["mesh.expert=2", "mesh.fsdp=2"], "mesh.expert=2 splits a MoE layer's experts, but model.n_experts=0"),
+    (["model=tiny_moe", "schedule=gspmd"], "runs no MoE dispatch"),
+    (["model=tiny_moe", "pipeline=1f1b", "mesh.pipeline=2", "mesh.fsdp=2"],
+     "the pipeline's stages do not carry a MoE layer's router statistics yet"),
 ]
 SETUP = {   # index in BAD -> (make files, environment)
     BAD.index((["checkpoint.dir={tmp}/ck_file"], "is a file")): (lambda t: _file(t, "ck_file"), {}),

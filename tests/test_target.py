@@ -566,3 +566,23 @@ def test_gspmd_baseline_compiles_for_each_target_with_its_attention_kernel(prese
   if preset == "h100":
     hlo = "".join(p.read_text() for p in (tmp_path / "dump").glob("*after_optimizations.txt"))
     assert "__cudnn$fmha" in hlo
+
+
+def test_moe_ragged_dispatch_compiles_to_ragged_all_to_all_on_h100(tmp_path):
+  """The tiny MoE with expert=ragged compiled for 8 H100s: the program has ragged_all_to_all over `expert` (the
+  CPU runs a padded all_to_all instead), the ledger explains every byte (a ragged all-to-all counted at its
+  input, the most it can send) and nothing is unplanned (the GPU compiler drops the ragged ones' op_name: listed
+  as placed)."""
+  from conftest import compose
+  from shardlab.axes import EXPERT
+  from shardlab.config import to_config
+  from shardlab.trainer import train
+  cfg = to_config(compose("hardware=h100", "compile_for=target", "dry_run=true", "progress=false", "model=tiny_moe",
+                          "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "expert=ragged"))
+  summary = train(cfg, tmp_path / "run")
+  assert summary["status"] == "ok"
+  # 2 layers x (dispatch, combine) x (forward, backward); 4 instructions in the two layer loops
+  assert summary["comm"]["ragged-all-to-all"][EXPERT]["count"] == 8, summary["comm"]
+  assert summary["ledger"]["differences"] == [] and summary["audit"]["unplanned"] == [], summary["audit"]
+  dropped = [c for c in summary["audit"]["combined"] if c["kind"] == "ragged-all-to-all"]
+  assert len(dropped) == 4 and all(c["rewrite"] == ["placed; its op_name dropped by the compiler"] for c in dropped)

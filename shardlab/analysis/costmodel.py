@@ -179,7 +179,7 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     traced = built.get("traced") or built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
     program = ledger.from_program(traced.jaxpr)   # the trace trainer.lower lowered (traced again without it)
     residuals = built.get("layer_residuals")      # one layer's residual bytes, read off that trace by trainer.lower
-  n_params = PM.count(PM.declare(cfg.model))
+  n_params = PM.count_active(cfg.model)          # a MoE token computes with its top k experts only
   tokens = cfg.train.batch_size * cfg.model.seq_len
   ici = link_axes(cfg)
   from shardlab.analysis.program import Program

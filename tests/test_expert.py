@@ -1,0 +1,132 @@
+"""Mixture of experts with expert parallelism (schedules/expert.py): every dispatcher, dropless, is the same
+training as the plain reference (reference.py's MoE layer: every expert on every token, weighted by the gates)
+in loss and every gradient, on meshes with an expert axis (x fsdp, x data, x tensor, x context); with a
+capacity, the same as a reference that applies the same per-device capacity rule; ragged equal to all_to_all."""
+import numpy as np
+import pytest
+
+from conftest import reference_loss_and_grads
+from shardlab import testing
+from shardlab.testing import assert_trees_close
+
+RTOL, ATOL = 1e-4, 2e-6
+MOE = {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "router_z_loss": 1e-3, "n_layers": 2}
+DISPATCHERS = ("all_to_all", "all_gather", "ragged")
+
+
+def check(dispatcher, mesh, model=MOE, label="", **knobs):
+  loss, grads = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher}, **knobs)[1]
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (dispatcher, mesh, loss, ref_loss)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{dispatcher} {mesh} {label}: ")
+  return loss, grads
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_dispatcher_equals_the_reference_on_expert_x_fsdp_x_tensor(dispatcher):
+  check(dispatcher, "e2xf2xt2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["e8xf1xt1", "d2xe2xf2", "e4xt2", "e2xc2xf2", "e2xc2xt2"])
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_dispatcher_equals_the_reference_on_every_expert_mesh(dispatcher, mesh):
+  """Every mesh of 8 devices with an expert axis of 2, 4 or 8 beside fsdp, data, tensor (sequence-parallel:
+  each tensor rank routes its own tokens) and context (the per-sequence balance loss counts over the split)."""
+  check(dispatcher, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher,label,mesh,model,knobs", [
+    ("all_to_all", "shared experts", "e2xf2xt2", {**MOE, "n_shared_experts": 1}, {}),
+    ("ragged", "top 1 of 4", "e4xf2", {**MOE, "n_experts": 4, "top_k": 1}, {}),
+    ("all_gather", "allreduce TP (tokens whole on every tensor rank)", "e2xf2xt2", MOE, {"tp": "allreduce"}),
+    ("ragged", "microbatches", "e4xf2", MOE, {"microbatches": 2}),
+    ("all_to_all", "deferred gradient reduction", "e4xf2", MOE, {"grad_reduce": "deferred"}),
+    ("all_gather", "prefetch, weights kept", "e2xf2xt2", MOE, {"prefetch": 1, "reshard_after_forward": False}),
+    ("ragged", "full remat", "e2xf2xt2", MOE, {"remat": "full"}),
+])
+def test_moe_with_other_parts_equals_the_reference(dispatcher, label, mesh, model, knobs):
+  check(dispatcher, mesh, model, label, **knobs)
+
+
+@pytest.mark.slow
+def test_ragged_equals_all_to_all_at_worst_case_capacity():
+  """The ragged dispatcher's CPU exchange (a padded all_to_all) against the dense all_to_all with as many slots
+  as tokens: the same numbers."""
+  a = testing.compile_schedule(mesh_shape="e2xf2xt2", model=MOE, expert={"impl": "all_to_all"})[1]
+  b = testing.compile_schedule(mesh_shape="e2xf2xt2", model=MOE, expert={"impl": "ragged"})[1]
+  assert abs(float(a[0]) - float(b[0])) < 1e-6
+  assert_trees_close(b[1], a[1], rtol=RTOL, atol=ATOL, label="ragged vs all_to_all: ")
+
+
+def test_capacity_drops_as_the_same_rule_applied_to_the_reference():
+  """all_to_all with capacity_factor 1: each device (2 whole rows of 32 tokens on e4 x f2) keeps
+  ceil(64 x 2 / 8) = 16 slots per expert; the reference applying that rule to the same 8 groups of rows is the
+  same training, and differs from the dropless one (tokens were dropped)."""
+  import jax
+  from shardlab import params as PM, reference as R
+  loss, grads = testing.compile_schedule(mesh_shape="e4xf2xt1", model=MOE,
+                                         expert={"impl": "all_to_all", "capacity_factor": 1.0})[1]
+  cfg = testing.tiny_config(MOE)
+  p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
+  b = testing.tiny_batch()
+  with jax.numpy_dtype_promotion("strict"):
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg, capacity=(8, 16))))(p)
+  assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="capacity 1.0: ")
+  assert abs(float(ref_loss) - float(reference_loss_and_grads(MOE)[0])) > 1e-6   # something was dropped
+
+
+def test_router_metrics_and_the_plain_layer():
+  """The plain MoE layer (every expert on one device) is the reference's, and the step's router metrics are
+  the means the docs state: the balance loss of a uniform router is 1 per layer."""
+  import jax
+  import jax.numpy as jnp
+  from shardlab import model as M, params as PM
+  from shardlab.schedules.parallel import plain
+  from shardlab.train import router_metrics
+  cfg = testing.tiny_config(MOE)
+  m = cfg.model
+  p = PM.init(jax.random.key(0), PM.declare(m), m)
+  b = testing.tiny_batch()
+  from shardlab.data import split
+  batch = split(b)
+  n = b.shape[0] * m.seq_len
+  loss, stats = jax.jit(lambda p: M.loss_and_stats(plain(m, p), m, batch, n))(p)
+  assert abs(float(loss) - float(reference_loss_and_grads(MOE)[0])) < 1e-5
+  met = router_metrics(m, stats, n)
+  assert float(met["dropped_fraction"]) == 0 and float(stats["load"].sum()) == n * m.top_k * m.n_layers
+  assert 1.0 <= float(met["router_aux_loss"]) < 1.5 and float(met["expert_load_max_over_mean"]) >= 1
+  uniform = {"aux": jnp.float32(m.n_layers * b.shape[0]), "z": jnp.float32(0), "dropped": jnp.float32(0),
+             "load": jnp.ones(m.n_experts)}
+  assert np.isclose(float(router_metrics(m, uniform, n)["router_aux_loss"]), 1.0)
+
+
+def test_parameter_counts_of_the_moe_presets():
+  """Total parameters of the MoE presets within 0.5% of the published ones; active ones (published to two
+  digits: 12.9B, 3.3B, 1.3B) within 2% (Qwen3-30B-A3B's is 1.6% above its model card's 3.3B: 3.35B with both
+  embeddings counted)."""
+  from conftest import compose
+  from shardlab import params as PM
+  from shardlab.config import to_config
+  published = {"mixtral_8x7b": (46.7e9, 12.9e9), "qwen3_30b_a3b": (30.5e9, 3.3e9), "olmoe_1b_7b": (6.9e9, 1.3e9)}
+  for name, (total, active) in published.items():
+    m = to_config(compose(f"model={name}")).model
+    assert abs(PM.count(PM.declare(m)) / total - 1) < 0.005, name
+    assert abs(PM.count_active(m) / active - 1) < 0.02, name
+
+
+@pytest.mark.slow
+def test_the_readme_moe_command_trains_and_logs_the_router(tmp_path):
+  """README's tiny MoE command: the loss falls, and metrics.jsonl has the router's metrics every step."""
+  import json
+  from joints import shardlab
+  r = shardlab("model=tiny_moe", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "expert=all_gather",
+               "train.steps=12", "progress=false", f"hydra.run.dir={tmp_path / 'run'}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"] - 0.5
+  for row in rows:
+    assert row["dropped_fraction"] == 0 and row["router_aux_loss"] >= 1 and row["expert_load_max_over_mean"] >= 1
