@@ -97,6 +97,9 @@ class ModelConfig:
   n_shared_experts: int = 0
   router_aux_loss: float = 0.01  # load-balancing loss (Switch, arXiv:2101.03961), per sequence, times this
   router_z_loss: float = 0.0     # router z-loss (ST-MoE, arXiv:2202.08906): mean logsumexp(logits)^2, times this
+  router_skew: float = 0.0       # a fixed offset skew x (E-1-e)/(E-1) on expert e's logit when the top k are picked
+                                 # (not in the gates: DeepSeek-V3's selection bias, untrained): early experts get
+                                 # more tokens, to compare dispatchers under imbalance
 
   @property
   def head_dim(self) -> int:
@@ -171,6 +174,9 @@ class ExpertConfig:
                                   # device, the rest dropped (GShard); 0: dropless (every token kept)
   cpu_fallback: bool = True       # ragged on a CPU (no ragged_all_to_all there): the same exchange through a
                                   # padded all_to_all; false refuses to run ragged on a CPU
+  chunks: int = 1                 # dispatch, experts and combine in this many chunks of each device's tokens, so
+                                  # one chunk's transfers can run behind another's experts (MaxText's
+                                  # num_moe_token_chunks); a capacity then applies per chunk
 
 
 @dataclass

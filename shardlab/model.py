@@ -86,8 +86,18 @@ def route(m: ModelConfig, x_TD, w_DE):
   (each token's experts, best first), gate [T, k] (their weights, summing to 1)."""
   logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_DE.astype(jnp.float32))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-  top_TK, idx_TK = jax.lax.top_k(probs_TE, m.top_k)
+  if m.router_skew:     # picks on skewed logits, weighs by the router's own probabilities
+    _, idx_TK = jax.lax.top_k(logits_TE + skew(m)[None, :], m.top_k)
+    top_TK = jnp.take_along_axis(probs_TE, idx_TK, axis=-1)
+  else:
+    top_TK, idx_TK = jax.lax.top_k(probs_TE, m.top_k)
   return logits_TE, probs_TE, idx_TK, top_TK / jnp.sum(top_TK, axis=-1, keepdims=True)
+
+
+def skew(m: ModelConfig):
+  """model.router_skew's fixed offset on each expert's logit for the top-k pick: skew x (E-1-e)/(E-1)."""
+  E = m.n_experts
+  return m.router_skew * (E - 1 - jnp.arange(E, dtype=jnp.float32)) / max(E - 1, 1)
 
 
 def expert_mlp(x_ECD, wi_ED2F, wd_EFD):

@@ -32,7 +32,12 @@ def _moe(h, p, m, capacity=None):
   E, k = m.n_experts, m.top_k
   logits = jnp.einsum("bld,de->ble", h, p["router"])
   probs = jax.nn.softmax(logits, axis=-1)
-  top, idx = jax.lax.top_k(probs, k)
+  if m.router_skew:   # the pick on logits offset by skew x (E-1-e)/(E-1); the gates from the probabilities
+    bias = m.router_skew * (E - 1 - jnp.arange(E, dtype=jnp.float32)) / max(E - 1, 1)
+    _, idx = jax.lax.top_k(logits + bias[None, None, :], k)
+    top = jnp.take_along_axis(probs, idx, axis=-1)
+  else:
+    top, idx = jax.lax.top_k(probs, k)
   chosen = jax.nn.one_hot(idx, E).sum(axis=2)                            # [B, L, E]: 1 where e is in the top k
   weight = jnp.where(chosen > 0, probs, 0.0) / jnp.sum(top, axis=-1, keepdims=True)
   if capacity is not None:

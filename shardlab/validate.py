@@ -189,6 +189,16 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
                           cfg.pipeline, cfg.expert)  # its knobs
   check_layout(cfg, sched)
   ep = getattr(sched, "ep", None)
+  if m.moe and cfg.expert.chunks > 1:
+    layout, shape = from_config(cfg), mesh.shape
+    size = lambda axes: math.prod(shape[a] for a in axes)
+    names = tuple(shape)
+    tokens = (t.batch_size // size(layout.batch_axes(names)) // microbatches(cfg, sched)[0]
+              * (m.seq_len // size(layout.rule("length", names))))
+    tokens //= mesh.tensor if sched.ops.seq_sharded else 1
+    if tokens % cfg.expert.chunks:
+      raise ConfigError(f"expert.chunks={cfg.expert.chunks} does not divide the {tokens} tokens each device routes "
+                        f"per layer; choose chunks dividing them")
   if m.moe and ep is not None and n_devices is not None:   # the local devices run it (not a target's dry run)
     import jax
     why = ep.runs_on(jax.devices()[0].platform)
@@ -216,7 +226,7 @@ def _validate_experts(cfg: Config) -> None:
   if not 1 <= m.top_k <= m.n_experts:
     raise ConfigError(f"model.top_k={m.top_k}: each token picks between 1 and model.n_experts={m.n_experts} experts; "
                       f"choose top_k <= n_experts")
-  for name in ("expert_d_ff", "n_shared_experts", "router_aux_loss", "router_z_loss"):
+  for name in ("expert_d_ff", "n_shared_experts", "router_aux_loss", "router_z_loss", "router_skew"):
     if getattr(m, name) < 0:
       raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 0")
   if cfg.expert.capacity_factor < 0:

@@ -14,8 +14,9 @@ MOE = {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "router_z_loss": 1e-3, "n_
 DISPATCHERS = ("all_to_all", "all_gather", "ragged")
 
 
-def check(dispatcher, mesh, model=MOE, label="", **knobs):
-  loss, grads = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher}, **knobs)[1]
+def check(dispatcher, mesh, model=MOE, label="", expert=None, **knobs):
+  loss, grads = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher, **(expert or {})},
+                                         **knobs)[1]
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (dispatcher, mesh, loss, ref_loss)
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{dispatcher} {mesh} {label}: ")
@@ -102,6 +103,11 @@ def test_router_metrics_and_the_plain_layer():
   uniform = {"aux": jnp.float32(m.n_layers * b.shape[0]), "z": jnp.float32(0), "dropped": jnp.float32(0),
              "load": jnp.ones(m.n_experts)}
   assert np.isclose(float(router_metrics(m, uniform, n)["router_aux_loss"]), 1.0)
+  # model.router_skew sends more of the tokens to the early experts
+  import dataclasses
+  ms = dataclasses.replace(m, router_skew=2.0)
+  skewed = router_metrics(ms, jax.jit(lambda p: M.loss_and_stats(plain(ms, p), ms, batch, n))(p)[1], n)
+  assert float(skewed["expert_load_max_over_mean"]) > float(met["expert_load_max_over_mean"]) + 0.5
 
 
 def test_parameter_counts_of_the_moe_presets():
@@ -130,3 +136,50 @@ def test_the_readme_moe_command_trains_and_logs_the_router(tmp_path):
   assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"] - 0.5
   for row in rows:
     assert row["dropped_fraction"] == 0 and row["router_aux_loss"] >= 1 and row["expert_load_max_over_mean"] >= 1
+
+
+@pytest.mark.parametrize("dispatcher,platform", [("all_to_all", "cpu"), ("all_gather", "cpu"), ("ragged", "cpu"),
+                                                 ("ragged", "gpu")])
+def test_each_dispatchers_own_byte_count_equals_the_traced_program(dispatcher, platform):
+  """A dispatcher's bytes_per_layer (its own cost terms, evaluated at a Route) times the layers equals the bytes
+  of the collectives it placed (scopes expert_*) in the traced step, forward and backward; ragged as a CPU runs
+  it (padded all_to_alls) and as a GPU program has it (ragged_all_to_all, traced here, compiled in
+  tests/test_target.py)."""
+  import jax
+  import jax.numpy as jnp
+  from shardlab import params as PM, schedules, train as T
+  from shardlab.analysis import ledger
+  from shardlab.config import ExpertConfig
+  from shardlab.layout import Layout
+  from shardlab.schedules.expert import Route
+  cfg = testing.tiny_config(MOE)
+  mesh = testing.mesh_of("e2xf2xt2")
+  layout = Layout()
+  decls = PM.declare(cfg.model, 2, layout, mesh.axis_names)
+  sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, None, None,
+                          ExpertConfig(name=dispatcher, impl=dispatcher))
+  fn = T.make_grad_fn(cfg, sched, decls, mesh)
+  sched.ep.platform = platform                    # what bind read off the mesh's devices, for the trace alone
+  from jax.sharding import NamedSharding
+  params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
+                        decls, is_leaf=PM.is_param)
+  batch = testing.abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
+  rows = [r for r in ledger.from_program(jax.make_jaxpr(fn)(params, batch)) if r.scope.startswith("expert_")]
+  assert rows and (platform == "gpu") == any(r.kind == "ragged-all-to-all" for r in rows)
+  # tokens per device: 16 sequences over fsdp x expert, 32 positions over tensor (sequence-parallel)
+  r = Route(T=16 // 4 * 32 // 2, k=MOE["top_k"], E=MOE["n_experts"], N=2, D=cfg.model.d_model, e=4)
+  want = sched.ep.bytes_per_layer(r)
+  for part, backward in (("forward", False), ("backward", True)):
+    got = sum(x.total_bytes for x in rows if x.backward == backward)
+    assert got == MOE["n_layers"] * want[part], (dispatcher, platform, part, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["all_to_all", "ragged"])
+def test_chunks_and_a_skewed_router_equal_the_reference(dispatcher):
+  """expert.chunks=4 (dispatch, experts and combine per quarter of a device's tokens) is the same training,
+  dropless; so is a router whose pick is skewed toward the early experts (model.router_skew), which the reference
+  applies the same way."""
+  check(dispatcher, "e2xf2xt2", label="chunks 4", expert={"chunks": 4})
+  skewed = {**MOE, "router_skew": 2.0}
+  check(dispatcher, "e4xf2", skewed, label="router_skew 2")

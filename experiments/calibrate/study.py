@@ -5,13 +5,16 @@ the same compiled program twice: with the stock preset of this device and with a
 
     python -m shardlab.calibrate out=experiments/calibrate/cpu.yaml
     python experiments/calibrate/study.py calibrated=experiments/calibrate/cpu.yaml [out=DIR] [steps=N]
-        [deadline_s=S]
+        [deadline_s=S] [set=dense|moe]
 
 Writes DIR/study.json and DIR/study.md (DIR defaults to experiments/calibrate/results/<device>). One process
 compiles each case once (trainer.build + the local compile, as `python -m shardlab` does), trains `steps` steps on
 the Markov data, and replays that one program with both presets (analysis/costmodel.predict: the calibrated
 replay where the preset describes the device, the peak-rate replay for a stock CPU preset, which has no
 measured rates). `deadline_s`: start no case after this many seconds (a lent GPU's minutes are counted).
+`set=moe`: mixture-of-experts steps instead (experiments/moe/README.md): the grouped GEMM of the dropless
+dispatchers (expert=ragged: on one device every expert is local) against all_to_all's capacity buffers, with the
+dense model of the same active parameters beside them.
 """
 from __future__ import annotations
 
@@ -31,7 +34,23 @@ COMMON = {
     "gpu": ["model.n_layers=4", "model.seq_len=2048", "train.batch_size=8", "model.vocab_size=32000", "mesh=1x1",
             "precision=bf16", "model.attention=dot_product"],
 }
+MOE = lambda E, k, F: [f"model.n_experts={E}", f"model.top_k={k}", f"model.expert_d_ff={F}"]
+COMMON["cpu_moe"] = ["model.n_layers=2", "model.seq_len=128", "train.batch_size=8", "model.vocab_size=256",
+                     "mesh=1x1", "model.n_heads=8", "model.d_model=256"]
+COMMON["gpu_moe"] = ["model.n_layers=4", "model.seq_len=2048", "train.batch_size=8", "model.vocab_size=32000",
+                     "mesh=1x1", "precision=bf16", "model.attention=dot_product", "model.d_model=2048",
+                     "model.n_heads=16"]
 CASES = {
+    "cpu_moe": [("E8 k2 grouped (expert=ragged)", MOE(8, 2, 512) + ["expert=ragged"]),
+                ("E8 k2 capacity 1.25 (all_to_all)", MOE(8, 2, 512) + ["expert.capacity_factor=1.25"]),
+                ("E32 k4 grouped (expert=ragged)", MOE(32, 4, 128) + ["expert=ragged"]),
+                ("E32 k4 capacity 1.25 (all_to_all)", MOE(32, 4, 128) + ["expert.capacity_factor=1.25"]),
+                ("dense, the same active width", ["model.d_ff=1024"])],
+    "gpu_moe": [("E16 k2 grouped (expert=ragged)", MOE(16, 2, 4096) + ["expert=ragged"]),
+                ("E16 k2 capacity 1.25 (all_to_all)", MOE(16, 2, 4096) + ["expert.capacity_factor=1.25"]),
+                ("dense, the same active width", ["model.d_ff=8192"]),
+                ("E64 k8 grouped (expert=ragged)", MOE(64, 8, 1024) + ["expert=ragged"]),
+                ("E64 k8 capacity 1.25 (all_to_all)", MOE(64, 8, 1024) + ["expert.capacity_factor=1.25"])],
     "cpu": [("d512", ["model.d_model=512", "model.d_ff=2048"]),
             ("d256", ["model.d_model=256", "model.d_ff=1024"]),
             ("d1024", ["model.d_model=1024", "model.d_ff=4096"]),
@@ -77,7 +96,7 @@ def one(label: str, overrides: list[str], calibrated: str, stock: str, steps: in
   mesh = b["mesh"]
   prog = Program.of(compiled, mesh)
   tokens = cfg.train.batch_size * cfg.model.seq_len
-  n_params = PM.count(PM.declare(cfg.model))
+  n_params = PM.count_active(cfg.model)          # a MoE token computes with its top k experts only
   model_flops = 6 * n_params * tokens
   preds = {}
   for name, hw in (("calibrated", cfg.hardware), ("stock", stock_hw)):
@@ -145,7 +164,9 @@ def main(argv: list[str]) -> int:
   platform = "cpu" if dev.platform == "cpu" else "gpu"
   steps = int(opts.get("steps", 10 if platform == "cpu" else 20))
   deadline = float(opts.get("deadline_s", 1e9))
-  out = Path(opts.get("out", ROOT / "experiments" / "calibrate" / "results" / dev.device_kind.replace(" ", "_")))
+  kind = platform if opts.get("set", "dense") == "dense" else f"{platform}_moe"
+  where = ROOT / "experiments" / ("calibrate" if kind == platform else "moe") / "results"
+  out = Path(opts.get("out", where / dev.device_kind.replace(" ", "_")))
   out.mkdir(parents=True, exist_ok=True)
   import datetime
   res = {"device": {"platform": dev.platform, "kind": dev.device_kind, "jax": jax.__version__},
@@ -153,12 +174,12 @@ def main(argv: list[str]) -> int:
          "calibrated": opts["calibrated"], "stock": stock_name(dev.platform, dev.device_kind), "steps": steps,
          "rows": []}
   start = time.perf_counter()
-  for label, extra in CASES[platform]:
+  for label, extra in CASES[kind]:
     if time.perf_counter() - start > deadline:
       print(f"study: deadline reached, {label} and later cases not run", flush=True)
       break
     try:
-      row = one(label, COMMON[platform] + extra, opts["calibrated"], res["stock"], steps)
+      row = one(label, COMMON[kind] + extra, opts["calibrated"], res["stock"], steps)
     except Exception as e:  # noqa: BLE001  (a case that does not fit or compile: its row says why)
       row = {"case": label, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
     res["rows"].append(row)

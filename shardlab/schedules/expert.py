@@ -30,6 +30,7 @@ audit read them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,28 @@ from shardlab.layout import Layout
 from shardlab.loading import load_object
 
 
+@dataclass(frozen=True)
+class Route:
+  """One MoE layer on one device, for the cost terms: T tokens, each to k of E experts split over N devices,
+  D-wide rows of e bytes (the compute dtype; gates are float32, routes and counts int32)."""
+  T: int
+  k: int
+  E: int
+  N: int
+  D: int
+  e: int = 2
+
+  def moved(self, full: int, kind: str = "all-gather") -> int:
+    """Bytes a device sends for a collective over the N devices of a whole array of `full` bytes (analysis/hlo.py:
+    moved_bytes, the ledger's convention)."""
+    n = self.N
+    return (2 if kind == "all-reduce" else 1) * full * (n - 1) // n
+
+
 class Dispatcher:
-  """What every dispatcher shares: the mesh axis the experts are split over, and the checks."""
+  """What every dispatcher shares: the mesh axis the experts are split over, and the checks. Its cost terms
+  (bytes_per_layer, buffer_bytes) are evaluated at a `Route`, so a subclass or a user's dispatcher is priced by its
+  own terms, never by its name."""
   point_to_point = False   # places no ppermute (what a pipeline asks: schedules/capability.py)
   drops = False            # may drop assignments over a capacity
 
@@ -73,6 +94,8 @@ class Dispatcher:
                         f"{axes[0]} to layout.rules.batch")
     if self.cfg.capacity_factor < 0:
       raise ConfigError(f"expert.capacity_factor={self.cfg.capacity_factor}: must be >= 0 (0: dropless)")
+    if self.cfg.chunks < 1:
+      raise ConfigError(f"expert.chunks={self.cfg.chunks}: must be >= 1")
     if self.cfg.capacity_factor and not self.drops:
       raise ConfigError(f"expert.capacity_factor={self.cfg.capacity_factor}: {name} is dropless (every token "
                         f"reaches its experts); set expert.capacity_factor=0 or expert=all_to_all for a capacity")
@@ -82,6 +105,14 @@ class Dispatcher:
     return None
 
   def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    raise NotImplementedError
+
+  def bytes_per_layer(self, r: Route) -> dict:
+    """{"forward", "backward"}: bytes one device sends over the expert axis per layer (the ledger's convention)."""
+    raise NotImplementedError
+
+  def buffer_bytes(self, r: Route) -> int:
+    """Bytes of the dispatch buffers one layer holds on a device beside its tokens (memory)."""
     raise NotImplementedError
 
 
@@ -117,6 +148,15 @@ class AllToAll(Dispatcher):
     y_MD = out.reshape(E, cap, D)[e_M, jnp.minimum(pos_M, cap - 1)] * keep_M[:, None].astype(x_TD.dtype)
     return M.combine(y_MD.reshape(T, K, D), gate_TK), jnp.sum(~keep_M)
 
+  def bytes_per_layer(self, r: Route) -> dict:
+    """Two all_to_alls of the [E, capacity, D] buffer forward (there and back), their two transposes backward."""
+    f = 2 * r.moved(r.E * self.capacity(r.T) * r.D * r.e)
+    return {"forward": f, "backward": f}
+
+  def buffer_bytes(self, r: Route) -> int:
+    """The buffer sent, the one received and the experts' outputs: 3 x E x capacity x D."""
+    return 3 * r.E * self.capacity(r.T) * r.D * r.e
+
 
 class AllGather(Dispatcher):
   """Tokens gathered over the expert axis, local experts on the ones routed to them, outputs reduce-scattered."""
@@ -131,6 +171,16 @@ class AllGather(Dispatcher):
     gg = C.all_gather(gate_TK, axis, 0, name="expert_gather_gates")
     y = M.local_experts(xg, ig, gg, wi, wd, first=first)            # this device's experts' share, every token
     return C.psum_scatter(y, axis, 0, name="expert_combine"), 0
+
+  def bytes_per_layer(self, r: Route) -> dict:
+    """Forward: N T rows of tokens, routes and gates gathered, N T rows of outputs reduce-scattered. Backward: the
+    tokens' and gates' gradients reduce-scattered, the outputs' gradient gathered (routes carry none)."""
+    rows, picks = r.N * r.T * r.D * r.e, r.N * r.T * r.k * 4
+    return {"forward": r.moved(2 * rows + 2 * picks), "backward": r.moved(2 * rows + picks)}
+
+  def buffer_bytes(self, r: Route) -> int:
+    """The gathered tokens, their rows sorted by expert and the experts' outputs: N T (1 + 2 k) D."""
+    return r.N * r.T * (1 + 2 * r.k) * r.D * r.e
 
 
 class Ragged(Dispatcher):
@@ -195,8 +245,48 @@ class Ragged(Dispatcher):
     y_MD = jax.lax.stop_gradient(jnp.zeros_like(back)).at[order].set(back)
     return M.combine(y_MD.reshape(T, K, D), gate_TK), 0
 
+  def bytes_per_layer(self, r: Route) -> dict:
+    """On a GPU or TPU, at the most each exchange can send (its whole input: the rows are data-dependent): forward
+    the per-expert counts gathered, T k rows there and the N T k-row buffer back; backward the two exchanges the
+    other way, each with two all_to_alls of N offsets (jax's transpose). On a CPU (cpu_fallback) the padded
+    all_to_alls of N x T k rows each way, and the offsets."""
+    tk = r.T * r.k * r.D * r.e
+    if self.platform == "cpu" and self.cfg.cpu_fallback:
+      f = r.moved(r.N * r.E * 4) + 2 * r.moved(r.N * tk) + 2 * r.moved(r.N * 4)
+      return {"forward": f, "backward": 2 * r.moved(r.N * tk)}
+    offsets = 4 * r.moved(r.N * 4)
+    return {"forward": r.moved(r.N * r.E * 4) + r.moved(tk) + r.moved(r.N * tk),
+            "backward": r.moved(r.N * tk) + r.moved(tk) + offsets}
+
+  def buffer_bytes(self, r: Route) -> int:
+    """The receive buffer at its worst case (N T k rows), sorted by local expert, and the experts' outputs."""
+    return 3 * r.N * r.T * r.k * r.D * r.e
+
 
 DISPATCHERS = {"all_to_all": AllToAll, "all_gather": AllGather, "ragged": Ragged}
+
+
+def chunked(dispatch, chunks: int):
+  """`dispatch` over `chunks` equal runs of a device's tokens, one after the other (expert.chunks): each chunk's
+  dispatch, experts and combine depend on that chunk alone, so the compiler may run one chunk's transfers while
+  another's experts compute. -> (y, dropped) of the whole."""
+  if chunks <= 1:
+    return dispatch
+
+  def run(x_TD, idx_TK, gate_TK, wi, wd):
+    T = x_TD.shape[0]
+    if T % chunks:
+      raise ConfigError(f"expert.chunks={chunks} does not divide the {T} tokens each device routes per layer; "
+                        f"choose chunks dividing them")
+    n = T // chunks
+    ys, dropped = [], 0
+    for c in range(chunks):
+      part = slice(c * n, (c + 1) * n)
+      y, d = dispatch(x_TD[part], idx_TK[part], gate_TK[part], wi, wd)
+      ys.append(y)
+      dropped = dropped + d
+    return jnp.concatenate(ys, axis=0), dropped
+  return run
 
 
 def make(cfg: ExpertConfig, model: ModelConfig, layout: Layout):

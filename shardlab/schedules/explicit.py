@@ -463,7 +463,8 @@ class ExplicitSchedule:
     demand through `fetch`, or already gathered) and layer loop, and the model's attention."""
     weight = (lambda name: params[name]) if gathered else (lambda name: self.fetch(params[name], self.decls[name]))
     layers = lambda x, layer_fn: self.layer_loop(x, params["layers"], layer_fn, gathered)
-    return Parallel(self.ops, weight, layers, self.cp.attend, self.ep.dispatch, self.seq_sum)
+    return Parallel(self.ops, weight, layers, self.cp.attend,
+                    EP.chunked(self.ep.dispatch, getattr(self.ep.cfg, "chunks", 1)), self.seq_sum)
 
   def seq_sum(self, a):
     """A per-sequence sum over the devices that split each sequence: the `length` axes and, when the residual
