@@ -63,17 +63,22 @@ def attention_params(model) -> int:
   dim and G = model.kv_heads the key/value heads (grouped-query attention): D H K + 2 D G K + H K D. Multi-head
   (G = H) gives the book's 4 D^2 (training.md's 4DNH per layer); Llama 3 8B (D 4096, H 32, G 8): 2 D^2 + D^2 / 2."""
   d, h = model.d_model, model.n_heads
-  k = d // h
+  k = getattr(model, "head_size", 0) or d // h       # model.head_size: Qwen3's 128 beside D / H = 64
   g = getattr(model, "n_kv_heads", 0) or h
   return d * h * k + 2 * d * g * k + h * k * d
 
 
 def layer_params(model) -> int:
   """Parameters of one block. transformer: attention_params (4 D^2 for MHA, less with grouped-query attention)
-  + 3 D F (SwiGLU) + 2 D (norms); ffn: 2 D F."""
+  + 3 D F (SwiGLU) + 2 D (norms); ffn: 2 D F. A mixture of experts (model.n_experts = E): the router D E, E
+  experts of 3 D F_e and the shared experts' 3 D (S F_e) in place of the dense 3 D F."""
   d, f = model.d_model, model.d_ff
   if model.kind == "ffn":
     return 2 * d * f
+  if getattr(model, "n_experts", 0):
+    fe = model.expert_d_ff or f
+    mlp = d * model.n_experts + model.n_experts * 3 * d * fe + 3 * d * model.n_shared_experts * fe
+    return attention_params(model) + mlp + 2 * d
   return attention_params(model) + 3 * d * f + 2 * d
 
 
@@ -82,7 +87,7 @@ def kv_params(model) -> int:
   if model.kind == "ffn":
     return 0
   g = getattr(model, "n_kv_heads", 0) or model.n_heads
-  return 2 * model.d_model * g * (model.d_model // model.n_heads)
+  return 2 * model.d_model * g * (getattr(model, "head_size", 0) or model.d_model // model.n_heads)
 
 
 def block_shard_params(model, tensor: int) -> float:
