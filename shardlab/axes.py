@@ -1,7 +1,8 @@
 """The mesh axes, each declared once, in one ordered registry, outer (slowest links) to inner.
 
   pipeline  the `layers` dim: stages of the layer stack (across nodes on multi-node clusters)
-  data      the batch only; weights replicated (HSDP's replica groups, usually across nodes)
+  data      the batch only; weights replicated (HSDP's replica groups, usually across nodes); a MoE layer's
+            experts may split over it and `expert` both (expert=hierarchical: across nodes, then inside)
   fsdp      the batch and every weight's `embed` dim (ZeRO-3)
   expert    a MoE layer's experts (expert parallelism); the batch everywhere else, like a data axis
   context   the sequence of every activation (context parallelism, long sequences)
@@ -54,7 +55,8 @@ def declare(axis: Axis, before: str | None = None) -> Axis:
 
 for _axis in (
     Axis(PIPELINE, ("layers",), link="slow", short="p", doc="pipeline stages (the layers dim)"),
-    Axis(DATA, ("batch",), link="slow", short="d", doc="HSDP replicas: batch only, weights replicated"),
+    Axis(DATA, ("batch", "experts"), link="slow", short="d",
+         doc="HSDP replicas: the batch, weights replicated (a MoE layer's experts too, with expert=hierarchical)"),
     Axis(FSDP, ("batch", "embed"), always=True, short="f", doc="batch and every weight's embed dim (ZeRO-3)"),
     Axis(EXPERT, ("batch", "experts"), short="e",
          doc="a MoE layer's experts; outside the MoE layers the batch (its gradients summed over it)"),

@@ -28,6 +28,12 @@ Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
                      memory) or excluded with its reason (analysis/context_cost.py: choose); the answer is the
                      JSON's `context` and a table after the plan; when no split is chosen, one line
                      (`why_no_split`) says why none pays for its communication
+  expert_search=true  which dispatcher, expert-parallel degree and capacity for a mixture of experts (model.n_experts
+                     > 0) on N devices (devices=N, default the configured mesh's): every dispatcher at every degree
+                     dividing the experts and N, fsdp the rest, each predicted (step, experts, exposed dispatch,
+                     expert weights over fsdp, memory) by its own cost terms, or excluded with its reason
+                     (analysis/expert_cost.py: choose); the JSON's `expert` and a table. A MoE model is planned
+                     only this way
   top=K              keep the K best layouts in the JSON (implies search=true) and compile them for the target:
                      each gains `target` (compiled memory per device, calibrated step time, beside the closed
                      forms; needs the hardware preset's extra: pip install "shardlab[cuda12]" or "shardlab[tpu]")
@@ -47,7 +53,7 @@ import json
 import sys
 import textwrap
 
-from shardlab.axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
+from shardlab.axes import CONTEXT, DATA, EXPERT, FSDP, PIPELINE, TENSOR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
 from shardlab.outputs import human_bytes, human_seconds
 from shardlab.trainer import build
@@ -75,14 +81,14 @@ def one_line(e: BaseException) -> str:
 
 # The planner's own options: not part of conf/, so they are taken out of argv before Hydra sees it.
 OPTIONS = {"search": "bool", "top": "int", "rows": "int", "devices": "int", "torus": "dims", "plot": "path",
-           "confirm": "bool", "pipeline_search": "bool", "context_search": "bool",
+           "confirm": "bool", "pipeline_search": "bool", "context_search": "bool", "expert_search": "bool",
            "confirm_batch": "bool", "plot_layouts": "layouts"}
 
 
 def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   """(planner options, the Hydra overrides left). `search=true` and `plan.search=true` are the same."""
   opts = {"search": False, "top": 0, "rows": 0, "devices": 0, "torus": None, "plot": None, "confirm": None,
-          "plot_layouts": [], "pipeline_search": False, "context_search": False,
+          "plot_layouts": [], "pipeline_search": False, "context_search": False, "expert_search": False,
           "confirm_batch": False}
   rest = []
   for arg in argv:
@@ -158,6 +164,8 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
   opts, overrides = split_options(argv)
   cfg = compose(overrides)
   from shardlab.validate import validate_plan
+  if cfg.model.n_experts > 0 and opts["expert_search"]:   # a mixture of experts: its own search, nothing else
+    return {EXPERT: expert_answer(cfg, opts["devices"] or None)}, cfg, opts
   validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
   chosen = None
   if not opts["search"]:
@@ -199,6 +207,29 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
     from shardlab.analysis.plan_figure import efficiency_curve
     result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
   return result, cfg, opts
+
+
+def expert_answer(cfg, devices: int | None = None) -> dict:
+  """expert_cost.choose for summary.json-style output: MODEL PREDICTIONS."""
+  from shardlab.analysis import expert_cost
+  got = expert_cost.choose(cfg, devices)
+  return {**got, "model": cfg.model.name, "note": "model predictions (analysis/expert_cost.py); activations left out "
+          "of memory; tensor parallelism not searched"}
+
+
+def expert_table(ans: dict) -> str:
+  """expert_search's screen: the candidates fastest first, the excluded with why, the reason."""
+  n = ans["devices"]
+  out = [f"Expert parallelism for {ans['model']} on {n} devices (predictions, fastest first):", ""]
+  cols = ["dispatcher, EP", FSDP, "step", "experts", "dispatch", "fsdp gathers", "memory/device"]
+  body = [[c["label"], str(c["fsdp"]), _secs(c["t_step_s"]), _secs(c["t_experts_s"]), _secs(c["t_dispatch_s"]),
+           _secs(c["t_fsdp_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
+  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
+  out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
+          for r in [cols, *body]]
+  out += [f"  excluded: {k}: {v}" for k, v in ans["excluded"].items()]
+  out += ["", textwrap.fill(f"Chosen: {ans['reason']}" if ans["best"] else ans["reason"], 118)]
+  return "\n".join(out)
 
 
 def context_answer(cfg, devices: int | None = None) -> dict:
@@ -446,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   if as_json:
     print(text)
+    return 0
+  if EXPERT in result:
+    print(expert_table(result[EXPERT]))
     return 0
   print(table(result, cfg, opts["rows"] or opts["top"] or 5) if "answer" in result else summary(result, cfg))
   if CONTEXT in result:

@@ -143,8 +143,8 @@ def validate_plan(cfg: Config) -> None:
   if m.kind not in ("transformer", "ffn"):
     raise ConfigError(f"model.kind={m.kind}: choose transformer or ffn")
   if m.moe:
-    raise ConfigError(f"model.n_experts={m.n_experts}: the planner does not price a mixture of experts yet; compile "
-                      f"one instead (python -m shardlab model={m.name} dry_run=true compile_for=target)")
+    raise ConfigError(f"model.n_experts={m.n_experts}: the planner's layout search prices dense models; plan a mixture "
+                      f"of experts with expert_search=true (dispatcher, expert-parallel degree and capacity)")
   if m.kind == "transformer" and not m.head_size:
     _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
   layout = from_config(cfg)

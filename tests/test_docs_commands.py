@@ -65,6 +65,9 @@ COMMANDS = {
     "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50 checkpoint.resume=true": COVERED,
     "python -m shardlab mesh=1x8 train.steps=300 checkpoint.resume=true checkpoint.dir=outputs/r1/checkpoints": COVERED,
     "python -m shardlab schedule.impl=user_schedule:ExplicitReduce schedule.tp=user_schedule:NamedAllGatherTP": COVERED,
+    # docs/experts.md
+    "python -m shardlab.plan model=mixtral_8x7b hardware=h100_multinode devices=64 precision=bf16 "
+    "train.batch_size=128 expert_search=true": "plan",
     # docs/calibrate.md
     "python -m shardlab.calibrate out=my_machine.yaml": "measures for a minute: tests/test_calibrate.py runs it "
     "with grid=quick (in-process and as a command)",

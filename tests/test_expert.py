@@ -141,7 +141,7 @@ def test_the_readme_moe_command_trains_and_logs_the_router(tmp_path):
 
 
 @pytest.mark.parametrize("dispatcher,platform", [("all_to_all", "cpu"), ("all_gather", "cpu"), ("ragged", "cpu"),
-                                                 ("ragged", "gpu")])
+                                                 ("ragged", "gpu"), ("hierarchical", "cpu")])
 def test_each_dispatchers_own_byte_count_equals_the_traced_program(dispatcher, platform):
   """A dispatcher's bytes_per_layer (its own cost terms, evaluated at a Route) times the layers equals the bytes
   of the collectives it placed (scopes expert_*) in the traced step, forward and backward; ragged as a CPU runs
@@ -154,10 +154,12 @@ def test_each_dispatchers_own_byte_count_equals_the_traced_program(dispatcher, p
   from shardlab.config import ExpertConfig
   from shardlab.layout import Layout
   from shardlab.schedules.expert import Route
+  from shardlab.layout import DEFAULT_RULES
   cfg = testing.tiny_config(MOE)
-  mesh = testing.mesh_of("e2xf2xt2")
-  layout = Layout()
-  decls = PM.declare(cfg.model, 2, layout, mesh.axis_names)
+  two = dispatcher == "hierarchical"           # experts over data x expert (2 x 2), fsdp 2, tensor 1
+  mesh = testing.mesh_of("d2xe2xf2" if two else "e2xf2xt2")
+  layout = Layout.of({**DEFAULT_RULES, "experts": ("data", "expert")}) if two else Layout()
+  decls = PM.declare(cfg.model, 1 if two else 2, layout, mesh.axis_names)
   sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, None, None,
                           ExpertConfig(name=dispatcher, impl=dispatcher))
   fn = T.make_grad_fn(cfg, sched, decls, mesh)
@@ -165,11 +167,12 @@ def test_each_dispatchers_own_byte_count_equals_the_traced_program(dispatcher, p
   from jax.sharding import NamedSharding
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
-  batch = testing.abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
+  batch = testing.abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh, layout)
   rows = [r for r in ledger.from_program(jax.make_jaxpr(fn)(params, batch)) if r.scope.startswith("expert_")]
   assert rows and (platform == "gpu") == any(r.kind == "ragged-all-to-all" for r in rows)
   # tokens per device: 16 sequences over fsdp x expert, 32 positions over tensor (sequence-parallel)
-  r = Route(T=16 // 4 * 32 // 2, k=MOE["top_k"], E=MOE["n_experts"], N=2, D=cfg.model.d_model, e=4)
+  r = (Route(T=16 // 8 * 32, k=MOE["top_k"], E=MOE["n_experts"], N=4, D=cfg.model.d_model, e=4, split=(2, 2))
+       if two else Route(T=16 // 4 * 32 // 2, k=MOE["top_k"], E=MOE["n_experts"], N=2, D=cfg.model.d_model, e=4))
   want = sched.ep.bytes_per_layer(r)
   for part, backward in (("forward", False), ("backward", True)):
     got = sum(x.total_bytes for x in rows if x.backward == backward)
@@ -183,3 +186,50 @@ def test_chunks_and_a_skewed_router_equal_the_reference():
   applies the same way."""
   check("ragged", "e2xf2xt2", label="chunks 4", expert={"chunks": 4})
   check("all_to_all", "e4xf2", {**MOE, "router_skew": 2.0}, label="router_skew 2")
+
+
+@pytest.mark.slow
+def test_hierarchical_dispatch_over_two_axes_equals_the_reference():
+  """expert=hierarchical with the experts over data x expert (2 x 2 groups: across nodes, then inside): the
+  same training, dropless; the other dispatchers refuse two axes in one line."""
+  from shardlab.errors import ConfigError
+  from shardlab.layout import DEFAULT_RULES
+  rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "experts": ["data", "expert"]}
+  check("hierarchical", "d2xe2xf2", label="experts over data x expert", layout=rules)
+  with pytest.raises(ConfigError, match="layout rule experts -> data x expert: .* cannot honour it"):
+    testing.compile_schedule(mesh_shape="d2xe2xf2", model=MOE, expert={"impl": "all_to_all"}, layout=rules)
+
+
+def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
+  """`plan expert_search=true`: every dispatcher and degree, fastest predicted first, each priced by its own cost
+  terms (its bytes_per_layer at the candidate's Route); on an H100 cluster the grouped GEMM's dense rewrite makes
+  the dropless dispatchers pay E / n times the experts' rows, on a TPU not; a MoE without expert_search is one
+  line."""
+  from conftest import compose
+  from shardlab import plan
+  from shardlab.analysis import expert_cost
+  from shardlab.config import to_config
+  from shardlab.schedules.expert import DISPATCHERS, Route
+  cfg = to_config(compose("model=mixtral_8x7b", "hardware=h100_multinode", "precision=bf16", "train.batch_size=128"))
+  ans = expert_cost.choose(cfg, 64)
+  cands = ans["candidates"]
+  assert [c["t_step_s"] for c in cands] == sorted(c["t_step_s"] for c in cands)
+  assert (cands[0]["dispatcher"], cands[0]["expert"]) == ("all_to_all", 8) and ans["reason"].startswith(cands[0]["label"])
+  assert any("hierarchical" in k for k in ans["excluded"])
+  m = cfg.model
+  for c in cands:
+    if c["dispatcher"] != "hierarchical":
+      d = DISPATCHERS[c["dispatcher"]](m, None, type(cfg.expert)(c["dispatcher"], c["dispatcher"], c["capacity_factor"]))
+      d.platform = "gpu"
+      r = Route(T=128 * 4096 // 64, k=2, E=8, N=c["expert"], D=4096, e=2)
+      assert c["dispatch_bytes_per_layer"] == d.bytes_per_layer(r), c["label"]
+  by = {c["label"]: c for c in cands}
+  assert by["all_gather, EP 8"]["t_experts_s"] > 5 * by["all_to_all cf 1.25, EP 8"]["t_experts_s"]   # dense groups
+  tpu = expert_cost.choose(to_config(compose("model=mixtral_8x7b", "hardware=tpu_v5p", "precision=bf16",
+                                             "train.batch_size=128")), 64)
+  by = {c["label"]: c for c in tpu["candidates"]}
+  assert by["all_gather, EP 8"]["t_experts_s"] < by["all_to_all cf 1.25, EP 8"]["t_experts_s"]
+  assert plan.main(["model=tiny_moe", "expert_search=true", "devices=8"]) == 0
+  assert "Expert parallelism for tiny_moe on 8 devices" in capsys.readouterr().out
+  assert plan.main(["model=tiny_moe"]) == 2
+  assert "plan a mixture of experts with expert_search=true" in capsys.readouterr().err

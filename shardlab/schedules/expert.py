@@ -17,6 +17,9 @@ Hydra group `expert/` (`expert.impl`: a name in DISPATCHERS or `package.module:C
               all-gathered over `expert`; each device runs its experts on the assignments routed to them (a
               grouped GEMM, jax.lax.ragged_dot) and psum_scatters the combined outputs. Dropless. Backward: the
               transposes (reduce-scatter of the tokens' gradients, all-gather of the outputs').
+  hierarchical  all_to_all's buffers in two steps over two mesh axes (the layout rule `experts -> [data,
+              expert]`): across the outer axis (nodes) to the device of the same inner rank, then inside (DeepEP's
+              two-level dispatch, NVLink after the NICs); back the other way. The same capacity rule.
   ragged      dropless, only the routed rows travel: each device all-gathers the per-expert counts, sorts its
               assignments by expert and sends each device exactly its rows with ragged_all_to_all, which runs
               the grouped GEMM on them and sends them back. XLA:CPU has no ragged_all_to_all: on a CPU the same
@@ -37,6 +40,7 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import model as M
+from shardlab.axes import DATA, EXPERT
 from shardlab.config import ExpertConfig, ModelConfig
 from shardlab.errors import ConfigError
 from shardlab.layout import Layout
@@ -46,18 +50,20 @@ from shardlab.loading import load_object
 @dataclass(frozen=True)
 class Route:
   """One MoE layer on one device, for the cost terms: T tokens, each to k of E experts split over N devices,
-  D-wide rows of e bytes (the compute dtype; gates are float32, routes and counts int32)."""
+  D-wide rows of e bytes (the compute dtype; gates are float32, routes and counts int32). `split`: the sizes of
+  the mesh axes the experts are split over, outer first, when more than one (their product is N)."""
   T: int
   k: int
   E: int
   N: int
   D: int
   e: int = 2
+  split: tuple = ()
 
-  def moved(self, full: int, kind: str = "all-gather") -> int:
-    """Bytes a device sends for a collective over the N devices of a whole array of `full` bytes (analysis/hlo.py:
-    moved_bytes, the ledger's convention)."""
-    n = self.N
+  def moved(self, full: int, kind: str = "all-gather", n: int | None = None) -> int:
+    """Bytes a device sends for a collective over n (default: the N) devices of a whole array of `full` bytes
+    (analysis/hlo.py: moved_bytes, the ledger's convention)."""
+    n = self.N if n is None else n
     return (2 if kind == "all-reduce" else 1) * full * (n - 1) // n
 
 
@@ -92,6 +98,11 @@ class Dispatcher:
       raise ConfigError(f"layout rule experts -> {axes[0]} with batch -> {' x '.join(self.layout.batch_axes(tuple(shape))) or 'none'}: "
                         f"the expert axis must also carry the batch (each device routes its own tokens); add "
                         f"{axes[0]} to layout.rules.batch")
+    self.check_settings()
+
+  def check_settings(self) -> None:
+    """The settings alone: a capacity only where it drops, chunks >= 1."""
+    name = f"expert={self.cfg.name}" if self.cfg.name == self.cfg.impl else f"expert.impl={self.cfg.impl}"
     if self.cfg.capacity_factor < 0:
       raise ConfigError(f"expert.capacity_factor={self.cfg.capacity_factor}: must be >= 0 (0: dropless)")
     if self.cfg.chunks < 1:
@@ -104,6 +115,10 @@ class Dispatcher:
     """Why it cannot run on devices of `platform` ("cpu", "gpu", "tpu"), or None."""
     return None
 
+  def honours(self) -> dict:
+    """The layout rules it can run, as data ({logical dim: [mesh axes tuples]}): experts over `expert`, or whole."""
+    return {"experts": [(EXPERT,), ()]}
+
   def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
     raise NotImplementedError
 
@@ -113,6 +128,12 @@ class Dispatcher:
 
   def buffer_bytes(self, r: Route) -> int:
     """Bytes of the dispatch buffers one layer holds on a device beside its tokens (memory)."""
+    raise NotImplementedError
+
+  def expert_rows(self, r: Route, dense_groups: bool) -> float:
+    """Rows a device's expert GEMMs compute per layer (each row: one token through one SwiGLU expert), balanced
+    routing. dense_groups: the compiler runs a grouped GEMM (jax.lax.ragged_dot) densely over every local expert
+    (XLA:GPU, measured: experiments/moe/README.md) instead of over each group's rows."""
     raise NotImplementedError
 
 
@@ -157,6 +178,69 @@ class AllToAll(Dispatcher):
     """The buffer sent, the one received and the experts' outputs: 3 x E x capacity x D."""
     return 3 * r.E * self.capacity(r.T) * r.D * r.e
 
+  def expert_rows(self, r: Route, dense_groups: bool) -> float:
+    """Every slot: its E / N experts over N x capacity rows (an einsum per expert; empty slots cost the same)."""
+    return r.E * self.capacity(r.T)
+
+
+class Hierarchical(AllToAll):
+  """all_to_all's capacity buffers over two mesh axes, one after the other: outer (across nodes) first."""
+  levels = 2
+
+  def honours(self) -> dict:
+    """Experts over `data` (across nodes) and `expert` (inside), or whole (one device: nothing to dispatch)."""
+    return {"experts": [(DATA, EXPERT), ()]}
+
+  def axes(self):
+    """(outer, inner): the mesh axes the experts are split over on the mesh being traced, or () if fewer."""
+    axes = self.layout.rule("experts", jax.sharding.get_abstract_mesh().axis_names)
+    return axes if len(axes) == 2 else ()
+
+  def check(self, shape: dict) -> None:
+    axes = self.layout.rule("experts", tuple(shape))
+    if len(axes) != 2:
+      raise ConfigError(f"expert=hierarchical dispatches over two mesh axes (across nodes, then inside): set "
+                        f"layout.rules.experts=[data,expert] with mesh.data and mesh.expert > 1 (it is "
+                        f"{' x '.join(axes) or 'none'} on this mesh)")
+    self.check_settings()
+    for a in axes:
+      if a not in self.layout.batch_axes(tuple(shape)):
+        raise ConfigError(f"layout rule experts -> {' x '.join(axes)}: {a} must also carry the batch (each "
+                          f"device routes its own tokens); add it to layout.rules.batch")
+
+  def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
+    axes = self.axes()
+    if not axes:
+      return super().dispatch(x_TD, idx_TK, gate_TK, wi, wd)
+    outer, inner = axes
+    T, K = idx_TK.shape
+    D = x_TD.shape[-1]
+    E, El = self.model.n_experts, wi.shape[0]
+    No, Ni = C.axis_size(outer), C.axis_size(inner)
+    cap = self.capacity(T)
+    e_M = idx_TK.reshape(-1)
+    pos_M = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(e_M, E, dtype=jnp.int32), axis=0), e_M[:, None],
+                                axis=1)[:, 0] - 1
+    keep_M = pos_M < cap
+    buf = jax.lax.stop_gradient(jnp.zeros_like(x_TD, shape=(E, cap, D)))
+    buf = buf.at[e_M, jnp.where(keep_M, pos_M, cap)].set(x_TD[jnp.arange(T * K) // K], mode="drop")
+    # experts e = (o Ni + i) El + j live on the device of outer rank o, inner rank i
+    buf = C.all_to_all(buf.reshape(No, Ni, El, cap, D), outer, 0, 0, name="expert_dispatch_outer")
+    buf = C.all_to_all(buf.transpose(1, 0, 2, 3, 4), inner, 0, 0, name="expert_dispatch_inner")
+    h = buf.transpose(2, 0, 1, 3, 4).reshape(El, Ni * No * cap, D)       # [El, (inner src, outer src, slot), D]
+    out = M.expert_mlp(h, wi, wd).reshape(El, Ni, No, cap, D).transpose(1, 2, 0, 3, 4)
+    out = C.all_to_all(out, inner, 0, 0, name="expert_combine_inner")   # [Ni dest, No src, El, cap, D]
+    out = C.all_to_all(out.transpose(1, 0, 2, 3, 4), outer, 0, 0, name="expert_combine_outer")
+    y_MD = out.reshape(E, cap, D)[e_M, jnp.minimum(pos_M, cap - 1)] * keep_M[:, None].astype(x_TD.dtype)
+    return M.combine(y_MD.reshape(T, K, D), gate_TK), jnp.sum(~keep_M)
+
+  def bytes_per_layer(self, r: Route) -> dict:
+    """all_to_all's bytes in two steps: the [E, capacity, D] buffer over the outer axis, then the inner, each way;
+    the same backward."""
+    full = r.E * self.capacity(r.T) * r.D * r.e
+    f = 2 * sum(r.moved(full, n=n) for n in (r.split or (r.N,)))
+    return {"forward": f, "backward": f}
+
 
 class AllGather(Dispatcher):
   """Tokens gathered over the expert axis, local experts on the ones routed to them, outputs reduce-scattered."""
@@ -181,6 +265,10 @@ class AllGather(Dispatcher):
   def buffer_bytes(self, r: Route) -> int:
     """The gathered tokens, their rows sorted by expert and the experts' outputs: N T (1 + 2 k) D."""
     return r.N * r.T * (1 + 2 * r.k) * r.D * r.e
+
+  def expert_rows(self, r: Route, dense_groups: bool) -> float:
+    """Its share T k of the assignments; densely, every gathered assignment (N T k) through each local expert."""
+    return r.N * r.T * r.k * (r.E // r.N) if dense_groups else r.T * r.k
 
 
 class Ragged(Dispatcher):
@@ -262,8 +350,12 @@ class Ragged(Dispatcher):
     """The receive buffer at its worst case (N T k rows), sorted by local expert, and the experts' outputs."""
     return 3 * r.N * r.T * r.k * r.D * r.e
 
+  def expert_rows(self, r: Route, dense_groups: bool) -> float:
+    """The rows it receives (T k, balanced); densely, the whole N T k-row buffer through each local expert."""
+    return r.N * r.T * r.k * (r.E // r.N) if dense_groups else r.T * r.k
 
-DISPATCHERS = {"all_to_all": AllToAll, "all_gather": AllGather, "ragged": Ragged}
+
+DISPATCHERS = {"all_to_all": AllToAll, "all_gather": AllGather, "ragged": Ragged, "hierarchical": Hierarchical}
 
 
 def chunked(dispatch, chunks: int):

@@ -352,7 +352,7 @@ class ExplicitSchedule:
     batch = self.layout.batch_axes(axis_names)
     layers = [(PIPELINE,)] if self.pipe.staged and PIPELINE in axis_names else [()]
     return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": layers, "length": [(), (CONTEXT,)],
-            "experts": [(EXPERT,), ()], "expert_mlp": [()],
+            **getattr(self.ep, "honours", lambda: {"experts": [(EXPERT,), ()]})(), "expert_mlp": [()],
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
@@ -393,8 +393,9 @@ class ExplicitSchedule:
     w = shard.astype(self.dtype) if self.cfg.gather_dtype == "compute" else shard
     dim = decl.dim_of(FSDP)
     early = (TENSOR,) if decl.tensor_replicated else ()
-    if dim is not None:     # sharded over fsdp: reduce the data replicas' gradients on the shard
-      early += self.layout.replica_axes(jax.sharding.get_abstract_mesh().axis_names)
+    if dim is not None:     # sharded over fsdp: reduce the replicas' gradients on the shard (the token axes this
+      names = jax.sharding.get_abstract_mesh().axis_names      # weight is not sharded over: data, context, expert)
+      early += tuple(a for a in self.layout.token_axes(names) if a not in decl.mesh_axes())
     if early:
       w = C.pvary(w, early, name="replicated_weight")
     if dim is not None:
