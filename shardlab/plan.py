@@ -164,7 +164,13 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
   opts, overrides = split_options(argv)
   cfg = compose(overrides)
   from shardlab.validate import validate_plan
-  if cfg.model.n_experts > 0 and opts["expert_search"]:   # a mixture of experts: its own search, nothing else
+  if opts["expert_search"]:      # a mixture of experts: its own search, nothing else
+    from shardlab.validate import RANGES, check_ranges, validate_experts
+    if cfg.model.n_experts <= 0:
+      raise ValueError(f"expert_search=true: model={cfg.model.name} has no experts (model.n_experts=0); pick a MoE "
+                       f"model (e.g. model=mixtral_8x7b) or drop expert_search")
+    check_ranges(cfg, [r for r in RANGES if r[0].split(".")[0] not in ("checkpoint", "distributed", "profile")])
+    validate_experts(cfg)
     return {EXPERT: expert_answer(cfg, opts["devices"] or None)}, cfg, opts
   validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
   chosen = None

@@ -183,7 +183,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _validate_ffn(cfg)
   else:
     _validate_attention(cfg)
-  _validate_experts(cfg)
+  validate_experts(cfg)
   from_config(cfg).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
   sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg), cfg.context,
                           cfg.pipeline, cfg.expert)  # its knobs
@@ -211,7 +211,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   validate_launch(cfg)
 
 
-def _validate_experts(cfg: Config) -> None:
+def validate_experts(cfg: Config) -> None:
   """A mixture of experts' settings, and an expert axis only for one."""
   m, n = cfg.model, cfg.mesh.sizes.get(X.EXPERT, 1)
   if m.n_experts < 0:

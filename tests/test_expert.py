@@ -14,9 +14,9 @@ MOE = {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "router_z_loss": 1e-3, "n_
 DISPATCHERS = ("all_to_all", "all_gather", "ragged")
 
 
-def check(dispatcher, mesh, model=MOE, label="", expert=None, **knobs):
+def check(dispatcher, mesh, model=MOE, label="", expert=None, context=None, **knobs):
   loss, grads = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher, **(expert or {})},
-                                         **knobs)[1]
+                                         context=context, **knobs)[1]
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (dispatcher, mesh, loss, ref_loss)
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{dispatcher} {mesh} {label}: ")
@@ -48,6 +48,9 @@ def test_dispatcher_equals_the_reference_on_every_expert_mesh(dispatcher, mesh):
     ("all_to_all", "deferred gradient reduction", "e4xf2", MOE, {"grad_reduce": "deferred"}),
     ("all_gather", "prefetch, weights kept", "e2xf2xt2", MOE, {"prefetch": 1, "reshard_after_forward": False}),
     ("ragged", "full remat", "e2xf2xt2", MOE, {"remat": "full"}),
+    ("all_to_all", "ring TP (collective matmuls)", "e2xf2xt2", MOE, {"tp": "ring"}),
+    ("ragged", "ring attention over context", "e2xc2xf2", MOE, {"context": "ring"}),
+    ("all_gather", "ulysses over context", "e2xc2xf2", MOE, {"context": "ulysses"}),
 ])
 def test_moe_with_other_parts_equals_the_reference(dispatcher, label, mesh, model, knobs):
   check(dispatcher, mesh, model, label, **knobs)
@@ -196,15 +199,17 @@ def test_hierarchical_dispatch_over_two_axes_equals_the_reference():
   from shardlab.layout import DEFAULT_RULES
   rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "experts": ["data", "expert"]}
   check("hierarchical", "d2xe2xf2", label="experts over data x expert", layout=rules)
-  with pytest.raises(ConfigError, match="layout rule experts -> data x expert: .* cannot honour it"):
+  with pytest.raises(ConfigError, match="layout rule experts -> data x expert: expert=all_to_all splits experts over "
+                                        "one mesh axis"):
     testing.compile_schedule(mesh_shape="d2xe2xf2", model=MOE, expert={"impl": "all_to_all"}, layout=rules)
 
 
 def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
   """`plan expert_search=true`: every dispatcher and degree, fastest predicted first, each priced by its own cost
   terms (its bytes_per_layer at the candidate's Route); on an H100 cluster the grouped GEMM's dense rewrite makes
-  the dropless dispatchers pay E / n times the experts' rows, on a TPU not; a MoE without expert_search is one
-  line."""
+  the dropless dispatchers pay E / n times the experts' rows, on a TPU not; the best that drops tokens is
+  compared with the best that keeps them; a MoE without expert_search, and expert_search without experts, are one
+  line each."""
   from conftest import compose
   from shardlab import plan
   from shardlab.analysis import expert_cost
@@ -222,7 +227,7 @@ def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
       d = DISPATCHERS[c["dispatcher"]](m, None, type(cfg.expert)(c["dispatcher"], c["dispatcher"], c["capacity_factor"]))
       d.platform = "gpu"
       r = Route(T=128 * 4096 // 64, k=2, E=8, N=c["expert"], D=4096, e=2)
-      assert c["dispatch_bytes_per_layer"] == d.bytes_per_layer(r), c["label"]
+      assert c["dispatch_bytes_per_layer"] == d.expected_bytes(r), c["label"]
   by = {c["label"]: c for c in cands}
   assert by["all_gather, EP 8"]["t_experts_s"] > 5 * by["all_to_all cf 1.25, EP 8"]["t_experts_s"]   # dense groups
   tpu = expert_cost.choose(to_config(compose("model=mixtral_8x7b", "hardware=tpu_v5p", "precision=bf16",
@@ -233,3 +238,6 @@ def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
   assert "Expert parallelism for tiny_moe on 8 devices" in capsys.readouterr().out
   assert plan.main(["model=tiny_moe"]) == 2
   assert "plan a mixture of experts with expert_search=true" in capsys.readouterr().err
+  assert plan.main(["expert_search=true"]) == 2
+  assert "has no experts (model.n_experts=0)" in capsys.readouterr().err
+  assert "faster than all_to_all, EP 2" in ans["reason"]        # the best dropless one

@@ -181,6 +181,9 @@ BAD = [
      "expert=all_gather is dropless"),
     (["mesh.expert=2", "mesh.fsdp=2"], "mesh.expert=2 splits a MoE layer's experts, but model.n_experts=0"),
     (["model=tiny_moe", "schedule=gspmd"], "runs no MoE dispatch"),
+    (["model=tiny_moe", "expert=hierarchical", "mesh.expert=2", "mesh.fsdp=2"],
+     "expert=hierarchical dispatches over two mesh axes (across nodes, then inside)"),
+    (["model=tiny_moe", "expert.chunks=3", "mesh.expert=2", "mesh.fsdp=2"], "expert.chunks=3 does not divide the"),
     (["model=tiny_moe", "pipeline=1f1b", "mesh.pipeline=2", "mesh.fsdp=2"],
      "the pipeline's stages do not carry a MoE layer's router statistics yet"),
 ]

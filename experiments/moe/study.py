@@ -2,7 +2,7 @@
 against a published measurement. Every step time and memory here is a PREDICTION of shardlab's cost model for
 the compiled program (deviceless compiles on this CPU machine); the published figure is a MEASUREMENT.
 
-    python experiments/moe/study.py [out=experiments/moe/results] [only=SUBSTRING]
+    python experiments/moe/study.py [out=experiments/moe/results] [only=SUBSTRING] [runs=/tmp/shardlab-moe-runs]
 
 For each case: `python -m shardlab` as a dry run with compile_for=target (trainer.train), the summary's bytes per
 collective per mesh axis, the ledger's differences (every byte the compiler moves against the program's: [] when
@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
   opts = dict(a.split("=", 1) for a in argv if "=" in a)
   out = Path(opts.get("out", ROOT / "experiments" / "moe" / "results"))
   only = opts.get("only", "")
+  runs = Path(opts.get("runs", f"/tmp/shardlab-moe-runs/{time.strftime('%Y%m%d-%H%M%S')}"))   # each run's dir
   from shardlab.mesh import set_cpu_devices
   set_cpu_devices(8)
   cases = [(f"{t} / {d}", d, to + do) for t, to in TARGETS for d, do in DISPATCHERS]
@@ -95,7 +96,7 @@ def main(argv: list[str]) -> int:
     if only not in label:
       continue
     try:
-      row = {**one(label, overrides, out / "runs"), "dispatcher": disp}
+      row = {**one(label, overrides, runs), "dispatcher": disp}
     except Exception as e:  # noqa: BLE001  (a case that does not compile: its row says why)
       row = {"case": label, "dispatcher": disp, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
     if label == MAXTEXT[0] and "predicted_tflops_per_device" in row:

@@ -7,15 +7,19 @@ dispatcher's own cost terms at a `Route` (never by its name):
              rate; a grouped GEMM on a CUDA target runs densely over the local experts (XLA's rewrite of
              jax.lax.ragged_dot, measured on an H200: experiments/moe/README.md); elsewhere over its groups' rows
              (an assumption: not measured)
-  dispatch   its `bytes_per_layer`, forward and backward, over the links the expert axis rides (inside a node
+  dispatch   its `expected_bytes` (bytes_per_layer under balanced routing), forward and backward, over the
+             links the expert axis rides (inside a node
              while n <= devices per host, else the slower of that and the data-centre network; hierarchical's outer
              step across nodes, its inner inside), exposed (the tokens wait for it)
-  fsdp       each device's E / n experts gathered over fsdp in forward and again in backward, their gradients
-             reduce-scattered: exposed beyond the layer's compute (prefetch hides the rest)
+  fsdp       each device's E / n experts and the layer's other weights gathered over fsdp in forward and again
+             in backward, their gradients reduce-scattered: exposed beyond the layer's compute (prefetch hides
+             the rest)
   the rest   attention, norms and the dense layers: 6 x their parameters x tokens at the GEMM rate (the same for
              every candidate)
   memory     16 B per parameter over its shards (experts over every device, the rest over fsdp only) and the
              dispatcher's `buffer_bytes`; activations are left out (the same for every candidate)
+Left out: the all-reduce over `expert` of the other weights' gradient shards, expert.chunks and microbatches
+(per-chunk capacity), tensor parallelism, and routing imbalance (every candidate is priced balanced).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ def candidate(cfg, N: int, name: str, cf: float, n: int) -> dict:
   m, hw = cfg.model, cfg.hardware
   label = f"{name}{f' cf {cf:g}' if cf else ''}, EP {n}"
   d = EP.DISPATCHERS[name](m, Layout(), ExpertConfig(name=name, impl=name, capacity_factor=cf))
-  d.platform = {"cuda": "gpu", "tpu": "tpu"}.get(hw.target_platform, "gpu")
+  d.platform = {"cuda": "gpu", "tpu": "tpu"}.get(hw.target_platform, "cpu")
   dph = hw.devices_per_host or N
   split = ()
   if getattr(d, "levels", 1) == 2:
@@ -59,17 +63,18 @@ def candidate(cfg, N: int, name: str, cf: float, n: int) -> dict:
     b = {"forward": 0, "backward": 0}
     t_dispatch = 0.0
     for size, across in ((split[0], True), (split[1], False)):
-      one = d.bytes_per_layer(EP.Route(r.T, r.k, r.E, n, r.D, r.e, split=(size,)))
+      one = d.expected_bytes(EP.Route(r.T, r.k, r.E, n, r.D, r.e, split=(size,)))
       b = {k: b[k] + one[k] for k in b}
       t_dispatch += L * (one["forward"] + one["backward"]) / _bandwidth(hw, across)
   else:
-    b = d.bytes_per_layer(r)
+    b = d.expected_bytes(r)
     t_dispatch = L * (b["forward"] + b["backward"]) / _bandwidth(hw, n > dph)
   f = N // n
-  local = m.n_experts // n * 3 * m.d_model * F * e
+  dense_params = PM.count(PM.declare(m)) - expert_params
+  layer_dense = (dense_params - 2 * m.vocab_size * m.d_model) / L           # a layer's weights beside its experts
+  local = (m.n_experts // n * 3 * m.d_model * F + layer_dense) * e
   t_fsdp = L * 3 * local * (f - 1) / f / _bandwidth(hw, N > dph)
   compute = t_experts + t_rest
-  dense_params = PM.count(PM.declare(m)) - expert_params
   memory = 16 * (expert_params / N + dense_params / f) + d.buffer_bytes(r)
   out = {"label": label, "dispatcher": name, "expert": n, "fsdp": f, "capacity_factor": cf,
          "t_step_s": compute + t_dispatch + max(0.0, t_fsdp - compute), "t_experts_s": t_experts,
@@ -89,8 +94,8 @@ def choose(cfg, devices: int | None = None) -> dict:
   cands, excluded = [], {}
   for n in degrees:
     for name, cf in CANDIDATES:
-      if n == 1 and (name == "hierarchical" or (name, cf) == ("all_to_all", 0.0)):
-        continue                    # one device per expert group: nothing to dispatch beyond the local experts
+      if n == 1 and name not in ("all_gather", "all_to_all") or (n, name, cf) == (1, "all_to_all", 0.0):
+        continue                    # EP 1: nothing is dispatched; the grouped GEMM (all_gather) or capacity slots
       c = candidate(cfg, N, name, cf, n)
       (excluded.__setitem__(c["label"], c["why"]) if "why" in c else cands.append(c))
   cands.sort(key=lambda c: c["t_step_s"])
@@ -106,6 +111,8 @@ def _reason(cands: list[dict]) -> str:
                    f"{hs(c['t_dispatch_s'])} exposed, expert weights over fsdp {hs(c['t_fsdp_s'])})")
   if len(cands) == 1:
     return f"{say(best)}; the only candidate"
-  other = next((c for c in cands[1:] if c["dispatcher"] != best["dispatcher"]), cands[1])
-  drop = "; it drops the assignments over its capacity" if best["drops"] else ""
-  return f"{say(best)}, {other['t_step_s'] / best['t_step_s'] - 1:.0%} faster than {say(other)}{drop}"
+  # against the best that keeps every token when the best drops some, else the best of another dispatcher
+  other = next((c for c in cands[1:] if not c["drops"]), None) if best["drops"] else None
+  other = other or next((c for c in cands[1:] if c["dispatcher"] != best["dispatcher"]), cands[1])
+  drop = ("; it drops the assignments over its capacity (priced with balanced routing)" if best["drops"] else "")
+  return f"{say(best)}, {other['t_step_s'] / best['t_step_s']:.1f}x faster than {say(other)}{drop}"

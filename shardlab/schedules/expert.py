@@ -18,8 +18,10 @@ Hydra group `expert/` (`expert.impl`: a name in DISPATCHERS or `package.module:C
               grouped GEMM, jax.lax.ragged_dot) and psum_scatters the combined outputs. Dropless. Backward: the
               transposes (reduce-scatter of the tokens' gradients, all-gather of the outputs').
   hierarchical  all_to_all's buffers in two steps over two mesh axes (the layout rule `experts -> [data,
-              expert]`): across the outer axis (nodes) to the device of the same inner rank, then inside (DeepEP's
-              two-level dispatch, NVLink after the NICs); back the other way. The same capacity rule.
+              expert]`): across the outer axis (nodes) to the device of the same inner rank, then inside; back
+              the other way. The same capacity rule and the same bytes across nodes as one all_to_all (no
+              de-duplication of a token bound for several experts of one node, which DeepEP adds): what it
+              changes is that the inner step runs on the node's own links.
   ragged      dropless, only the routed rows travel: each device all-gathers the per-expert counts, sorts its
               assignments by expert and sends each device exactly its rows with ragged_all_to_all, which runs
               the grouped GEMM on them and sends them back. XLA:CPU has no ragged_all_to_all: on a CPU the same
@@ -51,7 +53,9 @@ from shardlab.loading import load_object
 class Route:
   """One MoE layer on one device, for the cost terms: T tokens, each to k of E experts split over N devices,
   D-wide rows of e bytes (the compute dtype; gates are float32, routes and counts int32). `split`: the sizes of
-  the mesh axes the experts are split over, outer first, when more than one (their product is N)."""
+  the mesh axes the experts are split over, outer first, when more than one (their product is N). The terms
+  describe one dispatch of all T tokens: with expert.chunks and a capacity the slots are per chunk (c x
+  ceil(f T k / (c E)), a little more), which they leave out."""
   T: int
   k: int
   E: int
@@ -129,6 +133,11 @@ class Dispatcher:
   def buffer_bytes(self, r: Route) -> int:
     """Bytes of the dispatch buffers one layer holds on a device beside its tokens (memory)."""
     raise NotImplementedError
+
+  def expected_bytes(self, r: Route) -> dict:
+    """bytes_per_layer under balanced routing (what the planner prices); the same unless the rows a dispatcher
+    sends are data-dependent."""
+    return self.bytes_per_layer(r)
 
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """Rows a device's expert GEMMs compute per layer (each row: one token through one SwiGLU expert), balanced
@@ -263,8 +272,9 @@ class AllGather(Dispatcher):
     return {"forward": r.moved(2 * rows + 2 * picks), "backward": r.moved(2 * rows + picks)}
 
   def buffer_bytes(self, r: Route) -> int:
-    """The gathered tokens, their rows sorted by expert and the experts' outputs: N T (1 + 2 k) D."""
-    return r.N * r.T * (1 + 2 * r.k) * r.D * r.e
+    """The gathered tokens, their rows sorted by expert, the experts' outputs, those back in token order and
+    combined: N T (2 + 3 k) D."""
+    return r.N * r.T * (2 + 3 * r.k) * r.D * r.e
 
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """Its share T k of the assignments; densely, every gathered assignment (N T k) through each local expert."""
@@ -349,6 +359,15 @@ class Ragged(Dispatcher):
   def buffer_bytes(self, r: Route) -> int:
     """The receive buffer at its worst case (N T k rows), sorted by local expert, and the experts' outputs."""
     return 3 * r.N * r.T * r.k * r.D * r.e
+
+  def expected_bytes(self, r: Route) -> dict:
+    """Balanced routing on a GPU or TPU: a device's T k rows leave (N-1)/N of them each way, forward and
+    backward, beside the counts and offsets (the ledger counts the worst case: bytes_per_layer)."""
+    if self.platform == "cpu" and self.cfg.cpu_fallback:
+      return self.bytes_per_layer(r)
+    tk = r.T * r.k * r.D * r.e
+    return {"forward": r.moved(r.N * r.E * 4) + 2 * r.moved(tk),
+            "backward": 2 * r.moved(tk) + 4 * r.moved(r.N * 4)}
 
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """The rows it receives (T k, balanced); densely, the whole N T k-row buffer through each local expert."""

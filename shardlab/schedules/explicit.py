@@ -358,10 +358,10 @@ class ExplicitSchedule:
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
     """A layout rule this schedule cannot honour on a mesh of `shape` ({axis: size}), or a context split its
     attention strategy cannot run: one line."""
+    if self.model.moe:      # the dispatcher's own words first (it knows which expert layouts it runs)
+      self.ep.check(dict(shape))
     honoured(self.layout, self.honours(tuple(shape)), tuple(shape), who or f"the {type(self).__name__} schedule")
     self.cp.check(dict(shape))
-    if self.model.moe:
-      self.ep.check(dict(shape))
     pipe = self.pipeline(shape.get(PIPELINE, 1))
     if pipe is not None:
       pipe.check(self.model.n_layers, dict(shape))
@@ -374,7 +374,9 @@ class ExplicitSchedule:
   def bind(self, mesh) -> None:
     """The mesh the step is built for: checked (check_mesh); the dispatcher learns its devices' platform."""
     self.check_mesh(dict(mesh.shape))
-    self.ep.bind(mesh)
+    bind = getattr(self.ep, "bind", None)   # a dispatcher learns the devices' platform (optional for a user's)
+    if bind is not None:
+      bind(mesh)
 
   @property
   def residual_axes(self) -> tuple[str, ...]:
@@ -396,6 +398,8 @@ class ExplicitSchedule:
     if dim is not None:     # sharded over fsdp: reduce the replicas' gradients on the shard (the token axes this
       names = jax.sharding.get_abstract_mesh().axis_names      # weight is not sharded over: data, context, expert)
       early += tuple(a for a in self.layout.token_axes(names) if a not in decl.mesh_axes())
+      if "experts" in decl.axes and self.ops.seq_sharded and TENSOR not in decl.mesh_axes():
+        early += (TENSOR,)  # an expert's rows differ by tensor rank (sequence-parallel tokens): summed on the shard
     if early:
       w = C.pvary(w, early, name="replicated_weight")
     if dim is not None:
