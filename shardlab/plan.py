@@ -228,7 +228,7 @@ def expert_table(ans: dict) -> str:
   n = ans["devices"]
   out = [f"Expert parallelism for {ans['model']} on {n} devices (predictions, fastest first):", ""]
   cols = ["dispatcher, EP", FSDP, "step", "experts", "dispatch", "fsdp gathers", "memory/device"]
-  body = [[c["label"], str(c["fsdp"]), _secs(c["t_step_s"]), _secs(c["t_experts_s"]), _secs(c["t_dispatch_s"]),
+  body = [[c["label"], str(c[FSDP]), _secs(c["t_step_s"]), _secs(c["t_experts_s"]), _secs(c["t_dispatch_s"]),
            _secs(c["t_fsdp_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
   out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()

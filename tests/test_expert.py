@@ -23,7 +23,8 @@ def check(dispatcher, mesh, model=MOE, label="", expert=None, context=None, **kn
   return loss, grads
 
 
-@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("dispatcher", [pytest.param(d, marks=() if d == "ragged" else pytest.mark.slow)
+                                        for d in DISPATCHERS])
 def test_dispatcher_equals_the_reference_on_expert_x_fsdp_x_tensor(dispatcher):
   check(dispatcher, "e2xf2xt2")
 
@@ -66,6 +67,7 @@ def test_ragged_equals_all_to_all_at_worst_case_capacity():
   assert_trees_close(b[1], a[1], rtol=RTOL, atol=ATOL, label="ragged vs all_to_all: ")
 
 
+@pytest.mark.slow
 def test_capacity_drops_as_the_same_rule_applied_to_the_reference():
   """all_to_all with capacity_factor 1: each device (2 whole rows of 32 tokens on e4 x f2) keeps
   ceil(64 x 2 / 8) = 16 slots per expert; the reference applying that rule to the same 8 groups of rows is the
@@ -143,8 +145,9 @@ def test_the_readme_moe_command_trains_and_logs_the_router(tmp_path):
     assert row["dropped_fraction"] == 0 and row["router_aux_loss"] >= 1 and row["expert_load_max_over_mean"] >= 1
 
 
-@pytest.mark.parametrize("dispatcher,platform", [("all_to_all", "cpu"), ("all_gather", "cpu"), ("ragged", "cpu"),
-                                                 ("ragged", "gpu"), ("hierarchical", "cpu")])
+@pytest.mark.parametrize("dispatcher,platform", [("all_to_all", "cpu"), ("ragged", "gpu"),
+                                                 *(pytest.param(*p, marks=pytest.mark.slow) for p in
+                                                   (("all_gather", "cpu"), ("ragged", "cpu"), ("hierarchical", "cpu")))])
 def test_each_dispatchers_own_byte_count_equals_the_traced_program(dispatcher, platform):
   """A dispatcher's bytes_per_layer (its own cost terms, evaluated at a Route) times the layers equals the bytes
   of the collectives it placed (scopes expert_*) in the traced step, forward and backward; ragged as a CPU runs

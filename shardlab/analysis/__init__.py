@@ -12,12 +12,13 @@ points, preflight or Hydra.
   planner.py        closed forms (the Scaling Book's) and the layout search
   calibrated.py     the target's scheduled order replayed at achieved rates
   costmodel.py      the peak-rate replay, and a run's prediction, ledger and memory (predict_run)
+  expert_cost.py    the expert search: each MoE dispatcher and degree priced by its own terms (plan expert_search)
   pipeline_cost.py, context_cost.py   a pipeline's table and the context strategies, costed
   predict.py        `predict_fn`: any jitted function costed on a target; plan_figure.py: the planner's figure
   confirm.py        the planner's best layouts compiled for the target (the step builder passed in)"""
 
 LAYERS = (("hlo", "pipeline_replay"), ("program", "ledger", "links", "timeline", "memory_model"), ("planner",), ("calibrated",),
-          ("costmodel", "pipeline_cost", "context_cost"), ("predict", "plan_figure", "confirm"))
+          ("costmodel", "pipeline_cost", "context_cost", "expert_cost"), ("predict", "plan_figure", "confirm"))
 
 
 def __getattr__(name):

@@ -23,6 +23,7 @@ Left out: the all-reduce over `expert` of the other weights' gradient shards, ex
 """
 from __future__ import annotations
 
+from shardlab import axes as X
 from shardlab import params as PM
 from shardlab.config import ExpertConfig
 from shardlab.layout import Layout
@@ -76,7 +77,7 @@ def candidate(cfg, N: int, name: str, cf: float, n: int) -> dict:
   t_fsdp = L * 3 * local * (f - 1) / f / _bandwidth(hw, N > dph)
   compute = t_experts + t_rest
   memory = 16 * (expert_params / N + dense_params / f) + d.buffer_bytes(r)
-  out = {"label": label, "dispatcher": name, "expert": n, "fsdp": f, "capacity_factor": cf,
+  out = {"label": label, "dispatcher": name, X.EXPERT: n, X.FSDP: f, "capacity_factor": cf,
          "t_step_s": compute + t_dispatch + max(0.0, t_fsdp - compute), "t_experts_s": t_experts,
          "t_dispatch_s": t_dispatch, "t_fsdp_s": t_fsdp, "t_rest_s": t_rest,
          "dispatch_bytes_per_layer": b, "memory_bytes": memory, "drops": d.drops and cf > 0}
@@ -92,12 +93,18 @@ def choose(cfg, devices: int | None = None) -> dict:
   N = devices or cfg.mesh.n_devices
   degrees = [n for n in range(1, min(m.n_experts, N) + 1) if m.n_experts % n == 0 and N % n == 0]
   cands, excluded = [], {}
+  seen = set()
   for n in degrees:
     for name, cf in CANDIDATES:
-      if n == 1 and name not in ("all_gather", "all_to_all") or (n, name, cf) == (1, "all_to_all", 0.0):
-        continue                    # EP 1: nothing is dispatched; the grouped GEMM (all_gather) or capacity slots
       c = candidate(cfg, N, name, cf, n)
-      (excluded.__setitem__(c["label"], c["why"]) if "why" in c else cands.append(c))
+      if "why" in c:
+        excluded[c["label"]] = c["why"]
+        continue
+      same = (n, c["t_experts_s"], c["t_step_s"])   # EP 1 dispatches nothing: dispatchers that price the same
+      if n == 1 and same in seen:                   # local experts the same are one candidate
+        continue
+      seen.add(same)
+      cands.append(c)
   cands.sort(key=lambda c: c["t_step_s"])
   reason = "no candidate runs on these devices" if not cands else _reason(cands)
   return {"devices": N, "best": cands[0]["label"] if cands else None, "reason": reason, "candidates": cands,

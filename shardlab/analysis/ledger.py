@@ -171,7 +171,8 @@ def nested(rows: list[Row]) -> dict:
 #   all-reduce on fewer elements  XLA's AllReduceReassociate sums the operands of all-reduces whose results are
 #                                 added, then reduces once (the grad norm's partial sums, when a size-1 axis makes
 #                                 their groups equal); libtpu reduces a tensor-replicated gradient over `tensor`
-#                                 after its reduce-scatter over `fsdp`, on the shard
+#                                 after its reduce-scatter over `fsdp`, on the shard (the leftover may show on a
+#                                 reduce-scatter or all-gather of the dtype that paired "as all-reduce")
 REWRITES = (("as placed", lambda pk, pd, ck, cd: pk == ck and pd == cd),
             ("dtype", lambda pk, pd, ck, cd: pk == ck and pd != cd),
             ("reduce-scatter as all-reduce", lambda pk, pd, ck, cd: pk == "reduce-scatter" and ck == "all-reduce"),
@@ -248,8 +249,12 @@ def reconcile(program: list[Row], compiled: list[Row]) -> Reconciled:
         if ck == "collective-permute":
           b["extra_runs"] = b["count"]
     if not any(b["left"] for b in c.values()):
+      # (the greedy pairing may have given a reassociated all-reduce's compiled elements to a placed reduce-scatter
+      # or all-gather of its dtype, "as all-reduce": the leftover then shows there, at most the placed all-reduces'
+      # elements)
+      ar = lambda d: p.get(("all-reduce", d), {}).get("elements", 0)
       for (pk, pd), a in sorted(p.items()):
-        if pk == "all-reduce" and a["left"]:
+        if a["left"] and (pk == "all-reduce" or (pk in ("reduce-scatter", "all-gather") and a["left"] <= ar(pd))):
           rewrites.append({"rewrite": "all-reduce on fewer elements", "axis": axis, "elements": a["left"],
                            "program": {"kind": pk, "dtype": pd, "bytes": a["bytes"] * a["left"] // a["elements"]},
                            "compiled": {"kind": pk, "dtype": pd, "bytes": 0}})

@@ -148,6 +148,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * x
   else:
     acts = m.n_layers * saved + unremat if residuals else m.n_layers * saved
+  acts += moe_layer_bytes(cfg, tokens // (t if t > 1 and tp.seq_sharded else 1), cb)
   # the logits in the compute dtype and their float32 softmax (the FFN-only model has none: its loss is on
   # [B, L, D])
   logits = tokens * m.vocab_size // t * (cb + 4) if m.kind != "ffn" else 0
@@ -180,6 +181,34 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   }
   out["total"] = peak(out, logits, P == 1 and micro == 1)
   return out
+
+
+def moe_layer_bytes(cfg, tokens: int, cb: int) -> int:
+  """What one MoE layer's backward holds beyond its residuals, asked of its dispatcher (schedules/expert.py): the
+  expert GEMMs' activations on the rows it holds (gate and up [rows, 2 F_e], their product [rows, F_e]) and their
+  cotangents, and its dispatch buffers (buffer_bytes). 0 for a dense model, or a dispatcher without the terms.
+  Against the compilers' memory (experiments/moe/README.md): within 8% for every dispatcher on the H100 targets
+  and for all_to_all and ragged on v5p; all_gather on v5p is overestimated by a third (libtpu holds less)."""
+  m = cfg.model
+  if not m.moe:
+    return 0
+  from shardlab.schedules import expert as EP
+  layout = from_config(cfg)
+  d = EP.make(cfg.expert, m, layout)
+  if not (hasattr(d, "rows_held") and hasattr(d, "buffer_bytes")):
+    return 0
+  sizes = cfg.mesh.sizes
+  axes = layout.rule("experts", tuple(cfg.mesh.shape))
+  r = EP.Route(T=int(tokens), k=m.top_k, E=m.n_experts, N=math.prod(sizes[a] for a in axes), D=m.d_model, e=cb,
+               split=tuple(sizes[a] for a in axes) if len(axes) > 1 else ())
+  held = 2 * d.rows_held(r) * 3 * m.expert_ff * cb + d.buffer_bytes(r)
+  # XLA's GPU compiler runs a grouped GEMM (jax.lax.ragged_dot) as one dot over its rows expanded per local expert
+  # ([rows, E/N, D] and [rows, E/N, F_e]: experiments/moe/README.md); a dispatcher whose expert rows grow when
+  # groups run densely holds E/N - 1 more copies of both, and their cotangents, in a CUDA program
+  if cfg.compile_for == "target" and cfg.hardware.target_platform == "cuda" and \
+      d.expert_rows(r, True) > d.expert_rows(r, False):
+    held += 2 * d.rows_held(r) * (m.n_experts // r.N - 1) * (m.d_model + m.expert_ff) * cb
+  return held
 
 
 def peak(parts: dict, logits: int, one_pass: bool) -> int:

@@ -139,6 +139,10 @@ class Dispatcher:
     sends are data-dependent."""
     return self.bytes_per_layer(r)
 
+  def rows_held(self, r: Route) -> int:
+    """Rows its expert GEMMs take in one buffer (what their activations are held for, memory_model)."""
+    raise NotImplementedError
+
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """Rows a device's expert GEMMs compute per layer (each row: one token through one SwiGLU expert), balanced
     routing. dense_groups: the compiler runs a grouped GEMM (jax.lax.ragged_dot) densely over every local expert
@@ -189,6 +193,10 @@ class AllToAll(Dispatcher):
 
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """Every slot: its E / N experts over N x capacity rows (an einsum per expert; empty slots cost the same)."""
+    return r.E * self.capacity(r.T)
+
+  def rows_held(self, r: Route) -> int:
+    """Its E / N experts' slots from every device: E x capacity."""
     return r.E * self.capacity(r.T)
 
 
@@ -279,6 +287,10 @@ class AllGather(Dispatcher):
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """Its share T k of the assignments; densely, every gathered assignment (N T k) through each local expert."""
     return r.N * r.T * r.k * (r.E // r.N) if dense_groups else r.T * r.k
+
+  def rows_held(self, r: Route) -> int:
+    """Every gathered assignment, N T k rows (the grouped GEMM's operand)."""
+    return r.N * r.T * r.k
 
 
 class Ragged(Dispatcher):
@@ -372,6 +384,10 @@ class Ragged(Dispatcher):
   def expert_rows(self, r: Route, dense_groups: bool) -> float:
     """The rows it receives (T k, balanced); densely, the whole N T k-row buffer through each local expert."""
     return r.N * r.T * r.k * (r.E // r.N) if dense_groups else r.T * r.k
+
+  def rows_held(self, r: Route) -> int:
+    """The receive buffer at its worst case, N T k rows (the grouped GEMM's operand)."""
+    return r.N * r.T * r.k
 
 
 DISPATCHERS = {"all_to_all": AllToAll, "all_gather": AllGather, "ragged": Ragged, "hierarchical": Hierarchical}
