@@ -244,3 +244,18 @@ def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
   assert plan.main(["expert_search=true"]) == 2
   assert "has no experts (model.n_experts=0)" in capsys.readouterr().err
   assert "faster than all_to_all, EP 2" in ans["reason"]        # the best dropless one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", ["allgather", "allreduce"])
+def test_expert_tensor_parallelism_equals_the_reference(tp):
+  """layout.rules.expert_mlp=[tensor]: each expert's width split over tensor (all_to_all's slots gathered over
+  tensor and reduce-scattered back under sequence parallelism; all-reduced with the tokens whole on every rank);
+  a dispatcher with a grouped GEMM refuses it in one line."""
+  from shardlab.errors import ConfigError
+  from shardlab.layout import DEFAULT_RULES
+  rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "expert_mlp": ["tensor"]}
+  check("all_to_all", "e2xf2xt2", label=f"expert TP, {tp}", layout=rules, tp=tp)
+  if tp == "allgather":
+    with pytest.raises(ConfigError, match="layout rule expert_mlp -> tensor"):
+      testing.compile_schedule(mesh_shape="e2xf2xt2", model=MOE, expert={"impl": "ragged"}, layout=rules)

@@ -95,6 +95,10 @@ def main(argv: list[str]) -> int:
   set_cpu_devices(8)
   cases = [(f"{t} / {d}", d, to + do) for t, to in TARGETS for d, do in DISPATCHERS]
   cases.append((MAXTEXT[0], "ragged (local)", MAXTEXT[1]))
+  # expert.chunks: does the compiler run one chunk's all_to_all behind another's experts? (the exposed column)
+  for k in (2, 4):
+    cases.append((f"Mixtral-8x7B, 64 H100 (8 nodes) / all_to_all, capacity 1.25, chunks {k}", "all_to_all",
+                  ["model=mixtral_8x7b", *H100_64, *DISPATCHERS[0][1], f"expert.chunks={k}"]))
   rows = []
   path = out / "targets.json"
   if path.exists():

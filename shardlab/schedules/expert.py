@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab import model as M
-from shardlab.axes import DATA, EXPERT
+from shardlab.axes import DATA, EXPERT, TENSOR
 from shardlab.config import ExpertConfig, ModelConfig
 from shardlab.errors import ConfigError
 from shardlab.layout import Layout
@@ -151,8 +151,24 @@ class Dispatcher:
 
 
 class AllToAll(Dispatcher):
-  """Capacity slots per expert, one dense all_to_all there and one back (GShard)."""
+  """Capacity slots per expert, one dense all_to_all there and one back (GShard). With `layout.rules.expert_mlp=
+  [tensor]` each expert's hidden width splits over `tensor` too (expert tensor parallelism): a device's slots are
+  gathered over tensor (its tokens differ by tensor rank under sequence parallelism), each rank computes its
+  slice of every expert's width, and the outputs are reduce-scattered back (or, with the tokens whole on every
+  tensor rank, all-reduced)."""
   drops = True
+
+  def honours(self) -> dict:
+    return {**super().honours(), "expert_mlp": [(), (TENSOR,)]}
+
+  def experts_on(self, h_ERD, wi, wd, R: int):
+    """The experts' SwiGLU on h [E_local, rows, D]; over tensor when expert_mlp is split there."""
+    if TENSOR not in self.layout.rule("expert_mlp", jax.sharding.get_abstract_mesh().axis_names):
+      return M.expert_mlp(h_ERD, wi, wd)
+    if TENSOR in C.varying_axes(h_ERD):        # each tensor rank's own rows: gather, compute a slice, scatter
+      h = C.all_gather(h_ERD, TENSOR, 1, name="expert_tp_gather")
+      return C.psum_scatter(M.expert_mlp(h, wi, wd), TENSOR, 1, name="expert_tp_scatter")
+    return C.psum(M.expert_mlp(h_ERD, wi, wd), TENSOR, name="expert_tp_sum")
 
   def capacity(self, tokens: int) -> int:
     """Slots per expert on a device with `tokens` tokens: ceil(capacity_factor x tokens x top_k / experts), at
@@ -176,7 +192,7 @@ class AllToAll(Dispatcher):
     if axis:                                                         # block j -> the device holding experts j
       buf = C.all_to_all(buf, axis, 0, 0, name="expert_dispatch")    # [N sources, El, cap, D]
     h_ERD = buf.transpose(1, 0, 2, 3).reshape(El, N * cap, D)
-    out = M.expert_mlp(h_ERD, wi, wd).reshape(El, N, cap, D).transpose(1, 0, 2, 3)
+    out = self.experts_on(h_ERD, wi, wd, N * cap).reshape(El, N, cap, D).transpose(1, 0, 2, 3)
     if axis:
       out = C.all_to_all(out, axis, 0, 0, name="expert_combine")     # back to where the tokens live
     y_MD = out.reshape(E, cap, D)[e_M, jnp.minimum(pos_M, cap - 1)] * keep_M[:, None].astype(x_TD.dtype)
@@ -205,8 +221,9 @@ class Hierarchical(AllToAll):
   levels = 2
 
   def honours(self) -> dict:
-    """Experts over `data` (across nodes) and `expert` (inside), or whole (one device: nothing to dispatch)."""
-    return {"experts": [(DATA, EXPERT), ()]}
+    """Experts over `data` (across nodes) and `expert` (inside), or whole (one device: nothing to dispatch); the
+    experts' width whole or over tensor (as all_to_all)."""
+    return {**super().honours(), "experts": [(DATA, EXPERT), ()]}
 
   def axes(self):
     """(outer, inner): the mesh axes the experts are split over on the mesh being traced, or () if fewer."""
@@ -245,7 +262,7 @@ class Hierarchical(AllToAll):
     buf = C.all_to_all(buf.reshape(No, Ni, El, cap, D), outer, 0, 0, name="expert_dispatch_outer")
     buf = C.all_to_all(buf.transpose(1, 0, 2, 3, 4), inner, 0, 0, name="expert_dispatch_inner")
     h = buf.transpose(2, 0, 1, 3, 4).reshape(El, Ni * No * cap, D)       # [El, (inner src, outer src, slot), D]
-    out = M.expert_mlp(h, wi, wd).reshape(El, Ni, No, cap, D).transpose(1, 2, 0, 3, 4)
+    out = self.experts_on(h, wi, wd, Ni * No * cap).reshape(El, Ni, No, cap, D).transpose(1, 2, 0, 3, 4)
     out = C.all_to_all(out, inner, 0, 0, name="expert_combine_inner")   # [Ni dest, No src, El, cap, D]
     out = C.all_to_all(out.transpose(1, 0, 2, 3, 4), outer, 0, 0, name="expert_combine_outer")
     y_MD = out.reshape(E, cap, D)[e_M, jnp.minimum(pos_M, cap - 1)] * keep_M[:, None].astype(x_TD.dtype)

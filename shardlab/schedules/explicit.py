@@ -352,7 +352,7 @@ class ExplicitSchedule:
     batch = self.layout.batch_axes(axis_names)
     layers = [(PIPELINE,)] if self.pipe.staged and PIPELINE in axis_names else [()]
     return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": layers, "length": [(), (CONTEXT,)],
-            **getattr(self.ep, "honours", lambda: {"experts": [(EXPERT,), ()]})(), "expert_mlp": [()],
+            "expert_mlp": [()], **getattr(self.ep, "honours", lambda: {"experts": [(EXPERT,), ()]})(),
             "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
 
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
