@@ -109,3 +109,15 @@ def test_runs_are_named_by_what_they_ran():
                       return_hydra_config=True)
     assert c.hydra.run.dir.endswith("_baseline-1f1b-ring-zigzag_p2xf1xc2xt2"), c.hydra.run.dir
     assert "_baseline_4x2" in hydra_compose(config_name="config", return_hydra_config=True).hydra.run.dir
+
+
+def test_every_config_group_ships_in_the_wheel():
+  """Each folder of conf/ is a package of pyproject.toml (shardlab.conf.<group>), so an installed shardlab has
+  every Hydra group (a new group left out breaks `python -m shardlab` outside the source tree)."""
+  import pathlib
+  import tomllib
+  root = pathlib.Path(__file__).resolve().parents[1]
+  packages = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+  folders = {"shardlab.conf." + ".".join(p.relative_to(root / "conf").parts)
+             for p in (root / "conf").rglob("*") if p.is_dir() and any(p.glob("*.yaml"))}
+  assert folders <= packages, sorted(folders - packages)
