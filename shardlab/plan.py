@@ -223,6 +223,15 @@ def expert_answer(cfg, devices: int | None = None) -> dict:
           "of memory; tensor parallelism not searched"}
 
 
+def _screen(cols: list[str], body: list[list[str]], ans: dict) -> list[str]:
+  """A search's screen below its title: the columns (the first left-aligned), the excluded with why, the choice."""
+  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
+  out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
+         for r in [cols, *body]]
+  out += [f"  excluded: {k}: {v}" for k, v in ans["excluded"].items()]
+  return out + ["", textwrap.fill(f"Chosen: {ans['reason']}" if ans["best"] else ans["reason"], 118)]
+
+
 def expert_table(ans: dict) -> str:
   """expert_search's screen: the candidates fastest first, the excluded with why, the reason."""
   n = ans["devices"]
@@ -230,11 +239,7 @@ def expert_table(ans: dict) -> str:
   cols = ["dispatcher, EP", FSDP, "step", "experts", "dispatch", "fsdp gathers", "memory/device"]
   body = [[c["label"], str(c[FSDP]), _secs(c["t_step_s"]), _secs(c["t_experts_s"]), _secs(c["t_dispatch_s"]),
            _secs(c["t_fsdp_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
-  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
-  out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
-          for r in [cols, *body]]
-  out += [f"  excluded: {k}: {v}" for k, v in ans["excluded"].items()]
-  out += ["", textwrap.fill(f"Chosen: {ans['reason']}" if ans["best"] else ans["reason"], 118)]
+  out += _screen(cols, body, ans)
   return "\n".join(out)
 
 
@@ -328,11 +333,7 @@ def context_table(ans: dict) -> str:
   cols = ["strategy, C", FSDP, "step", "attention", "exposed comm", "memory/device"]
   body = [[c["label"], str(c[FSDP]), _secs(c["t_step_s"]), _secs(c["t_attention_s"]),
            _secs(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
-  width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
-  out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))).rstrip()
-          for r in [cols, *body]]
-  out += [f"  excluded: {k}: {v}" for k, v in ans["excluded"].items()]
-  out += ["", textwrap.fill(f"Chosen: {ans['reason']}" if ans["best"] else ans["reason"], 118)]
+  out += _screen(cols, body, ans)
   if ans.get("why_no_split"):
     out += [textwrap.fill(ans["why_no_split"], 118)]
   return "\n".join(out)

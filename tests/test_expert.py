@@ -256,6 +256,8 @@ def test_expert_tensor_parallelism_equals_the_reference(tp):
   from shardlab.layout import DEFAULT_RULES
   rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "expert_mlp": ["tensor"]}
   check("all_to_all", "e2xf2xt2", label=f"expert TP, {tp}", layout=rules, tp=tp)
-  if tp == "allgather":
+  if tp == "allgather":   # the two-step dispatch with the experts' width over tensor
+    check("hierarchical", "d2xe2xt2", label="hierarchical, expert TP", tp=tp,
+          layout={**rules, "experts": ["data", "expert"]})
     with pytest.raises(ConfigError, match="layout rule expert_mlp -> tensor"):
       testing.compile_schedule(mesh_shape="e2xf2xt2", model=MOE, expert={"impl": "ragged"}, layout=rules)

@@ -4,12 +4,7 @@
 #   run(command="bash experiments/calibrate/device.sh", carry=[".whl"], timeout_s=540)
 # PROBE=1 first runs gemm_probe.py (sustained, rested and zeros GEMMs with the SM clock sampled).
 set -u
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/nvidia-smi.csv"
-python3 -c "import jax; print(jax.__version__, jax.devices(), jax.devices()[0].device_kind)" > "$OUT/env.txt" 2>&1
-date -u +%FT%TZ >> "$OUT/env.txt"
+source experiments/device_env.sh   # Hydra's wheels, the GPU's and jax's description into $OUT
 if [ "${PROBE:-0}" != 0 ]; then
   timeout 90 python3 experiments/calibrate/gemm_probe.py "$OUT/study" > /tmp/probe.log 2>&1
   tail -4 /tmp/probe.log

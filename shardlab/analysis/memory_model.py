@@ -187,8 +187,10 @@ def moe_layer_bytes(cfg, tokens: int, cb: int) -> int:
   """What one MoE layer's backward holds beyond its residuals, asked of its dispatcher (schedules/expert.py): the
   expert GEMMs' activations on the rows it holds (gate and up [rows, 2 F_e], their product [rows, F_e]) and their
   cotangents, and its dispatch buffers (buffer_bytes). 0 for a dense model, or a dispatcher without the terms.
-  Against the compilers' memory (experiments/moe/README.md): within 8% for every dispatcher on the H100 targets
-  and for all_to_all and ragged on v5p; all_gather on v5p is overestimated by a third (libtpu holds less)."""
+  Against the compilers' memory (experiments/moe/README.md): within 8% for every Mixtral-8x7B case on the H100
+  targets, for all_to_all and ragged on v5p and for Qwen3-30B-A3B on 8 H100s; 13-15% off for two Qwen3 cases on
+  64 H100s, and a third high for all_gather on v5p (libtpu holds less). Each expert's width is counted whole
+  (expert tensor parallelism would divide it)."""
   m = cfg.model
   if not m.moe:
     return 0
