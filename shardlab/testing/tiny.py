@@ -52,29 +52,23 @@ def abstract_batch(batch_size: int, seq_len: int, mesh, layout=None):
                  for shape, s in zip(shapes, batch_specs(layout or Layout(), mesh))))
 
 
-def reference_loss_and_grads(model: dict | None = None, depth_order=None):
+def reference_loss_and_grads(model: dict | None = None):
   """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
   `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored.
-  depth_order: the stored layer that runs at each depth (an interleaved pipeline's, pipeline.depth_order); the
-  gradients come back in stored order."""
+  Its layers run in the model's order, whatever schedule it is compared with."""
   model = {k: v for k, v in (model or {}).items() if k not in ("attention", "attention_block")}
-  return _reference_loss_and_grads(tuple(sorted(model.items())), None if depth_order is None else tuple(depth_order))
+  return _reference_loss_and_grads(tuple(sorted(model.items())))
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_loss_and_grads(model_items: tuple, depth_order=None):
+def _reference_loss_and_grads(model_items: tuple):
   import jax
-  import numpy as np
   from shardlab import params as PM, reference as R
   cfg = tiny_config(dict(model_items))
   p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
   b = tiny_batch()
-  order = np.arange(cfg.model.n_layers) if depth_order is None else np.asarray(depth_order)
-
-  def loss(p):   # the layers run in depth order: stored layer order[d] at depth d
-    return R.loss({**p, "layers": jax.tree.map(lambda a: a[order], p["layers"])}, b[:, :-1], b[:, 1:], cfg)
   with jax.numpy_dtype_promotion("strict"):
-    return jax.jit(jax.value_and_grad(loss))(p)
+    return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg)))(p)
 
 
 def _schedule_key(schedule, knobs) -> tuple:
@@ -102,8 +96,9 @@ def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None
   to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
   the default layout). context: the context-parallel strategy (context.impl; None: all_gather); load_balance:
   context.load_balance (the data in zigzag order). pipeline: PipelineConfig fields ({"impl": "1f1b",
-  "microbatches": 4}; None: no pipeline); compare with `reference_loss_and_grads(model, pipeline=..)`, which runs
-  the layers in the pipeline's depth order. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all)."""
+  "microbatches": 4}; None: no pipeline): the parameters are stored in the run's order of layers and the
+  gradients come back in the model's (as trainer.fit and its checkpoints do), so every schedule is compared with
+  the plain `reference_loss_and_grads(model)`. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all)."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
@@ -134,9 +129,14 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, micro,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
   b = placed_batch(tiny_batch(), mesh, layout, sched.data_order(dict(mesh_items)))
+  from shardlab.checkpoint import reorder_layers
+  from shardlab.trainer import layer_order
+  order = layer_order(sched, dict(mesh_items))    # the trainer's stored order of layers (an interleaved pipeline's)
+  params = reorder_layers(params, order, to_model=False)
   with jax.numpy_dtype_promotion("strict"):
     compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
-  return compiled, jax.block_until_ready(compiled(params, b))
+  loss, grads = compiled(params, b)
+  return compiled, jax.block_until_ready((loss, reorder_layers(grads, order, to_model=True)))
 
 
 @functools.lru_cache(maxsize=None)
