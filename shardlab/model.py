@@ -271,7 +271,12 @@ def loss(ctx, m: ModelConfig, batch, n_tokens: int):
 def loss_and_stats(ctx, m: ModelConfig, batch, n_tokens: int):
   """(loss, stats): `loss` and, for a MoE model, its router statistics summed over layers and devices
   (router_terms; {} for a dense one)."""
-  out = ctx.layers(embed_in(ctx, m, batch), block(ctx, m, batch))
+  return head_and_stats(ctx, m, ctx.layers(embed_in(ctx, m, batch), block(ctx, m, batch)), batch, n_tokens)
+
+
+def head_and_stats(ctx, m: ModelConfig, out, batch, n_tokens: int):
+  """(loss, stats) of the last layer's output `out` (a MoE model's: (x, its router statistics summed over the
+  layers)): head_loss, plus the router terms and the global statistics (router_terms) for a MoE model."""
   if not m.moe:
     return head_loss(ctx, m, out, batch, n_tokens), {}
   x_BLD, stats = out

@@ -93,13 +93,15 @@ def router_metrics(m, stats, n_tokens: int) -> dict:
           "expert_load_max_over_mean": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)}
 
 
-def make_grad_fn(cfg: Config, schedule, decls, mesh):
-  """(params, data.Batch) -> (loss, grads sharded like params), jitted. For tests and analysis."""
+def make_grad_fn(cfg: Config, schedule, decls, mesh, stats: bool = False):
+  """(params, data.Batch) -> (loss, grads sharded like params), jitted; with `stats`, a MoE model's global router
+  statistics third (model.loss_and_stats). For tests and analysis."""
   n_tokens = cfg.train.batch_size * cfg.model.seq_len
   pspecs = specs(decls)
-  fn = lambda p, b: schedule.loss_and_grads(p, b, n_tokens)[:2]
+  fn = lambda p, b: schedule.loss_and_grads(p, b, n_tokens)[:3 if stats else 2]
   schedule.bind(mesh)
-  return _jit(fn, mesh, (pspecs, batch_specs(schedule.layout, mesh)), (P(), pspecs), schedule.shard_mapped)
+  return _jit(fn, mesh, (pspecs, batch_specs(schedule.layout, mesh)), (P(), pspecs, *[P()] * stats),
+              schedule.shard_mapped)
 
 
 def make_train_step(cfg: Config, schedule, decls, opt, mesh):

@@ -57,6 +57,35 @@ def test_moe_with_other_parts_equals_the_reference(dispatcher, label, mesh, mode
   check(dispatcher, mesh, model, label, **knobs)
 
 
+PIPELINED = [("ragged", "1f1b", "p2xe2xf2", {"microbatches": 4}),
+             ("all_to_all", "zb_h1", "p2xe2xt2", {"microbatches": 2}),
+             ("all_gather", "interleaved", "p2xe2xf2", {"microbatches": 2, "virtual_stages": 2})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher,schedule,mesh,pipe", PIPELINED, ids=[f"{c[0]}-{c[1]}" for c in PIPELINED])
+def test_moe_inside_a_pipeline_equals_the_reference(dispatcher, schedule, mesh, pipe):
+  """A MoE inside pipeline stages (the residual stream between stages carries the router statistics so far):
+  loss and every gradient the reference's, with zero-bubble's split backward, interleaved chunks (layers in the
+  model's order) and sequence-parallel tensor inside the stages; the step's router statistics (summed over the
+  stages' layers, the microbatches and the devices) are those of the plain model."""
+  import jax
+  from shardlab import model as M, params as PM
+  from shardlab.data import split
+  from shardlab.schedules.parallel import plain
+  model = {**MOE, "n_layers": 4}
+  loss, grads, stats = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher},
+                                                pipeline={"impl": schedule, **pipe}, stats=True)[1]
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{dispatcher} {schedule}: ")
+  m = testing.tiny_config(model).model
+  b = testing.tiny_batch()
+  p = PM.init(jax.random.key(0), PM.declare(m), m)
+  want = jax.jit(lambda p: M.loss_and_stats(plain(m, p), m, split(b), b.shape[0] * m.seq_len))(p)[1]
+  assert_trees_close(stats, want, rtol=1e-5, atol=1e-5, label="router statistics: ")
+
+
 @pytest.mark.slow
 def test_ragged_equals_all_to_all_at_worst_case_capacity():
   """The ragged dispatcher's CPU exchange (a padded all_to_all) against the dense all_to_all with as many slots

@@ -156,6 +156,7 @@ class AllToAll(Dispatcher):
   gathered over tensor (its tokens differ by tensor rank under sequence parallelism), each rank computes its
   slice of every expert's width, and the outputs are reduce-scattered back (or, with the tokens whole on every
   tensor rank, all-reduced)."""
+  point_to_point = False   # all_to_alls over expert (schedules/capability.py)
   drops = True
 
   def honours(self) -> dict:
@@ -218,6 +219,7 @@ class AllToAll(Dispatcher):
 
 class Hierarchical(AllToAll):
   """all_to_all's capacity buffers over two mesh axes, one after the other: outer (across nodes) first."""
+  point_to_point = False   # all_to_alls over data, then expert (schedules/capability.py)
   levels = 2
 
   def honours(self) -> dict:
@@ -278,6 +280,7 @@ class Hierarchical(AllToAll):
 
 class AllGather(Dispatcher):
   """Tokens gathered over the expert axis, local experts on the ones routed to them, outputs reduce-scattered."""
+  point_to_point = False   # all_gather and psum_scatter over expert (schedules/capability.py)
 
   def dispatch(self, x_TD, idx_TK, gate_TK, wi, wd):
     axis = self.axis()
@@ -312,6 +315,7 @@ class AllGather(Dispatcher):
 
 class Ragged(Dispatcher):
   """Counts exchanged, then exactly the routed rows, with ragged_all_to_all (a padded all_to_all on a CPU)."""
+  point_to_point = False   # ragged_all_to_all (or a padded all_to_all) over expert (schedules/capability.py)
 
   def runs_on(self, platform: str) -> str | None:
     if platform == "cpu" and not self.cfg.cpu_fallback:

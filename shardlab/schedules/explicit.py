@@ -242,7 +242,7 @@ class Stage:
     if part == "input":
       def body(l, dx, w, out):
         return vjp(l, w)(dx)[0], _put(out, dx, l)
-      out = C.pvary(jnp.zeros((n, *dy.shape), dy.dtype), C.varying_axes(dy), name="zeros")
+      out = jax.tree.map(lambda d: C.pvary(jnp.zeros((n, *d.shape), d.dtype), C.varying_axes(d), name="zeros"), dy)
       return prefetched_loop(n, self.depth, True, None if self.keep else regather, body, dy, out)
 
     grads = jax.tree.map(C.zeros_like, stacked)
@@ -321,9 +321,6 @@ class ExplicitSchedule:
       raise ConfigError(f"pipeline={self.pipe.name} splits the batch into pipeline.microbatches and gathers "
                         f"weights per pipeline.gather; set schedule.microbatches=1 and a grad_reduce other than "
                         f"deferred (pipeline.gather=step gathers once per step)")
-    if self.pipe.staged and model.moe:
-      raise ConfigError(f"model.n_experts={model.n_experts} with pipeline={self.pipe.name}: the pipeline's stages do "
-                        f"not carry a MoE layer's router statistics yet; use pipeline=none (mesh.pipeline=1)")
 
   def pipeline(self, P: int):
     """The pipeline executor on P stages (schedules/pipeline.py: Pipeline), or None without one."""
@@ -468,6 +465,12 @@ class ExplicitSchedule:
     demand through `fetch`, or already gathered) and layer loop, and the model's attention."""
     weight = (lambda name: params[name]) if gathered else (lambda name: self.fetch(params[name], self.decls[name]))
     layers = lambda x, layer_fn: self.layer_loop(x, params["layers"], layer_fn, gathered)
+    return self.parallel(weight, layers)
+
+  def parallel(self, weight, layers=None) -> Parallel:
+    """The model's parallel context from a weights reader and a layer loop (None: a pipeline's stages run the
+    layers), with this schedule's parts: the TP contraction, the attention across `context`, the MoE dispatcher
+    over `expert` (in expert.chunks), the per-sequence sum."""
     return Parallel(self.ops, weight, layers, self.cp.attend,
                     EP.chunked(self.ep.dispatch, getattr(self.ep.cfg, "chunks", 1)), self.seq_sum)
 

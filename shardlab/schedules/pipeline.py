@@ -22,11 +22,23 @@ from shardlab.pipeline_tables import (  # noqa: F401  (re-exported: the tables' 
     orders, runs, table, vstage)
 from shardlab.schedules.capability import stated, unstated_by
 
-def _zeros(aval, n: int | None = None, extra=()):
-  """Zeros shaped like `aval` (with a leading dim n, if given), varying over its axes and `extra`."""
-  shape = aval.shape if n is None else (n, *aval.shape)
+def _zeros(aval, n: int | None = None, extra=(), lead=()):
+  """Zeros shaped like `aval` (with leading dims n and `lead`, if given), varying over its axes and `extra`."""
+  shape = (*(() if n is None else (n,)), *lead, *aval.shape)
   axes = tuple(dict.fromkeys((*aval.manual_axis_type.varying, *extra)))
   return C.pvary(jnp.zeros(shape, aval.dtype), axes, name="zeros")
+
+
+def _avals(fn, *args):
+  """The avals of fn(*args)'s outputs (their varying axes included), in its output's tree, from a trace that
+  emits nothing."""
+  out = {}
+
+  def flat(*a):
+    leaves, out["tree"] = jax.tree.flatten(fn(*a))
+    return leaves
+  avals = jax.make_jaxpr(flat)(*args).out_avals
+  return jax.tree.unflatten(out["tree"], avals)
 
 
 def _slot(name: str, n: int, T: int, on, run, idle, *args):
@@ -126,12 +138,15 @@ class Pipeline:
 
   def parts_inside(self, shape: dict | None) -> list[tuple[str, object]]:
     """(setting, part) for each part that runs inside a stage and moves bytes on a mesh of `shape`: the TP
-    contraction when `tensor` splits, the context strategy when the sequence does (None: both)."""
+    contraction when `tensor` splits, the context strategy when the sequence does, a MoE model's dispatcher
+    (None: all)."""
     sched, out = self.sched, []
     if shape is None or shape.get(TENSOR, 1) > 1:
       out.append((f"schedule.tp={sched.cfg.tp}", sched.ops))
     if shape is None or sched.cp.parts(shape) > 1:
       out.append((f"context.impl={sched.cp.cfg.impl}", sched.cp))
+    if sched.model.moe:
+      out.append((f"expert.impl={sched.ep.cfg.impl}", sched.ep))
     return out
 
   def check_parts(self, shape: dict | None) -> None:
@@ -154,7 +169,7 @@ class Pipeline:
   def loss_and_grads(self, params, batch, n_tokens):
     from shardlab import model as MD
     from shardlab.data import Batch
-    from shardlab.schedules.parallel import Parallel, microbatches
+    from shardlab.schedules.parallel import microbatches
     sched, m = self.sched, self.sched.model
     P, M, V = self.P, self.M, self.V
     plan = Plan(self.ticks(), M, V)
@@ -162,13 +177,15 @@ class Pipeline:
     me = jax.lax.axis_index(PIPELINE)
     rows = {f: jnp.asarray(a)[:, me] for f, a in plan.arrays.items()}
     batches = microbatches(batch, M)
-    ctx = lambda w: Parallel(sched.ops, w.__getitem__, None, sched.cp.attend)
+    ctx = lambda w: sched.parallel(w.__getitem__)   # the stage's parts (TP, attention, MoE dispatch); no loop
+    tree = jax.tree.map     # the residual stream: an array, or a MoE model's (x, router statistics so far)
 
     # The weights outside the layers: gathered once per step, replicated over pipeline (gradients summed there).
     outer = {k: v for k, v in params.items() if k != "layers"}
     hw, outer_vjp = jax.vjp(lambda o: {k: sched.gather(C.pvary(v, PIPELINE), sched.decls[k]) for k, v in o.items()},
                             outer)
-    embed_all = lambda w: C.pvary(jax.lax.map(lambda b: MD.embed_in(ctx(w), m, Batch(*b)), tuple(batches)), PIPELINE)
+    embed_all = lambda w: tree(lambda a: C.pvary(a, PIPELINE),
+                               jax.lax.map(lambda b: MD.embed_in(ctx(w), m, Batch(*b)), tuple(batches)))
     x0, embed_vjp = jax.vjp(embed_all, hw)
     layer_fn = MD.block(ctx(hw), m, Batch(batch.inputs, batch.targets, batch.positions))
 
@@ -186,32 +203,33 @@ class Pipeline:
           G, jax.lax.dynamic_slice_in_dim(G, c * k, k, 0) + d, c * k, 0), g, dw)
 
     # Buffers of static slots (Plan); slot index = size is the trash slot.
-    x_aval = jax.typeof(x0[0])
-    res_avals = jax.make_jaxpr(lambda x, w: stage.forward(x, w)[1][0])(x0[0], chunk(0)).out_avals
+    x_first = _take(x0, 0)
+    x_aval = tree(jax.typeof, x_first)
+    zeros = lambda avals, n=None, extra=(): tree(lambda a: _zeros(a, n, extra), avals)
+    res_avals = jax.make_jaxpr(lambda x, w: stage.forward(x, w)[1][0])(x_first, chunk(0)).out_avals
     if sched.residuals is not None:   # one layer's residual bytes for one microbatch (the memory breakdown)
-      sched.residuals.append(stage.residual_bytes(x0[0], chunk(0)))
+      sched.residuals.append(stage.residual_bytes(x_first, chunk(0)))
     n_slots = plan.slots
-    head = lambda y, w, b: MD.head_loss(ctx(w), m, y, b, n_tokens)
-    loss_aval = jax.make_jaxpr(head)(x0[0], hw, Batch(*_take(tuple(batches), 0))).out_avals[0]
-    st = {"inb": _zeros(x_aval, n_slots["in"] + 1), "dyb": _zeros(x_aval, n_slots["dy"] + 1),
+    head = lambda y, w, b: MD.head_and_stats(ctx(w), m, y, b, n_tokens)   # (loss, a MoE model's statistics)
+    loss_aval, stats_aval = _avals(head, x_first, hw, Batch(*_take(tuple(batches), 0)))
+    st = {"inb": zeros(x_aval, n_slots["in"] + 1), "dyb": zeros(x_aval, n_slots["dy"] + 1),
           "res": [_zeros(a, n_slots["res"] + 1, (PIPELINE,)) for a in res_avals],
-          "fsend": _zeros(x_aval), "bsend": _zeros(x_aval), "dx0": _zeros(x_aval, M + 1),
-          "g": jax.tree.map(C.zeros_like, layers), "gh": jax.tree.map(C.zeros_like, hw),
-          "loss": _zeros(loss_aval, extra=(PIPELINE,))}
-    if plan.split:
-      st["wb"] = C.pvary(jnp.zeros((n_slots["w"] + 1, k, *x_aval.shape), x_aval.dtype),
-                         tuple(x_aval.manual_axis_type.varying), name="zeros")   # each layer's output gradient
+          "fsend": zeros(x_aval), "bsend": zeros(x_aval), "dx0": zeros(x_aval, M + 1),
+          "g": tree(C.zeros_like, layers), "gh": tree(C.zeros_like, hw),
+          "loss": _zeros(loss_aval, extra=(PIPELINE,)), "stats": zeros(stats_aval, extra=(PIPELINE,))}
+    if plan.split:    # each layer's output gradient
+      st["wb"] = tree(lambda a: _zeros(a, n_slots["w"] + 1, lead=(k,)), x_aval)
 
     # Each slot's conditional takes the slices it reads and returns what it makes; the buffers are read and
     # written outside it (an idle slot returns zeros, written to the trash slot). A conditional that updated a
     # buffer in place would hold a second copy of it: XLA keeps the carry and the branch's result apart.
     zeros_like = lambda t: jax.tree.map(C.zeros_like, t)
 
-    def head_run(y, mb, gh, loss):
+    def head_run(y, mb, gh, loss, stats):
       b = Batch(*_take(tuple(batches), mb))
-      l, vjp = jax.vjp(lambda y, w: head(y, w, b), y, hw)
+      l, vjp, s = jax.vjp(lambda y, w: head(y, w, b), y, hw, has_aux=True)
       dy, dhw = vjp(jnp.ones_like(l))
-      return dy, jax.tree.map(jnp.add, gh, dhw), loss + l
+      return dy, tree(jnp.add, gh, dhw), loss + l, tree(jnp.add, stats, s)
 
     def f_run(x, c):
       y, (bufs, _) = stage.forward(x, chunk(c))
@@ -232,34 +250,37 @@ class Pipeline:
     cond = lambda name, n, on, run, idle, *args: _slot(name, n, T, on, run, idle, *args)
 
     def tick(st, r):
-      x = jnp.where(r["f_first"] == 1, x0[r["f_mb"]], st["inb"][r["f_in"]])
+      x = tree(lambda a, b: jnp.where(r["f_first"] == 1, a[r["f_mb"]], b[r["f_in"]]), x0, st["inb"])
       y, bufs = cond("F", M * V, r["f_on"], f_run, lambda x, c: (zeros_like(x), [_zeros(a) for a in res_avals]),
                      x, r["f_chunk"])
       st = {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
       # the head, after the last virtual stage's F: once per microbatch on the last stage
-      dy, gh, loss = cond("head", M, r["f_last"], head_run, lambda y, mb, gh, loss: (zeros_like(y), gh, loss),
-                          y, r["f_mb"], st["gh"], st["loss"])
-      st = {**st, "dyb": st["dyb"].at[r["f_dy"]].set(dy), "gh": gh, "loss": loss}
-      res, dyin = _take(st["res"], r["b_res"]), st["dyb"][r["b_dy"]]
+      dy, gh, loss, stats = cond("head", M, r["f_last"], head_run,
+                                 lambda y, mb, gh, loss, stats: (zeros_like(y), gh, loss, stats),
+                                 y, r["f_mb"], st["gh"], st["loss"], st["stats"])
+      st = {**st, "dyb": _set(st["dyb"], dy, r["f_dy"]), "gh": gh, "loss": loss, "stats": stats}
+      res, dyin = _take(st["res"], r["b_res"]), _take(st["dyb"], r["b_dy"])
       if plan.split:
-        idle_b = lambda res, dy, c, g: (zeros_like(dy), C.zeros_like(st["wb"][0]), g)
+        idle_b = lambda res, dy, c, g: (zeros_like(dy), zeros_like(_take(st["wb"], 0)), g)
       else:
         idle_b = lambda res, dy, c, g: (zeros_like(dy), (), g)
       dx, dys, g = cond("B", M * V, r["b_on"], b_run, idle_b, res, dyin, r["b_chunk"], st["g"])
       first = jnp.where(r["b_first"] == 1, r["b_mb"], M)
-      st = {**st, "g": g, "bsend": dx, "dx0": st["dx0"].at[first].set(dx)}
+      st = {**st, "g": g, "bsend": dx, "dx0": _set(st["dx0"], dx, first)}
       if plan.split:
-        st = {**st, "wb": st["wb"].at[r["b_w"]].set(dys)}
+        st = {**st, "wb": _set(st["wb"], dys, r["b_w"])}
         g = cond("W", M * V, r["w_on"], w_run, lambda res, dys, c, g: g,
-                 _take(st["res"], r["w_res"]), st["wb"][r["w_w"]], r["w_chunk"], st["g"])
+                 _take(st["res"], r["w_res"]), _take(st["wb"], r["w_w"]), r["w_chunk"], st["g"])
         st = {**st, "g": g}
       got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
       got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
-      return {**st, "inb": st["inb"].at[r["r_in"]].set(got_f), "dyb": st["dyb"].at[r["r_dy"]].set(got_b)}, None
+      return {**st, "inb": _set(st["inb"], got_f, r["r_in"]), "dyb": _set(st["dyb"], got_b, r["r_dy"])}, None
 
     st, _ = jax.lax.scan(tick, st, rows)
     loss = C.psum(st["loss"], PIPELINE, name="pipeline_loss")
-    g_hw = jax.tree.map(jnp.add, st["gh"], embed_vjp(st["dx0"][:M])[0])
+    g_hw = tree(jnp.add, st["gh"], embed_vjp(tree(lambda a: a[:M], st["dx0"]))[0])
     grads = dict(outer_vjp(g_hw)[0])
     grads["layers"] = layers_vjp(st["g"])[0] if step_gather else st["g"]
-    return loss, grads
+    if not m.moe:
+      return loss, grads
+    return loss, grads, C.psum(st["stats"], PIPELINE, name="pipeline_router_stats")   # the last stage's

@@ -88,7 +88,7 @@ def _schedule_key(schedule, knobs) -> tuple:
 
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
                      context: str | None = None, load_balance: bool = False, pipeline: dict | None = None,
-                     expert: dict | None = None, **knobs):
+                     expert: dict | None = None, stats: bool = False, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
@@ -98,18 +98,19 @@ def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None
   context.load_balance (the data in zigzag order). pipeline: PipelineConfig fields ({"impl": "1f1b",
   "microbatches": 4}; None: no pipeline): the parameters are stored in the run's order of layers and the
   gradients come back in the model's (as trainer.fit and its checkpoints do), so every schedule is compared with
-  the plain `reference_loss_and_grads(model)`. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all)."""
+  the plain `reference_loss_and_grads(model)`. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all); stats: a MoE model's
+  global router statistics third, (loss, grads, stats)."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
   return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
                            context, load_balance, tuple(sorted((pipeline or {}).items())),
-                           tuple(sorted((expert or {}).items())))
+                           tuple(sorted((expert or {}).items())), stats)
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False,
-                      pipe_items=(), expert_items=()):
+                      pipe_items=(), expert_items=(), stats=False):
   import jax
   import jax.numpy as jnp
   from shardlab import params as PM, schedules, train as T
@@ -134,9 +135,9 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   order = layer_order(sched, dict(mesh_items))    # the trainer's stored order of layers (an interleaved pipeline's)
   params = reorder_layers(params, order, to_model=False)
   with jax.numpy_dtype_promotion("strict"):
-    compiled = T.make_grad_fn(cfg, sched, decls, mesh).lower(params, b).compile()
-  loss, grads = compiled(params, b)
-  return compiled, jax.block_until_ready((loss, reorder_layers(grads, order, to_model=True)))
+    compiled = T.make_grad_fn(cfg, sched, decls, mesh, stats).lower(params, b).compile()
+  loss, grads, *rest = compiled(params, b)
+  return compiled, jax.block_until_ready((loss, reorder_layers(grads, order, to_model=True), *rest))
 
 
 @functools.lru_cache(maxsize=None)
