@@ -7,8 +7,82 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import traceback
 from pathlib import Path
+
+
+class RunLog:
+  """Within it, what the run prints (stdout and stderr, as they reach the console) is also appended to `path`
+  (<run dir>/run.log), a line at a time; a progress bar's redraws (carriage returns) leave the line's last state.
+  The file is opened at the first line, so a run refused before it printed anything leaves run.log as it was;
+  `note(line)` appends a line only to a log already started (an error after the run began). `write=False` (a
+  process other than the first of a multi-process run) tees nothing."""
+
+  def __init__(self, path, write: bool = True):
+    self.path, self.write, self.file, self.saved, self.started = Path(path), write, None, None, False
+
+  def __enter__(self):
+    if self.write:
+      self.saved = sys.stdout, sys.stderr
+      sys.stdout, sys.stderr = _Tee(sys.stdout, self), _Tee(sys.stderr, self)
+    return self
+
+  def __exit__(self, *exc):
+    if self.saved:
+      for tee in (sys.stdout, sys.stderr):
+        if isinstance(tee, _Tee):
+          tee.end()     # and from now on only the console: a logger may hold on to the tee
+      sys.stdout, sys.stderr = self.saved
+    if self.file:
+      self.file.close()
+      self.file = None
+    return False
+
+  def line(self, text: str) -> None:
+    try:
+      if self.file is None:
+        self.file, self.started = open(self.path, "a", encoding="utf-8"), True
+      self.file.write(text + "\n")
+      self.file.flush()
+    except OSError:   # a full disk: the console still has it (the run reports what it could not write)
+      self.write = False
+
+  def note(self, text: str) -> None:
+    if self.started and self.write:
+      self.line(text)
+      self.file.close()
+      self.file = None
+
+
+class _Tee:
+  """A text stream that writes to `stream` and, until `end`, hands each finished line to `log` (RunLog.line).
+  Closing it leaves `stream` open (a log handler made while it was sys.stderr closes its stream at exit)."""
+
+  def __init__(self, stream, log: RunLog):
+    self.stream, self.log, self.pending = stream, log, ""
+
+  def write(self, s: str) -> int:
+    n = self.stream.write(s)
+    if self.log is not None and self.log.write:
+      *lines, self.pending = (self.pending + s).split("\n")
+      for l in lines:
+        self.log.line(l.rsplit("\r", 1)[-1].rstrip())
+    return n
+
+  def end(self) -> None:
+    if self.log is not None and self.pending.strip() and self.log.write:
+      self.log.line(self.pending.rsplit("\r", 1)[-1].rstrip())
+    self.pending, self.log = "", None
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+  def close(self) -> None:
+    self.flush()
+
+  def __getattr__(self, name):
+    return getattr(self.stream, name)
 
 
 def final_line(out_dir, summary: dict) -> str:

@@ -12,7 +12,7 @@ from hydra.experimental.callback import Callback
 from shardlab.config import CONF_DIR, Config, register_configs, to_config  # noqa: F401  (CONF_DIR: re-exported)
 from shardlab.config import check_hardware_overrides
 from shardlab.errors import ConfigError
-from shardlab.outputs import final_line, human_bytes, human_seconds, prediction_model, record_failure
+from shardlab.outputs import RunLog, final_line, human_bytes, human_seconds, prediction_model, record_failure
 from shardlab.trainer import build, lower, train  # noqa: F401  (the library entry points, re-exported)
 
 
@@ -26,16 +26,19 @@ def _task(dcfg) -> str | None:
   out_dir = hc.runtime.output_dir
   sweeping = hc.mode == RunMode.MULTIRUN
   from shardlab.preflight import Finished
+  log = RunLog(Path(out_dir) / "run.log", write=_first_process(dcfg))   # run.log: what the run printed
   try:
-    summary = _train(dcfg, out_dir)
-    print("\n".join(numbers(summary)), flush=True)
-    print(final_line(out_dir, summary), flush=True)
+    with log:
+      summary = _train(dcfg, out_dir)
+      print("\n".join(numbers(summary)), flush=True)
+      print(final_line(out_dir, summary), flush=True)
   except Finished as e:                   # a requeued job whose run is done: nothing written, exit 0
     print(f"shardlab: {e}", flush=True)
   except ConfigError as e:
     if _FULL_ERROR:
       raise
     print(f"shardlab: error: {e}", file=sys.stderr)
+    log.note(f"shardlab: error: {e}")
     if not sweeping:
       sys.exit(2)
     record_failure(out_dir, e)
@@ -44,11 +47,13 @@ def _task(dcfg) -> str | None:
     from shardlab.checkpoint import Interrupted, StoppedAtOnce
     if isinstance(e, (Interrupted, StoppedAtOnce)):  # summary.json says so; a sweep stops too
       print(f"shardlab: {e}", file=sys.stderr)
+      log.note(f"shardlab: {e}")
       sys.exit(128 + e.signum)
     if not isinstance(e, (FloatingPointError, RunError)):
       e = _lost_peer_or(e)                # a collective broken by a lost process: name that process instead
     if isinstance(e, (FloatingPointError, RunError)) and not _FULL_ERROR:  # one line; summary.json has the losses
       print(f"shardlab: error: {e}", file=sys.stderr)
+      log.note(f"shardlab: error: {e}")
       record_failure(out_dir, e)
       if not sweeping:
         if isinstance(e, RunError):   # a failed save or a lost peer can leave threads that never end: do not wait
@@ -61,8 +66,19 @@ def _task(dcfg) -> str | None:
     if not sweeping:
       raise
     print(f"shardlab: job {hc.job.num} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    log.note(f"shardlab: job {hc.job.num} failed: {type(e).__name__}: {e}")
     return f"{type(e).__name__}: {e}"
   return None
+
+
+def _first_process(dcfg) -> bool:
+  """Whether this is process 0 of the run (the one that writes run.log), from the settings or the cluster's
+  rank variables, without touching JAX (jax.distributed starts later, in train)."""
+  from omegaconf import OmegaConf
+  rank = os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK")
+  if rank is None or not rank.strip().isdigit():
+    rank = OmegaConf.select(dcfg, "distributed.process_id", default=0) or 0
+  return int(rank) == 0
 
 
 HYDRA_DIR = ".hydra"   # the run's Hydra record; hydra.output_subdir is null (conf/config.yaml): written here

@@ -31,6 +31,8 @@ def finish(proc, out):
   # The run's numbers before that line: named prediction, memory and fit, measured beside predicted.
   from shardlab.run import numbers
   assert stdout.splitlines()[-5:-1] == numbers(s), stdout[-1000:]
+  # run.log keeps what the run printed: its numbers and its last line
+  assert (out / "run.log").read_text().splitlines()[-5:] == stdout.splitlines()[-5:]
   return s
 
 
