@@ -186,6 +186,39 @@ def numbers(summary: dict) -> list[str]:
                + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}"
                   + (f" (prediction {pred['t_overlapped_s'] / median - 1:+.0%} of the measurement)" if median > 0 else "")
                   if pred else ""))
+  return out + findings(summary)
+
+
+def findings(summary: dict) -> list[str]:
+  """What the analysis found that a run must not end "ok" over in silence, one line each: collectives in the
+  compiled program that no code placed (audit.unplanned: e.g. an all-reduce JAX inserted for a value typed
+  varying where the math is invariant; docs/testing.md), bytes the ledger cannot explain (ledger.differences),
+  memory over the preset's HBM; and, as a note, what the target's compiler rewrote (ledger.rewrites)."""
+  out = []
+  audit = summary.get("audit") or {}
+  unplanned = audit.get("unplanned") or []
+  if unplanned and audit.get("placed_by") == "compiler":
+    out.append(f"shardlab: note: the compiler placed all {len(unplanned)} collectives (this schedule leaves them to "
+               f"it): summary.json audit.unplanned")
+  elif unplanned:
+    kinds = sorted({f"{u['kind']} over {u.get('axis') or '?'}" for u in unplanned})
+    out.append(f"shardlab: warning: {len(unplanned)} collective(s) in the compiled program that no code placed "
+               f"({', '.join(kinds)}): summary.json audit.unplanned; a value typed varying where it is invariant "
+               f"makes JAX add one (docs/testing.md)")
+  led = summary.get("ledger") or {}
+  diffs = led.get("differences") or []
+  if diffs:
+    out.append(f"shardlab: warning: the ledger does not explain {len(diffs)} difference(s) between the bytes placed "
+               f"and compiled: {diffs[0]}{' ...' if len(diffs) > 1 else ''} (summary.json ledger.differences)")
+  mem = summary.get("memory") or {}
+  if mem.get("fits") is False:
+    out.append(f"shardlab: warning: {human_bytes(mem['peak'])} per device does NOT fit the preset's "
+               f"{human_bytes(mem['hbm_bytes'])} of HBM")
+  rewrites = led.get("rewrites") or []
+  if rewrites:
+    kinds = sorted({r["rewrite"] for r in rewrites})
+    out.append(f"shardlab: note: the compiler rewrote {len(rewrites)} of the placed collectives, each explained "
+               f"({'; '.join(kinds)}): summary.json ledger.rewrites")
   return out
 
 

@@ -102,6 +102,8 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
     a["compiled"], buffers = compiled, None
   prog = Program.of(a["compiled"], a["mesh"], buffers)     # the compiled HLO, parsed once
   analysis = analyze(a["compiled"], a["mesh"], prog)
+  if not getattr(a["schedule"], "shard_mapped", True):   # the compiler places every collective (gspmd), by design
+    analysis["audit"] = {**analysis["audit"], "placed_by": "compiler"}
   analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
   stages = getattr(a["schedule"], "stages_on", None)
   pipe = stages(cfg.mesh.shape) if stages else None

@@ -54,7 +54,12 @@ FILES = {
         "    raise KeyError('context broken')\n"                             # line 12
         "class FourArgs(ExplicitSchedule):\n"
         "  def __init__(self, cfg, model, compute_dtype, layout):\n"
-        "    super().__init__(cfg, model, compute_dtype, layout)\n"),
+        "    super().__init__(cfg, model, compute_dtype, layout)\n"
+        "import jax\n"
+        "from shardlab.schedules.tp import AllReduceTP\n"
+        "class ImplicitTP(AllReduceTP):\n"      # the input marked varying over tensor without collectives.pvary:
+        "  def _column(self, x, f):\n"          # its gradient's sum over tensor is JAX's, with no shardlab scope
+        "    return f(jax.lax.pcast(x, 'tensor', to='varying'))\n"),
 }
 PIPE = ["mesh.pipeline=2", "mesh.fsdp=4", "mesh.tensor=1", "model.n_layers=2", "pipeline=gpipe"]
 CTX = ["mesh.context=2", "mesh.fsdp=2"]
@@ -164,6 +169,21 @@ def test_a_table_given_as_a_function_trains(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["status"] == "ok" and len(summary["losses"]) == 1
+
+
+@pytest.mark.slow
+def test_an_all_reduce_no_code_placed_is_said_at_the_end(tmp_path):
+  """A user's TP class that marks a value varying itself (jax.lax.pcast, not collectives.pvary): JAX places the
+  gradient's all-reduce over tensor, unscoped. The run ends with a warning line naming it, before its last line
+  (and summary.json lists it under audit.unplanned)."""
+  base = _write_files(tmp_path)
+  r = shardlab("mesh=4x2", "schedule.tp=uc_parts:ImplicitTP", "dry_run=true", "tensorboard=false",
+               "checkpoint.enabled=false", f"hydra.run.dir={tmp_path / 'run'}", env={"PYTHONPATH": base})
+  assert r.returncode == 0, r.stderr[-3000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert {(u["kind"], u["axis"]) for u in summary["audit"]["unplanned"]} == {("all-reduce", "tensor")}
+  warned = [l for l in r.stdout.splitlines()[-4:-1] if l.startswith("shardlab: warning: ")]
+  assert len(warned) == 1 and "no code placed (all-reduce over tensor)" in warned[0], r.stdout[-2000:]
 
 
 def test_table_function_is_the_orders(tmp_path, monkeypatch):
