@@ -104,17 +104,8 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   analysis = analyze(a["compiled"], a["mesh"], prog)
   if not getattr(a["schedule"], "shard_mapped", True):   # the compiler places every collective (gspmd), by design
     analysis["audit"] = {**analysis["audit"], "placed_by": "compiler"}
+  # prediction, memory, ledger, audit; a pipeline's table replayed with its compiled slots (pipeline.png)
   analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
-  stages = getattr(a["schedule"], "stages_on", None)
-  pipe = stages(cfg.mesh.shape) if stages else None
-  if pipe is not None:                            # the table replayed with the compiled slots: pipeline.png
-    import jax
-    from shardlab.analysis import pipeline_cost
-    from shardlab.analysis.links import link_axes
-    analysis["pipeline_prediction"], replayed = pipeline_cost.predict(prog, cfg, link_axes(cfg), pipe.ticks())
-    if jax.process_index() == 0:
-      Path(out_dir).mkdir(parents=True, exist_ok=True)
-      pipeline_cost.draw(replayed, Path(out_dir) / "pipeline.png", cfg, analysis["pipeline_prediction"])
   if on_target:
     analysis["target"] = TG.describe(devs, topo)
   analysis.update(compile_time_s=sum(times.values()), compile_times_s=times)

@@ -274,6 +274,14 @@ def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tm
   pred = summary["pipeline_prediction"]
   assert pred["stages"] == 2 and pred["microbatches"] == 4 and 0 < pred["bubble"] < 1 and pred["slot_s"]["B"] > 0
   assert (tmp_path / "run" / "pipeline.png").is_file()
+  # one prediction: the printed step is the picture's (the table replayed with each slot timed by the calibrated
+  # replay of its compiled branch), not below one device's program walked with its ticks back to back
+  step = summary["prediction"]
+  assert step["t_overlapped_s"] == pred["step_s"] and step["model"].startswith("calibrated")
+  assert pred["step_s"] >= 0.95 * step["t_device_program_s"], (pred["step_s"], step["t_device_program_s"])
+  from shardlab.outputs import human_seconds
+  from shardlab.run import numbers
+  assert f"step time           {human_seconds(pred['step_s'])} predicted" in numbers(summary)[2]
 
 
 def small_target(schedule: str, mesh: dict | None = None, pipeline: dict | None = None,

@@ -18,7 +18,7 @@ points, preflight or Hydra.
   confirm.py        the planner's best layouts compiled for the target (the step builder passed in)"""
 
 LAYERS = (("hlo", "pipeline_replay"), ("program", "ledger", "links", "timeline", "memory_model"), ("planner",), ("calibrated",),
-          ("costmodel", "pipeline_cost", "context_cost", "expert_cost"), ("predict", "plan_figure", "confirm"))
+          ("pipeline_cost",), ("costmodel", "context_cost", "expert_cost"), ("predict", "plan_figure", "confirm"))
 
 
 def __getattr__(name):

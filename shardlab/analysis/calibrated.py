@@ -156,8 +156,9 @@ def _read_fraction(value: hlo.Instr, users: dict, comps: dict) -> float:
   return min(fraction, 1.0)
 
 
-def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) -> Replayed:
-  """Walk the scheduled program (module doc). `scale`: {(kind, axis, scope): factor} on collective bytes."""
+def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, entry: str | None = None) -> Replayed:
+  """Walk the scheduled program (module doc). `scale`: {(kind, axis, scope): factor} on collective bytes. `entry`:
+  one computation of it (a pipeline slot's branch) instead of the whole step."""
   ici_axes, scale = ici_axes or {}, scale or {}
   comps, f = prog.comps, flops_fn(prog.comps)
   colls = {(c.computation, c.name): c for c in prog.collectives}
@@ -219,7 +220,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None) ->
                                {"flops": fl, "bytes": nbytes}, None, "transpose(" in ins.op_name))
         st["t"] += d
 
-  run(prog.entry, ())
+  run(entry or prog.entry, ())
   total = max(st["t"], st["link"])
   return Replayed(total, st["gemm"] + st["other"], st["gemm"], st["other"], comm, st["exposed"], st["kernels"],
                   events)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardlab.analysis import hlo, ledger, timeline as TL
+from shardlab.analysis import hlo, ledger, pipeline_cost, timeline as TL
 from shardlab.analysis.links import collective_seconds, link_axes
 from shardlab.axes import FSDP, TENSOR
 
@@ -73,17 +73,10 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   from shardlab.analysis.program import Program
   ici_axes = ici_axes or {}
   prog = text if isinstance(text, Program) else Program(text, mesh.device_ids, tuple(mesh.axis_names))
-  tasks = TL.build(prog)
   scale = {}
   if program is not None:
     scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives))
-  bytes_of = lambda c: c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0)
-  peak = hw.peak()                   # module doc: links at their peak bus bandwidth, no launch latency
-  dur = [matmul_seconds(t.flops, hw) if t.kind == "compute" else
-         collective_seconds(t.coll.kind, bytes_of(t.coll), t.coll.group_size, t.coll.axis, peak, ici_axes)
-         if t.kind == "comm" else 0.0 for t in tasks]
-  res = [resources(t, hw) for t in tasks]
-  r = TL.replay(tasks, dur, res)
+  tasks, dur, res, r = _peak_replay(prog, hw, ici_axes, scale)
 
   compute = [i for i, t in enumerate(tasks) if t.kind == "compute"]
   comm = [i for i, t in enumerate(tasks) if t.kind == "comm"]
@@ -132,9 +125,43 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   evs = TL.events(tasks, r, dur, [row(t, hw) if t.kind else "" for t in tasks])
   # the target's own order: the calibrated figure and its timeline; a local CPU program too when the preset's rates
   # were measured on a CPU (python -m shardlab.calibrate): XLA:CPU's order is its own, at the rates measured there
-  if prog.scheduled and (prog.platform != "cpu" or hw.describes(prog.platform)):
+  if calibrates(prog, hw):
     return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, prediction)
   return prediction, evs
+
+
+def _peak_replay(prog, hw, ici_axes: dict, scale: dict, entry: str | None = None) -> tuple:
+  """(tasks, durations, resources, TL.Replay) of the peak-rate model over computation `entry` (None: the step)."""
+  tasks = TL.build(prog, entry)
+  bytes_of = lambda c: c.bytes_moved * scale.get((c.kind, c.axis, c.scope), 1.0)
+  peak = hw.peak()                   # module doc: links at their peak bus bandwidth, no launch latency
+  dur = [matmul_seconds(t.flops, hw) if t.kind == "compute" else
+         collective_seconds(t.coll.kind, bytes_of(t.coll), t.coll.group_size, t.coll.axis, peak, ici_axes)
+         if t.kind == "comm" else 0.0 for t in tasks]
+  res = [resources(t, hw) for t in tasks]
+  return tasks, dur, res, TL.replay(tasks, dur, res)
+
+
+def calibrates(prog, hw) -> bool:
+  """Whether a run's prediction is the calibrated replay (the target's scheduled order; a local CPU program too
+  when the preset's rates were measured on a CPU) rather than the peak-rate dependency graph."""
+  return prog.scheduled and (prog.platform != "cpu" or hw.describes(prog.platform))
+
+
+def computation_seconds(prog, hw, ici_axes: dict, entry: str, scale: dict | None = None) -> float:
+  """Seconds of one run of computation `entry` of the compiled program (a pipeline slot's branch), by the model
+  that predicts the run's step (`calibrates`): the same kernel rates, collective latency and bandwidth ramp."""
+  if calibrates(prog, hw):
+    from shardlab.analysis import calibrated
+    return calibrated.replay(prog, hw, ici_axes, scale, entry=entry).t_total_s
+  return _peak_replay(prog, hw, ici_axes, scale or {}, entry)[3].makespan
+
+
+def link_seconds(prog, hw, ici_axes: dict, c, scale: dict | None = None) -> float:
+  """One collective `c` of the compiled program by the run's model (links.collective_seconds at achieved rates,
+  or at peak for the peak-rate model), its bytes scaled as the step's are."""
+  nbytes = c.bytes_moved * (scale or {}).get((c.kind, c.axis, c.scope), 1.0)
+  return collective_seconds(c.kind, nbytes, c.group_size, c.axis, hw if calibrates(prog, hw) else hw.peak(), ici_axes)
 
 
 def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: dict, ceiling: dict) -> tuple:
@@ -185,11 +212,26 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   from shardlab.analysis.program import Program
   prog = prog or Program.of(compiled, mesh)
   pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program)
+  stages = getattr((built or {}).get("schedule"), "stages_on", None)
+  pipe = stages(cfg.mesh.shape) if stages else None
+  extra = {}
+  if pipe is not None:     # the step is the table replayed with the slots timed by the same model (pipeline_cost)
+    scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives)) if program is not None else {}
+    extra["pipeline_prediction"], replayed = pipeline_cost.predict(
+        prog, cfg, pipe.ticks(), lambda comp: computation_seconds(prog, cfg.hardware, ici, comp, scale),
+        lambda c: link_seconds(prog, cfg.hardware, ici, c, scale))
+    step = extra["pipeline_prediction"]["step_s"]
+    pred.update(t_device_program_s=pred["t_overlapped_s"], t_overlapped_s=step,
+                mfu=pred["model_flops_per_device"] / (cfg.hardware.peak_flops * step) if step > 0 else 0.0,
+                step_from="pipeline_prediction: the schedule's table replayed with each slot timed by this model "
+                          "(t_device_program_s: one device's program walked with its ticks back to back)")
   if jax.process_index() == 0:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
     TL.plot(evs, out / "timeline.png", title(cfg, pred))
+    if pipe is not None:
+      pipeline_cost.draw(replayed, out / "pipeline.png", cfg, extra["pipeline_prediction"])
   rows = ledger.from_hlo(prog.collectives)
   led = {"program": None, "compiled": ledger.nested(rows), "rewrites": None, "differences": None, "per_axis": None}
   audit = dict(analysis.get("audit") or prog.audit())
@@ -209,7 +251,7 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     need = needed_bytes(analysis["memory"])
     mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=need <= cfg.hardware.hbm_bytes,
                headroom_bytes=cfg.hardware.hbm_bytes - need)
-  return {"prediction": pred, "memory": mem, "ledger": led, "audit": audit}
+  return {"prediction": pred, "memory": mem, "ledger": led, "audit": audit, **extra}
 
 
 def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
@@ -233,7 +275,10 @@ def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
 
 
 def title(cfg, pred: dict) -> str:
+  walk = pred.get("t_device_program_s")
+  shown = (f"one device's program {walk * 1e3:.2f} ms, pipeline step {pred['t_overlapped_s'] * 1e3:.2f} ms"
+           if walk is not None else f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms")
   return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.label} | {pred['hardware']}: "
-          f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
+          f"{shown} (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
           f"MFU {pred['mfu']:.0%}  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, "
           "not a measurement]")

@@ -2,42 +2,29 @@
 time read off the compiled program, and the picture of it (pipeline.png).
 
 A slot (F, B, W, and the head inside the last stage's F) is a conditional in the tick loop, its branch a
-computation of the compiled program (analysis/hlo.py: declared_runs). Its time here: the branch's matmul FLOPs
-at the preset's achieved GEMM rate, plus its collectives' bytes on the links of their axes, one after the other
-(no overlap inside a slot: an upper bound). A tick ends with the two sends over `pipeline` (its link: the nodes'
-NICs on a multi-node preset). The executor's ticks are synchronised between neighbouring stages by those sends
-(replay(sync=True)); the table's own ideal, an asynchronous runtime's, is replay(sync=False). Both are
-predictions, not measurements.
+computation of the compiled program (analysis/hlo.py: declared_runs). Its time here is that computation replayed
+by the model that predicts the run's step, which the caller hands in (costmodel.predict_run passes
+computation_seconds: the calibrated replay of the compiler's scheduled order, overlap inside the slot as the
+compiler placed it, or the peak-rate dependency graph for a local program), with the same kernel rates, collective
+latency and bandwidth ramp. A tick ends with the two sends over `pipeline` (costmodel.link_seconds; its link: the
+nodes' NICs on a multi-node preset). The executor's ticks are
+synchronised between neighbouring stages by those sends (replay(sync=True)): that is the run's predicted step
+(the printed one, summary.json prediction.t_overlapped_s); the table's own ideal, an asynchronous runtime's, is
+replay(sync=False). Both are predictions, not measurements.
 """
 from __future__ import annotations
 
 from shardlab import pipeline_tables as PT
 from shardlab.analysis import hlo, pipeline_replay as PR
 from shardlab.axes import PIPELINE
-from shardlab.analysis.links import axis_bandwidth
 
 
-def slot_seconds(prog, hw, ici: dict) -> dict:
-  """{"F", "B", "W", "head", "send"}: seconds of one run of each pipeline slot's branch (0 if absent) and of one
-  tick's sends over `pipeline`."""
-  comps, flops = prog.comps, hlo.flops_fn(prog.comps)
-  by_comp: dict = {}
-  for c in prog.collectives:
-    by_comp.setdefault(c.computation, []).append(c)
-
-  def seconds(entry: str) -> float:
-    mult = hlo.multiplicities(comps, entry)
-    t = 0.0
-    for comp, times in mult.items():
-      shapes = {i.name: i.shape for i in comps.get(comp, [])}
-      t += times * sum(flops(i, shapes) for i in comps.get(comp, [])) / (hw.peak_flops * hw.gemm_efficiency)
-      for c in by_comp.get(comp, []):
-        if c.group_size > 1:
-          t += times * c.bytes_moved / axis_bandwidth(c.axis, hw, ici)
-    return t
-
+def slot_seconds(prog, seconds, link) -> dict:
+  """{"F", "B", "W", "head", "send"}: seconds of one run of each pipeline slot's branch (0 if absent; the longest
+  branch, the slot's work, not the idle one) and of one tick's sends over `pipeline`, by the run's model:
+  `seconds(computation)` times one run of a computation, `link(collective)` one collective."""
   out = {"F": 0.0, "B": 0.0, "W": 0.0, "head": 0.0, "send": 0.0}
-  for comp, instrs in comps.items():
+  for comp, instrs in prog.comps.items():
     for ins in instrs:
       got = hlo.declared_runs(ins.op_name) if ins.opcode == "conditional" else None
       if got is None:
@@ -46,14 +33,15 @@ def slot_seconds(prog, hw, ici: dict) -> dict:
   sends = [c for c in prog.collectives if c.kind == "collective-permute" and c.axis == PIPELINE
            and "pipeline_forward" in c.op_name]
   if sends:
-    out["send"] = max(c.bytes_moved for c in sends) / axis_bandwidth(PIPELINE, hw, ici)
+    out["send"] = link(max(sends, key=lambda c: c.bytes_moved))
   return out
 
 
-def predict(prog, cfg, ici: dict, ticks) -> dict:
-  """summary.json's `pipeline`: the slot times, the executor's step and bubble (sync replay), the table's ideal
-  (async replay) and the closed form, and what each stage holds in flight."""
-  t = slot_seconds(prog, cfg.hardware, ici)
+def predict(prog, cfg, ticks, seconds, link) -> dict:
+  """summary.json's `pipeline`: the slot times (slot_seconds, by the run's model: `seconds`, `link`), the
+  executor's step and bubble (sync replay), the table's ideal (async replay) and the closed form, and what each
+  stage holds in flight."""
+  t = slot_seconds(prog, seconds, link)
   P, M, V = len(ticks[0]), cfg.pipeline.count(len(ticks[0])), cfg.pipeline.virtual_stages
   t_f = t["F"] + t["head"]         # in lockstep the last stage's F (with the head) sets the pace
   run = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=True)
@@ -64,8 +52,8 @@ def predict(prog, cfg, ici: dict, ticks) -> dict:
           "table_step_s": ideal["step_s"], "table_bubble": ideal["bubble"],
           "closed_form_bubble": PT.closed_form_bubble(cfg.pipeline.impl, P, M, V),
           "in_flight": PT.in_flight(ticks, "W" if split else "B"),
-          "note": "prediction: the table replayed with each slot's compiled FLOPs and bytes on the preset's rates "
-                  "(serial inside a slot), ticks synchronised between neighbouring stages; not a measurement"}, run
+          "note": "prediction: the table replayed with each slot's compiled computation timed by the run's model, "
+                  "ticks synchronised between neighbouring stages; not a measurement"}, run
 
 
 def draw(result: dict, path, cfg, pred: dict) -> None:

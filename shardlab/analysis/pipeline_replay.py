@@ -71,22 +71,29 @@ def draw(result: dict, path, title: str = "", unit: str = "s") -> None:
   import matplotlib.pyplot as plt
   from matplotlib.patches import Patch
   slots, step = result["slots"], result["step_s"]
+  k, shown = 1.0, unit                    # seconds drawn in the unit that reads: s, ms or us
+  if unit == "s":
+    k, shown = next((f, u) for f, u in ((1.0, "s"), (1e3, "ms"), (1e6, "us")) if step * f >= 1 or u == "us")
   P = 1 + max(x.stage for x in slots)
+  chunks = max(x.action.chunk for x in slots) > 0
   fig, ax = plt.subplots(figsize=(max(11, min(18, 3 + 0.35 * len(slots) / max(P, 1))), 0.6 * P + 1.6))
   for x in slots:
-    ax.barh(x.stage, x.end - x.start, left=x.start, height=0.8, color=COLORS[x.action.kind], edgecolor="white",
-            alpha=0.55 + 0.45 * (1 - x.action.chunk / max(1, 1 + max(y.action.chunk for y in slots))))
-    ax.text((x.start + x.end) / 2, x.stage, f"{x.action.mb}" + (f".{x.action.chunk}" if x.action.chunk else ""),
+    ax.barh(x.stage, (x.end - x.start) * k, left=x.start * k, height=0.8, color=COLORS[x.action.kind],
+            edgecolor="white", alpha=0.55 + 0.45 * (1 - x.action.chunk / max(1, 1 + max(y.action.chunk for y in slots))))
+    ax.text((x.start + x.end) / 2 * k, x.stage, f"{x.action.mb}" + (f".{x.action.chunk}" if chunks else ""),
             ha="center", va="center", fontsize=7, color="white")
   ax.set_yticks(range(P), [f"stage {s}" for s in range(P)])
   ax.invert_yaxis()
-  ax.set_xlim(0, step)
-  ax.set_xlabel(f"time (prediction, {unit})")
-  ax.legend(handles=[Patch(color=c, label=k) for k, c in
-                     (("forward", COLORS["F"]), ("backward", COLORS["B"]), ("weight gradient", COLORS["W"]))
-                     if k[0].upper() in {x.action.kind for x in slots}],
-            loc="upper center", bbox_to_anchor=(0.5, -0.25 if P < 4 else -0.12), ncol=3, frameon=False)
-  ax.set_title(f"{title}bubble {result['bubble']:.1%} of the step (idle: white)")
+  ax.set_xlim(0, step * k)
+  ax.set_xlabel(f"time (prediction, {shown})")
+  handles = [Patch(color=c, label=n) for n, c in
+             (("forward", COLORS["F"]), ("backward", COLORS["B"]), ("weight gradient", COLORS["W"]))
+             if n[0].upper() in {x.action.kind for x in slots}]
+  handles.append(Patch(color="none", label="label: microbatch" + (".chunk (lighter: later chunk)" if chunks else "")))
+  ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if P < 4 else -0.12),
+            ncol=len(handles), frameon=False)
+  length = f"step {step * k:.4g} {shown}, " if unit == "s" else ""
+  ax.set_title(f"{title}{length}bubble {result['bubble']:.1%} of the step (idle: white)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

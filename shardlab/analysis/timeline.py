@@ -50,10 +50,12 @@ def _direction(pairs, device_ids: np.ndarray, axis_names: tuple, axis: str) -> s
   return "-" if n > 2 and (pos[t] - pos[s]) % n == n - 1 else "+"
 
 
-def build(prog) -> list[Task]:
+def build(prog, entry: str | None = None) -> list[Task]:
   """The step's dependency graph, while loops unrolled; tasks are in a topological order (deps first).
-  `prog`: an analysis.program.Program (the compiled program, parsed once)."""
-  comps, entry, device_ids, axis_names = prog.comps, prog.entry, prog.device_ids, prog.axis_names
+  `prog`: an analysis.program.Program (the compiled program, parsed once); `entry`: one computation of it (a
+  pipeline slot's branch) instead of the whole step."""
+  comps, device_ids, axis_names = prog.comps, prog.device_ids, prog.axis_names
+  entry = entry or prog.entry
   colls = {(c.computation, c.name): c for c in prog.collectives}
   flops = hlo.flops_fn(comps)
   tasks: list[Task] = []
