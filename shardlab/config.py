@@ -8,6 +8,7 @@ The core never imports Hydra except here, in `register_configs` and `compose`, w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,12 @@ class ModelConfig:
   router_skew: float = 0.0       # a fixed offset skew x (E-1-e)/(E-1) on expert e's logit when the top k are picked
                                  # (not in the gates: DeepSeek-V3's selection bias, untrained): early experts get
                                  # more tokens, to compare dispatchers under imbalance
+
+  @property
+  def label(self) -> str:
+    """The preset's name, or `<name>+overrides` where the architecture differs from conf/model/<name>.yaml (a model
+    built by overrides on a preset is not that preset: run names, summary.json's model_label, the figures)."""
+    return model_label(self.__dict__)
 
   @property
   def head_dim(self) -> int:
@@ -306,6 +313,29 @@ def _mesh_label(*args) -> str:
   return label(shape_of(sizes))
 
 
+# The fields that make a model what its preset names (its parameters); seq_len, attention and the like do not.
+ARCHITECTURE = ("kind", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "head_size",
+                "n_experts", "top_k", "expert_d_ff", "n_shared_experts")
+
+
+@functools.lru_cache(maxsize=None)
+def _preset(group: str, name: str) -> dict | None:
+  import yaml
+  path = CONF_DIR / group / f"{name}.yaml"
+  return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def model_label(m) -> str:
+  """ModelConfig.label of a model's fields (a dict or a DictConfig: the `model_label` resolver's)."""
+  name = str(m["name"])
+  preset = _preset("model", name)
+  if preset is None:
+    return name
+  default = ModelConfig.__dataclass_fields__
+  changed = [f for f in ARCHITECTURE if m[f] != preset.get(f, default[f].default)]
+  return f"{name}+overrides" if changed else name
+
+
 def parallel_label(mesh, pipeline, context, expert=None) -> str:
   """What splits the model beyond data x fsdp x tensor, for run and sweep directory names (and so the report's
   labels): '' with none; '-1f1b' with pipeline stages (a user's class: its name), '-ring' or '-ring-zigzag'
@@ -332,6 +362,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("schedule_label", lambda s: schedule_label(s["name"], s["impl"], s["tp"]))
   if not OmegaConf.has_resolver("parallel_label"):   # ${parallel_label:${mesh},${pipeline},${context}}
     OmegaConf.register_new_resolver("parallel_label", parallel_label)
+  if not OmegaConf.has_resolver("model_label"):      # ${model_label:${model}}: ModelConfig.label
+    OmegaConf.register_new_resolver("model_label", model_label)
   cs = ConfigStore.instance()
   cs.store(name="config_schema", node=Config)
   for group, node in GROUPS.items():

@@ -121,6 +121,56 @@ def prediction_label(summary: dict) -> str:
   return f"{kind}, {program} program"
 
 
+def part_columns(summary: dict, metrics: list[dict] | None = None) -> dict:
+  """The columns of the parts a run has, for the sweep's and the report's tables (None where it has not that
+  part): pipeline_step_s, pipeline_bubble (the executor's, predicted), pipeline_table_bubble (the table's own),
+  pipeline_in_flight (microbatches each stage holds, stage 0 first); for a mixture of experts, over the run's
+  steps (`metrics`: metrics.jsonl's rows), dropped_fraction and expert_load_max_over_mean (their means)."""
+  out = {}
+  pp = summary.get("pipeline_prediction")
+  if pp:
+    out.update(pipeline_step_s=pp.get("step_s"), pipeline_bubble=pp.get("bubble"),
+               pipeline_table_bubble=pp.get("table_bubble"),
+               pipeline_in_flight="/".join(str(n) for n in pp.get("in_flight") or []) or None)
+  rows = [r for r in metrics or [] if "dropped_fraction" in r]
+  if rows:
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    out.update(dropped_fraction=mean("dropped_fraction"), expert_load_max_over_mean=mean("expert_load_max_over_mean"))
+  return out
+
+
+def read_metrics(run_dir) -> list[dict]:
+  """metrics.jsonl's rows ([] if there is none, or a row does not parse: a run killed while writing one)."""
+  rows = []
+  try:
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+  except OSError:
+    return rows
+  for line in text.splitlines():
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      continue
+  return rows
+
+
+def cell(column: str, v) -> str:
+  """A table cell of a human table (summary.md, report.md): bytes in GB/MB, seconds in s/ms/us, fractions as
+  percentages, other floats to 4 significant digits; empty for None; pipes and newlines escaped."""
+  if v is None:
+    return ""
+  if isinstance(v, (int, float)) and not isinstance(v, bool):
+    if column.startswith("bytes_") or column.endswith("_bytes"):
+      return human_bytes(v)
+    if column.endswith("_s") or column.endswith("_s_median"):
+      return human_seconds(v)
+    if column.endswith("bubble") or column.endswith("fraction"):
+      return f"{100 * v:.3g}%"
+    if isinstance(v, float):
+      return f"{v:.4g}"
+  return str(v).replace("|", "\\|").replace("\n", " ")
+
+
 def human_bytes(b: float) -> str:
   """'69.5 GB', '513 kB': decimal units, 3 significant digits (what the terminal shows)."""
   for unit, n in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

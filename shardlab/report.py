@@ -2,9 +2,12 @@
 
 Figures (in DIR): step_time.png (measured on this machine and predicted on the run's hardware preset, side by side;
 the title names the model of each prediction: calibrated replay of a target program or peak-rate model over a local
-one; "no overlap" and "with overlap" are one bar where they agree for every run), bytes.png (bytes each device
-moves per step, per mesh axis), memory.png (compiled peak memory per device), and the timeline of every run (or of
-those --runs names: their timeline.png, copied as timeline_<job>.png); a run without one is named in report.md.
+one; "compute + comm, serial" and "predicted step" are one bar where they agree for every run), bytes.png (bytes each device
+moves per step, per mesh axis), memory.png (compiled peak memory per device), each in the unit that reads (GB or
+MB, ms or us), every pipeline run's pipeline.png (copied as pipeline_<job>.png), and the timeline of every run (or
+of those --runs names: their timeline.png, copied as timeline_<job>.png); a run without one is named in report.md.
+The table has the columns of the parts the runs have (outputs.part_columns: a pipeline's bubble and microbatches in
+flight, a mixture of experts' dropped tokens and load).
 """
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from shardlab.axes import CLASSIC, names as axis_names
-from shardlab.outputs import PREDICTION_MODELS, prediction_label
-from shardlab.sweep import bytes_per_axis, fmt
+from shardlab.axes import names as axis_names
+from shardlab.outputs import PREDICTION_MODELS, cell, part_columns, prediction_label, read_metrics
+from shardlab.sweep import PART_COLUMNS, bytes_per_axis
 
 
 def load_jobs(d: Path) -> list[dict]:
@@ -55,8 +58,19 @@ def _read_summary(path: Path) -> dict:
   return s
 
 
-def _bar(ax, labels, series: dict, ylabel: str, title: str, scale: float = 1.0, legend: bool = True):
+def unit_of(values, kind: str) -> tuple[float, str]:
+  """(divisor, unit) that shows the largest of `values` (bytes or seconds) with 1 to 3 digits before the point."""
+  top = max((abs(v) for v in values if v), default=0.0)
+  steps = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B")) if kind == "bytes" else \
+      ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+  return next(((n, u) for n, u in steps if top >= n), steps[-1])
+
+
+def _bar(ax, labels, series: dict, kind: str, what: str, title: str, legend: bool = True):
+  """Grouped bars of `series` ({name: values}, bytes or seconds: `kind`), in the unit that reads (unit_of), each
+  bar labelled with its value; the axis from zero in that unit."""
   import numpy as np
+  scale, unit = unit_of([v for vals in series.values() for v in vals], kind)
   x = np.arange(len(labels))
   width = 0.8 / max(len(series), 1)
   for i, (name, vals) in enumerate(series.items()):
@@ -64,7 +78,8 @@ def _bar(ax, labels, series: dict, ylabel: str, title: str, scale: float = 1.0, 
     bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, v, width, label=name)
     ax.bar_label(bars, labels=[f"{val:.3g}" if val else "" for val in v], fontsize=7, rotation=90, padding=2)
   ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
-  ax.set_ylabel(ylabel)
+  ax.set_ylabel(f"{what} ({unit})")
+  ax.set_ylim(bottom=0)
   ax.set_title(title, fontsize=10)
   ax.margins(y=0.25)
   if legend:
@@ -77,14 +92,15 @@ def _pred(j: dict) -> dict:
 
 
 def predicted_series(ok: list[dict]) -> dict:
-  """{series name: values} of the predicted step times: "no overlap" (serial) and "with overlap" bars, or one
-  bar per run when the two are the same for every run (within 0.1%: nothing overlapped)."""
+  """{series name: values} of the predicted step times: the compute and communication time of one device added up
+  (serial) and the predicted step (with overlap; a pipeline's with its bubble) bars, or one bar per run when the
+  two are the same for every run (within 0.1%)."""
   serial = [_pred(j).get("t_serial_s") for j in ok]
   overlapped = [_pred(j).get("t_overlapped_s") for j in ok]
   same = all(a is None or b is None or abs(a - b) <= 1e-3 * max(abs(a), abs(b)) for a, b in zip(serial, overlapped))
   if same:
-    return {"predicted (no overlap = with overlap)": overlapped}
-  return {"no overlap": serial, "with overlap": overlapped}
+    return {"predicted step (= compute + comm, serial)": overlapped}
+  return {"compute + comm, serial": serial, "predicted step": overlapped}
 
 
 def predicted_title(ok: list[dict]) -> str:
@@ -108,21 +124,24 @@ def figures(jobs: list[dict], out: Path) -> list[str]:
   width = max(6, 1.1 * len(ok) + 3)
   made = []
 
-  fig, (a1, a2) = plt.subplots(1, 2, figsize=(2 * width, 4.8))
-  _bar(a1, labels, {"measured": [j["summary"].get("step_time_s_median") for j in ok]}, "ms per step",
-       f"Measured step time ({ok[0]['summary'].get('device_kind', '?')}, median, compile excluded)", 1e-3,
-       legend=False)
-  _bar(a2, labels, predicted_series(ok), "ms per step", predicted_title(ok), 1e-3)
+  measured = [j["summary"].get("step_time_s_median") for j in ok]
+  if any(measured):          # a dry-run sweep measured nothing: its panel would be empty
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(2 * width, 4.8))
+    _bar(a1, labels, {"measured": measured}, "seconds", "per step",
+         f"Measured step time ({ok[0]['summary'].get('device_kind', '?')}, median, compile excluded)", legend=False)
+  else:
+    fig, a2 = plt.subplots(figsize=(width, 4.8))
+  _bar(a2, labels, predicted_series(ok), "seconds", "per step", predicted_title(ok))
   fig.tight_layout()
   fig.savefig(out / "step_time.png", dpi=110)
   plt.close(fig)
   made.append("step_time.png")
 
   per_axis = [bytes_per_axis(j["summary"].get("comm") or {}) for j in ok]
-  axes = sorted({a for p in per_axis for a in p})
+  axes = [a for a in axis_names() if any(p.get(a) for p in per_axis)]
   fig, ax = plt.subplots(figsize=(width, 4.8))
-  _bar(ax, labels, {a: [p.get(a) for p in per_axis] for a in axes}, "MiB per device per step",
-       "Bytes moved per mesh axis (from the compiled HLO)", 2**20)
+  _bar(ax, labels, {a: [p.get(a) for p in per_axis] for a in axes}, "bytes", "per device per step",
+       "Bytes moved per mesh axis (from the compiled HLO)")
   fig.tight_layout()
   fig.savefig(out / "bytes.png", dpi=110)
   plt.close(fig)
@@ -131,7 +150,7 @@ def figures(jobs: list[dict], out: Path) -> list[str]:
   fig, ax = plt.subplots(figsize=(width, 4.8))
   mem = [j["summary"].get("memory") or {} for j in ok]
   _bar(ax, labels, {"peak": [m.get("peak") for m in mem], "temporaries": [m.get("temp") for m in mem]},
-       "MiB per device", "Compiled memory per device (memory_analysis)", 2**20)
+       "bytes", "per device", "Compiled memory per device (memory_analysis)")
   fig.tight_layout()
   fig.savefig(out / "memory.png", dpi=110)
   plt.close(fig)
@@ -159,23 +178,32 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
            + " (a run compiled for its target is predicted by the calibrated model, a local program by the "
            "peak-rate one).", ""]
   per_axis = [bytes_per_axis(j["summary"].get("comm") or {}) for j in jobs]
-  axes = [a for a in axis_names() if a in CLASSIC or any(a in b for b in per_axis)]   # every axis present
-  cols = ["run", "status", "final loss", "step ms (measured)", "prediction", "pred. ms (overlap)", "pred. ms (serial)",
-          *[f"MiB {a}" for a in axes], "peak MiB", "error"]
-  lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  for j in jobs:
+  axes = [a for a in axis_names() if any(b.get(a) for b in per_axis)]   # every axis some run moves bytes over
+  parts = [part_columns(j["summary"], read_metrics(j["dir"])) for j in jobs]
+  part_cols = [c for c in PART_COLUMNS if any(p.get(c) is not None for p in parts)]
+  # (header, the cell's kind for outputs.cell: *_s seconds, *_bytes bytes, *bubble / *fraction a percentage)
+  cols = [("run", ""), ("status", ""), ("final loss", ""), ("step (measured)", "_s"), ("prediction", ""),
+          ("predicted step", "_s"), ("compute + comm, serial", "_s"),
+          *[(c.replace("_", " "), c) for c in part_cols], *[(f"bytes {a}", "_bytes") for a in axes],
+          ("peak memory", "_bytes"), ("error", "")]
+  lines += ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+  for j, pc in zip(jobs, parts):
     s, p = j["summary"], j["summary"].get("prediction") or {}
     b = bytes_per_axis(s.get("comm") or {})
-    ms = lambda v: None if v is None else v * 1e3
-    mib = lambda v: None if v is None else v / 2**20
-    row = [j["label"], j["status"], s.get("final_loss"), ms(s.get("step_time_s_median")),
-           prediction_label(s) if p else None, ms(p.get("t_overlapped_s")),
-           ms(p.get("t_serial_s")), *[mib(b.get(a)) for a in axes], mib((s.get("memory") or {}).get("peak")),
+    row = [j["label"], j["status"], s.get("final_loss"), s.get("step_time_s_median"),
+           prediction_label(s) if p else None, p.get("t_overlapped_s"), p.get("t_serial_s"),
+           *[pc.get(c) for c in part_cols], *[b.get(a) for a in axes], (s.get("memory") or {}).get("peak"),
            s.get("error")]
-    lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
+    lines.append("| " + " | ".join(cell(kind, v) for (_, kind), v in zip(cols, row)) + " |")
   lines.append("")
   for name in made:
     lines += [f"![{name}]({name})", ""]
+  for j in jobs:            # every pipeline run's picture: which schedule leaves the least bubble
+    if (j["dir"] / "pipeline.png").exists():
+      dst = d / (f"pipeline_{j['label']}.png" if j["dir"] != d else "pipeline.png")
+      if j["dir"] != d:
+        shutil.copyfile(j["dir"] / "pipeline.png", dst)
+      lines += [f"### Pipeline schedule: {j['label']} (prediction)", "", f"![pipeline {j['label']}]({dst.name})", ""]
   for j in chosen:
     dst = d / f"timeline_{j['label']}.png"
     if j["dir"] != d:

@@ -298,6 +298,28 @@ def _unknown_flags(argv: list[str]) -> list[str]:
   return [a for a in extra if a.startswith("-")]
 
 
+def _help(main) -> None:
+  """Hydra's --help, its group lines without the structured configs' schemas (`*_schema`: the types each YAML
+  is checked against, not choices)."""
+  import contextlib
+  import io
+  import re
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    try:
+      main()
+    except SystemExit:
+      pass
+  for line in buf.getvalue().splitlines():
+    m = re.match(r"^(\w+): (.*)$", line)
+    if m and "_schema" in m.group(2):
+      kept = [o for o in m.group(2).split(", ") if not o.endswith("_schema")]
+      if not kept:
+        continue
+      line = f"{m.group(1)}: {', '.join(kept)}"
+    print(line)
+
+
 def cli() -> None:
   import hydra
   from hydra.errors import HydraException
@@ -321,6 +343,9 @@ def cli() -> None:
     print(f"shardlab: error: {e}", file=sys.stderr)
     sys.exit(2)
   os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its own errors (unknown key, wrong type) to us, unprinted
+  if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+    _help(lambda: hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(_task)())
+    return
   try:
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(_task)()
   except KeyboardInterrupt:               # SIGINT before training started (or while stopping): nothing to save

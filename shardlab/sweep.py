@@ -11,21 +11,31 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from shardlab.axes import CLASSIC, names as axis_names
-from shardlab.outputs import prediction_model
+from shardlab.outputs import cell, part_columns, prediction_model, read_metrics
 
 # bytes_<axis>: bytes per device per step over each mesh axis (data, fsdp and tensor always; any other declared
 # axis when a job of the sweep has it), in the registry's order.
 COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "tokens_per_s",
            *[f"bytes_{a}" for a in CLASSIC], "memory_peak_bytes", "predicted_step_s", "hardware", "prediction_model",
            "error"]
+PART_NOTES = {"pipeline_bubble": "pipeline_bubble is the predicted idle share of the step as the executor runs the "
+                                  "table (pipeline_table_bubble: the table's own, asynchronous).",
+              "pipeline_in_flight": "pipeline_in_flight: the microbatches each stage holds at most, stage 0 first.",
+              "dropped_fraction": "dropped_fraction and expert_load_max_over_mean: means over the steps (measured)."}
+# The parts' own columns (outputs.part_columns), after predicted_step_s, where some job has the part.
+PART_COLUMNS = ["pipeline_bubble", "pipeline_table_bubble", "pipeline_in_flight", "dropped_fraction",
+                "expert_load_max_over_mean"]
 
 
 def columns(rows: list[dict]) -> list[str]:
-  """COLUMNS with a bytes_<axis> column for every declared axis some row has, in the registry's order."""
-  have = {k for r in rows for k in r}
+  """COLUMNS with a bytes_<axis> column for every declared axis some row has, in the registry's order, and the
+  columns of the parts some row has (PART_COLUMNS)."""
+  have = {k for r in rows for k in r if r[k] is not None}
   axes = [f"bytes_{a}" for a in axis_names() if a in CLASSIC or f"bytes_{a}" in have]
   i = COLUMNS.index(f"bytes_{CLASSIC[0]}")
-  return COLUMNS[:i] + axes + COLUMNS[i + len(CLASSIC):]
+  cols = COLUMNS[:i] + axes + COLUMNS[i + len(CLASSIC):]
+  j = cols.index("predicted_step_s") + 1
+  return cols[:j] + [c for c in PART_COLUMNS if c in have] + cols[j:]
 
 
 def bytes_per_axis(comm: dict) -> dict:
@@ -65,7 +75,8 @@ def job_row(job_dir: Path) -> dict:
              **{f"bytes_{a}": per_axis.get(a) for a in dict.fromkeys([*CLASSIC, *per_axis])},
              memory_peak_bytes=(s.get("memory") or {}).get("peak"),
              predicted_step_s=pred.get("t_overlapped_s"), hardware=pred.get("hardware"),
-             prediction_model=prediction_model(pred), error=s.get("error"))
+             prediction_model=prediction_model(pred), error=s.get("error"),
+             **part_columns(s, read_metrics(job_dir)))
   return row
 
 
@@ -77,13 +88,6 @@ def collect(sweep_dir) -> list[dict]:
   return [job_row(d) for d in sorted(jobs, key=num)]
 
 
-def fmt(v) -> str:
-  """A table cell: empty for None, 4 significant digits for a float, pipes and newlines escaped."""
-  if v is None:
-    return ""
-  if isinstance(v, float):
-    return f"{v:.4g}"
-  return str(v).replace("|", "\\|").replace("\n", " ")
 
 
 def _replace(path: Path, text: str) -> None:
@@ -110,13 +114,17 @@ def write(sweep_dir) -> list[dict]:
   for r in rows:
     w.writerow({k: r.get(k) for k in cols})
   _replace(d / "summary.csv", buf.getvalue())
-  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(fmt(r.get(k)) for k in cols) + " |" for r in rows]
+  shown = [c for c in cols if c in ("job", "status") or any(r.get(c) is not None for r in rows)]   # none empty
+  lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+  lines += ["| " + " | ".join(cell(k, r.get(k)) for k in shown) + " |" for r in rows]
   ok = sum(r["status"] == "ok" for r in rows)
+  parts = [c for c in PART_COLUMNS if c in cols]
   _replace(d / "summary.md", f"# Sweep {d}\n\n{ok} of {len(rows)} jobs ok. Step times are measured on this "
                             f"machine; predicted_step_s is the cost model's, on `hardware`, by `prediction_model` "
-                            f"(calibrated: replay of a target program; peak-rate: over the local program).\n\n"
-                            + "\n".join(lines) + "\n")
+                            f"(calibrated: replay of a target program; peak-rate: over the local program)."
+                            + (" " + " ".join(PART_NOTES[c] for c in parts if c in PART_NOTES) if parts else "")
+                            + " summary.csv has the same rows in plain numbers, and every column (here those no job fills are left out)."
+                            "\n\n" + "\n".join(lines) + "\n")
   return rows
 
 

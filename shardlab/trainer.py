@@ -153,7 +153,7 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
       summary = {
           "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
           "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.label,
-          "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
+          "model": cfg.model.label, "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
           "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
           **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
       if not cfg.dry_run:

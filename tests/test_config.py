@@ -78,6 +78,28 @@ def test_cli_config_error_exits_2_with_one_line(tmp_path):
   assert not (tmp_path / "summary.json").exists()
 
 
+def test_a_model_changed_by_overrides_is_not_labelled_as_its_preset():
+  """model=llama3_70b with its dimensions overridden is llama3_70b+overrides (the run's name, summary.json's model,
+  the figures); a longer sequence or another attention kernel leaves the model what its preset names."""
+  import dataclasses
+  from shardlab.config import to_config
+  m = to_config(compose("model=llama3_70b")).model
+  assert m.label == "llama3_70b"
+  assert dataclasses.replace(m, seq_len=32768, attention="dot_product").label == "llama3_70b"
+  assert dataclasses.replace(m, d_model=16384, n_layers=126).label == "llama3_70b+overrides"
+  assert to_config(compose("model.n_layers=4")).model.label == "tiny+overrides"
+
+
+def test_help_lists_only_real_choices():
+  """--help: every group's options as one types them (model=llama3_8b), no structured-config schema among them."""
+  r = subprocess.run([sys.executable, "-m", "shardlab", "--help"], capture_output=True, text=True, cwd=ROOT,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr
+  groups = dict(l.split(": ", 1) for l in r.stdout.split("== Config ==")[0].splitlines() if ": " in l)
+  assert "_schema" not in r.stdout.split("== Config ==")[0] and "llama3_8b" in groups["model"], r.stdout[:2000]
+  assert "ragged" in groups["expert"] and "1f1b" in groups["pipeline"]
+
+
 @pytest.mark.parametrize("override,message", [
     ("schedule.prefech=1", "Key 'prefech' not in 'ScheduleConfig'"),
     ("mesh.fsdp=two", "mesh.fsdp=two: Value 'two' of type 'str' could not be converted to Integer")])

@@ -34,6 +34,8 @@ COMMANDS = {
     "python -m shardlab -m schedule=baseline,fsdp_prefetch,keep_gathered mesh=4x2,2x4": COVERED,
     "python -m shardlab mesh.pipeline=4 mesh.fsdp=2 mesh.tensor=1 model.n_layers=8 pipeline=1f1b "
     "pipeline.microbatches=8": COVERED,
+    "python -m shardlab -m mesh.pipeline=4 mesh.fsdp=2 mesh.tensor=1 model.n_layers=8 pipeline.microbatches=8 "
+    "pipeline=gpipe,1f1b,eager_1f1b,interleaved,zb_h1 dry_run=true": "pipeline sweep",
     "python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 "
     "train.global_batch_tokens=4194304": "plan",
     "python -m shardlab.plan model=llama3_8b model.seq_len=32768 train.batch_size=1 mesh.fsdp=8 mesh.tensor=1 "
@@ -138,3 +140,25 @@ def test_target_dry_runs_run_as_written(command, tmp_path):
     assert round(s["memory"]["peak"] / 1e9, 1) == MAXTEXT["peak_gb"]
     doc = (ROOT / "docs" / "targets.md").read_text()
     assert f"predicted at {MAXTEXT['step_s']:.3f} s" in doc and f"{MAXTEXT['peak_gb']} GB compiled for gpu" in doc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for c, k in COMMANDS.items() if k == "pipeline sweep"])
+def test_the_pipeline_sweep_answers_which_schedule(command, tmp_path):
+  """The README's pipeline sweep, as written (dry runs): summary.md has each schedule's predicted step, bubble and
+  microbatches in flight without opening a JSON, and each run's printed step is its pipeline.png's."""
+  r = subprocess.run([sys.executable, *shlex.split(command)[1:], "progress=false", f"hydra.sweep.dir={tmp_path}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-2000:]
+  md = (tmp_path / "summary.md").read_text()
+  head = next(l for l in md.splitlines() if l.startswith("| job"))
+  cols = [c.strip() for c in head.strip("|").split("|")]
+  rows = [[c.strip() for c in l.strip("|").split("|")] for l in md.splitlines() if l.startswith("| ") and l != head]
+  rows = [dict(zip(cols, r)) for r in rows if len(r) == len(cols) and r[0][:1].isdigit()]
+  assert [r["overrides"].split("pipeline=")[-1].split()[0] for r in rows] == \
+      ["gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1"]
+  assert all(r["pipeline_bubble"].endswith("%") and r["predicted_step_s"] and "/" in r["pipeline_in_flight"]
+             for r in rows), md
+  for job in sorted(p for p in tmp_path.iterdir() if (p / "summary.json").exists()):
+    s = json.loads((job / "summary.json").read_text())
+    assert s["prediction"]["t_overlapped_s"] == s["pipeline_prediction"]["step_s"] and (job / "pipeline.png").exists()

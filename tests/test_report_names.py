@@ -1,6 +1,8 @@
 """One prediction per run, named: the report says which model made each prediction (calibrated replay of a target
 program, peak-rate model over a local one) on its table, its step-time figure and each timeline heading, and
-draws "no overlap" and "with overlap" once where they agree. Summaries written by hand: no compile."""
+draws the serial sum and the predicted step once where they agree; the tables carry the columns of the parts the
+runs have (a pipeline's bubble, a mixture of experts' dropped tokens) in units people read. Summaries written by
+hand: no compile."""
 from __future__ import annotations
 
 import json
@@ -31,9 +33,47 @@ def test_each_prediction_says_which_model_made_it(tmp_path):
                                                             "calibrated, gpu program"]
   title = report.predicted_title(jobs)
   assert "calibrated, gpu program" in title and "peak-rate, cpu program" in title
-  assert list(report.predicted_series(jobs)) == ["no overlap", "with overlap"]       # the target run overlaps
-  assert list(report.predicted_series(jobs[:2])) == ["predicted (no overlap = with overlap)"]   # drawn once
+  assert list(report.predicted_series(jobs)) == ["compute + comm, serial", "predicted step"]   # the target overlaps
+  assert list(report.predicted_series(jobs[:2])) == ["predicted step (= compute + comm, serial)"]   # drawn once
   text = report.write_report(tmp_path).read_text()
   rows = [l for l in text.splitlines() if l.startswith("| 2_target") or l.startswith("| 0_local")]
   assert "| calibrated, gpu program |" in rows[1] and "| peak-rate, cpu program |" in rows[0]
   assert "calibrated: calibrated replay of the target program" in text
+
+
+def test_the_tables_carry_the_parts_columns_in_units_people_read(tmp_path):
+  """A pipeline run (its predicted bubble and microbatches in flight, its picture) and a MoE run (dropped tokens
+  and load, means over metrics.jsonl's steps), both dry: report.md and the sweep's summary.md show those columns,
+  bytes in kB/MB/GB and times in us/ms, leave out the columns no run fills, embed pipeline.png, and draw no empty
+  measured panel."""
+  from shardlab import sweep
+  _run(tmp_path, "0_pipe", 3e-4, 4e-4, "peak-rate: the program's dependency graph", "cpu")
+  _run(tmp_path, "1_moe", 1e-4, 1e-4, "peak-rate: the program's dependency graph", "cpu")
+  for name in ("0_pipe", "1_moe"):
+    s = json.loads((tmp_path / name / "summary.json").read_text())
+    s.pop("step_time_s_median")
+    if name == "0_pipe":
+      s["pipeline_prediction"] = {"step_s": 4e-4, "bubble": 0.514, "table_bubble": 0.298, "in_flight": [4, 3, 2, 1]}
+      (tmp_path / name / "pipeline.png").write_bytes(b"png")
+    else:
+      (tmp_path / name / "metrics.jsonl").write_text(
+          "\n".join(json.dumps({"step": i, "loss": 5.0, "dropped_fraction": d, "expert_load_max_over_mean": 1.5})
+                    for i, d in enumerate((0.1, 0.3))) + "\n")
+    (tmp_path / name / "summary.json").write_text(json.dumps(s))
+    (tmp_path / name / ".hydra").mkdir()
+  text = report.write_report(tmp_path).read_text()
+  header = next(l for l in text.splitlines() if l.startswith("| run"))
+  assert "pipeline bubble" in header and "pipeline in flight" in header and "dropped fraction" in header
+  assert "bytes fsdp" in header and "bytes data" not in header              # no run moves bytes over data
+  pipe = next(l for l in text.splitlines() if l.startswith("| 0_pipe"))
+  assert "| 51.4% | 29.8% | 4/3/2/1 |" in pipe and "| 400 us |" in pipe and "| 1 kB |" in pipe and "| 2 MB |" in pipe
+  moe = next(l for l in text.splitlines() if l.startswith("| 1_moe"))
+  assert "| 20% | 1.5 |" in moe
+  assert "![pipeline 0_pipe](pipeline_0_pipe.png)" in text and (tmp_path / "pipeline_0_pipe.png").exists()
+  rows = sweep.write(tmp_path)
+  md = (tmp_path / "summary.md").read_text()
+  head = next(l for l in md.splitlines() if l.startswith("| job"))
+  assert "pipeline_bubble" in head and "dropped_fraction" in head and "step_time_s_median" not in head
+  assert "| 51.4% |" in md and rows[0]["pipeline_bubble"] == 0.514
+  csv_head = (tmp_path / "summary.csv").read_text().splitlines()[0]
+  assert "step_time_s_median" in csv_head and "bytes_data" in csv_head     # the CSV keeps every column

@@ -275,10 +275,11 @@ def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
 
 
 def title(cfg, pred: dict) -> str:
+  from shardlab.outputs import human_seconds as hs
   walk = pred.get("t_device_program_s")
-  shown = (f"one device's program {walk * 1e3:.2f} ms, pipeline step {pred['t_overlapped_s'] * 1e3:.2f} ms"
-           if walk is not None else f"predicted step {pred['t_overlapped_s'] * 1e3:.2f} ms")
-  return (f"{cfg.schedule.name} | {cfg.model.name} | mesh {cfg.mesh.label} | {pred['hardware']}: "
-          f"{shown} (serial {pred['t_serial_s'] * 1e3:.2f} ms), "
-          f"MFU {pred['mfu']:.0%}  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, "
+  shown = (f"one device's program {hs(walk)}, pipeline step {hs(pred['t_overlapped_s'])}"
+           if walk is not None else f"predicted step {hs(pred['t_overlapped_s'])}")
+  return (f"{cfg.schedule.name} | {cfg.model.label} | mesh {cfg.mesh.label} | {pred['hardware']}: "
+          f"{shown} (compute + comm serial {hs(pred['t_serial_s'])}), "
+          f"MFU {100 * pred['mfu']:.3g}%  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, "
           "not a measurement]")

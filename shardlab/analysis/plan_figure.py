@@ -59,7 +59,7 @@ def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
     ax_t.plot([l["batch_per_device_tokens"]], [l["step_time_s"]], "o", color=color)
     ax_e.plot([l["batch_per_device_tokens"]], [100 * l["mfu"]], "o", color=color)
   ax_t.set(xscale="log", yscale="log", ylabel="predicted step time (s)",
-           title=f"{cfg.model.name} on {layouts[0][DATA] * layouts[0][FSDP] * layouts[0][TENSOR]} x "
+           title=f"{cfg.model.label} on {layouts[0][DATA] * layouts[0][FSDP] * layouts[0][TENSOR]} x "
                  f"{cfg.hardware.name} (predicted; MFU when compute-bound: {cfg.train.mfu:.0%})")
   ax_e.set(xscale="log", xlabel="batch per device B / N (tokens)", ylabel="predicted MFU (%)",
            ylim=(0, 100 * cfg.train.mfu * 1.15))
