@@ -32,6 +32,7 @@ calibrated figure is the prediction, and the peak-rate one stays beside it as `c
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from shardlab.analysis import hlo, ledger, pipeline_cost, timeline as TL
@@ -76,6 +77,15 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   scale = {}
   if program is not None:
     scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives))
+  walked = unrolled_instructions(prog)
+  if calibrates(prog, hw) and walked > GRAPH_LIMIT:   # the graph would be millions of tasks: the ceiling is
+    from shardlab.analysis import calibrated          # the scheduled order at peak rates (loops folded) instead
+    ceiling = {"hardware": hw.name, "model": f"not built: the dependency graph would unroll {walked:,} "
+               f"instructions (over {GRAPH_LIMIT:,}); the ceiling is the scheduled order at peak rates "
+               "(scheduled_order_at_peak_s)", "matmul_flops_per_device": prog.matmul_flops(),
+               "model_flops_per_device": model_flops,
+               "bytes_scaled_to_program": {"/".join(k): v for k, v in scale.items()}}
+    return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, ceiling)
   tasks, dur, res, r = _peak_replay(prog, hw, ici_axes, scale)
 
   compute = [i for i, t in enumerate(tasks) if t.kind == "compute"]
@@ -128,6 +138,21 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
   if calibrates(prog, hw):
     return calibrated_prediction(prog, hw, ici_axes, model_flops, scale, prediction)
   return prediction, evs
+
+
+# The dependency graph unrolls every loop iteration into tasks: past this many instructions (a 70B step has
+# millions) a scheduled target program keeps its calibrated replay, whose loops fold, and skips the graph.
+GRAPH_LIMIT = 400_000
+
+
+def unrolled_instructions(prog) -> int:
+  """Instructions the dependency graph would hold: each walked computation's (the entry, loop bodies, calls,
+  slot branches) times how often it runs."""
+  walked = {prog.entry} | prog.loop_bodies | {c for instrs in prog.comps.values() for i in instrs
+                                               for c in (hlo.branches(i) if i.opcode == "conditional" else
+                                                         re.findall(r"to_apply=%?([\w.\-]+)", i.attrs)
+                                                         if i.opcode == "call" else ())}
+  return sum(len(prog.comps.get(c, [])) * prog.mult.get(c, 0) for c in walked)
 
 
 def _peak_replay(prog, hw, ici_axes: dict, scale: dict, entry: str | None = None) -> tuple:

@@ -234,7 +234,8 @@ def length(intervals: list[tuple]) -> float:
 
 COLORS = {"compute fwd": "#4c72b0", "compute bwd": "#8172b3", "fsdp all-gather": "#dd8452",
           "fsdp reduce-scatter": "#c44e52", FSDP: "#da8bc3", TENSOR: "#55a868", CONTEXT: "#64b5cd",
-          PIPELINE: "#ccb974", DATA: "#8c8c8c", "other comm": "#937860"}
+          PIPELINE: "#ccb974", DATA: "#8c8c8c", "other comm": "#937860",
+          "loop, folded": "#e3e3e3"}   # a loop's iterations replayed at once, each as the one before (calibrated.py)
 
 
 def category(t: Task) -> str:
@@ -284,8 +285,18 @@ def plot(evs: list[dict], path, title: str, zoom: tuple[float, float] = (0.15, 0
   rows = sorted({e["row"] for e in evs}, key=lambda s: (s != "compute", s))
   end = max((e["start"] + e["dur"] for e in evs), default=1.0)
   scale, unit = (1e3, "ms") if end >= 1e-3 else (1e6, "us")
+  folded = [e for e in evs if e["cat"] == "loop, folded"]
+  window, what = (zoom[0] * end, zoom[1] * end), f"zoom: {zoom[0]:.0%}-{zoom[1]:.0%} of the step"
+  if folded:     # the zoom on the last two iterations replayed before the longest fold (the fold is one band)
+    f = max(folded, key=lambda e: e["dur"])
+    window = (max(0.0, f["start"] - 2 * f["args"]["seconds_each"]), f["start"])
+    what = "zoom: the last two iterations replayed before a loop's fold (grey: iterations added at once, each as these)"
   fig, axes = plt.subplots(2, 1, figsize=(15, 2.2 + 1.1 * len(rows)), constrained_layout=True)
-  for ax, (lo, hi) in zip(axes, [(0.0, end), (zoom[0] * end, zoom[1] * end)]):
+  for e in folded:
+    if e["dur"] > 0.08 * end:
+      axes[0].text((e["start"] + e["dur"] / 2) * scale, rows.index(e["row"]), f"{e['args']['iterations']} more "
+                   f"iterations, folded", ha="center", va="center", fontsize=8, color="#555555")
+  for ax, (lo, hi) in zip(axes, [(0.0, end), window]):
     for y, row in enumerate(rows):
       for cat, color in COLORS.items():
         bars = [(e["start"] * scale, max(e["dur"] * scale, 1e-9)) for e in evs
@@ -299,7 +310,7 @@ def plot(evs: list[dict], path, title: str, zoom: tuple[float, float] = (0.15, 0
     ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
   fig.suptitle(title, fontsize=10, x=0.01, ha="left")        # its own line: the legend sits below it
-  axes[1].set_title(f"zoom: {zoom[0]:.0%}-{zoom[1]:.0%} of the step", fontsize=9, loc="left")
+  axes[1].set_title(what, fontsize=9, loc="left")
   handles = [Patch(color=c, label=k) for k, c in COLORS.items() if k in {e["cat"] for e in evs}]
   axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles) or 1,
                  frameon=False)
