@@ -405,6 +405,14 @@ def table(result: dict, cfg, rows: int = 5) -> str:
       r[1:1] = [str(l[PIPELINE]) if pp else "1", (l["schedule"] + (f" V={l['virtual_stages']}"
                                                                    if l["virtual_stages"] > 1 else "")) if pp else "-"]
       r[6:6] = [f"{100 * l['bubble']:.0f}%" if pp else "-"]
+  compiled = any("target" in l for l in layouts[:rows])
+  if compiled:    # top=K: each layout compiled for the target, its calibrated replay beside the closed forms
+    cols[-1:-1] = ["compiled: step", "MFU ", "memory"]
+    right |= {"compiled: step", "MFU ", "memory"}
+    for r, l in zip(body, layouts):
+      t = l.get("target") or {}
+      r[-1:-1] = ([human_seconds(t["step_time_s"]), f"{100 * t['mfu']:.0f}%", human_bytes(t["memory_compiled_bytes"])]
+                  if t.get("compiled") else ["-", "-", "-"])
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
   line = lambda r: "  ".join(c.rjust(w) if cols[i] in right else c.ljust(w)
                              for i, (c, w) in enumerate(zip(r, width))).rstrip()
@@ -431,8 +439,13 @@ def table(result: dict, cfg, rows: int = 5) -> str:
   out = [textwrap.fill(l, 118) if l.startswith(("Ties", "Each layout")) else l for l in out]   # the rules
   if result.get("warnings"):
     out += [f"Warning: {x}" for x in result["warnings"]]
-  out += ["Every number is a prediction of the closed forms (docs/planning.md); --json prints the JSON, "
-          "json=PATH writes it."]
+  for i, l in enumerate(layouts[:rows]):
+    if "target" in l and not l["target"].get("compiled"):
+      out.append(f"#{i + 1} not compiled: {l['target'].get('why')}")
+  out += ["Every number is a prediction of the closed forms (docs/planning.md)"
+          + ("; the compiled columns are the calibrated replay of each layout compiled for the target (predictions "
+             "too, not measurements), its memory the compiler's" if compiled else "")
+          + "; --json prints the JSON, json=PATH writes it."]
   return "\n".join(out)
 
 

@@ -21,10 +21,13 @@ COLUMNS = ["job", "overrides", "status", "final_loss", "step_time_s_median", "to
 PART_NOTES = {"pipeline_bubble": "pipeline_bubble is the predicted idle share of the step as the executor runs the "
                                   "table (pipeline_table_bubble: the table's own, asynchronous).",
               "pipeline_in_flight": "pipeline_in_flight: the microbatches each stage holds at most, stage 0 first.",
+              "context_comm_s": "context_comm_s: the predicted time of the collectives over context (the sequence "
+                                "split's transfers, hidden or not).",
+              "expert_comm_s": "expert_comm_s: the predicted time of the dispatch and combine over expert.",
               "dropped_fraction": "dropped_fraction and expert_load_max_over_mean: means over the steps (measured)."}
 # The parts' own columns (outputs.part_columns), after predicted_step_s, where some job has the part.
-PART_COLUMNS = ["pipeline_bubble", "pipeline_table_bubble", "pipeline_in_flight", "dropped_fraction",
-                "expert_load_max_over_mean"]
+PART_COLUMNS = ["pipeline_bubble", "pipeline_table_bubble", "pipeline_in_flight", "context_comm_s", "expert_comm_s",
+                "dropped_fraction", "expert_load_max_over_mean"]
 
 
 def columns(rows: list[dict]) -> list[str]:

@@ -56,6 +56,8 @@ def test_the_tables_carry_the_parts_columns_in_units_people_read(tmp_path):
       s["pipeline_prediction"] = {"step_s": 4e-4, "bubble": 0.514, "table_bubble": 0.298, "in_flight": [4, 3, 2, 1]}
       (tmp_path / name / "pipeline.png").write_bytes(b"png")
     else:
+      s["mesh"] = {"expert": 2, "fsdp": 2, "tensor": 2}
+      s["prediction"]["t_comm_s"] = {"expert": 2.5e-3, "fsdp": 1e-3}
       (tmp_path / name / "metrics.jsonl").write_text(
           "\n".join(json.dumps({"step": i, "loss": 5.0, "dropped_fraction": d, "expert_load_max_over_mean": 1.5})
                     for i, d in enumerate((0.1, 0.3))) + "\n")
@@ -68,7 +70,7 @@ def test_the_tables_carry_the_parts_columns_in_units_people_read(tmp_path):
   pipe = next(l for l in text.splitlines() if l.startswith("| 0_pipe"))
   assert "| 51.4% | 29.8% | 4/3/2/1 |" in pipe and "| 400 us |" in pipe and "| 1 kB |" in pipe and "| 2 MB |" in pipe
   moe = next(l for l in text.splitlines() if l.startswith("| 1_moe"))
-  assert "| 20% | 1.5 |" in moe
+  assert "| 2.5 ms | 20% | 1.5 |" in moe and "expert comm s" in header
   assert "![pipeline 0_pipe](pipeline_0_pipe.png)" in text and (tmp_path / "pipeline_0_pipe.png").exists()
   rows = sweep.write(tmp_path)
   md = (tmp_path / "summary.md").read_text()
