@@ -79,11 +79,11 @@ def _bar(ax, labels, series: dict, kind: str, what: str, title: str, legend: boo
     ax.bar_label(bars, labels=[f"{val:.3g}" if val else "" for val in v], fontsize=7, rotation=90, padding=2)
   ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
   ax.set_ylabel(f"{what} ({unit})")
-  ax.set_ylim(bottom=0)
-  ax.set_title(title, fontsize=10)
-  ax.margins(y=0.25)
-  if legend:
-    ax.legend(fontsize=8)
+  top = max((v or 0) / scale for vals in series.values() for v in vals) if series else 0
+  ax.set_ylim(0, 1.3 * top if top > 0 else 1)          # room above the bars for their labels
+  ax.set_title(title, fontsize=10, loc="left")
+  if legend:                                             # above the plot, clear of the bars and their labels
+    ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(series), frameon=False)
   ax.grid(axis="y", alpha=0.3)
 
 
