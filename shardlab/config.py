@@ -195,6 +195,8 @@ class PipelineConfig:
   microbatches: int = 0           # M; 0: one per stage (M = mesh.pipeline), the fewest every schedule runs with
   virtual_stages: int = 1         # V: model chunks per stage (impl=interleaved)
   gather: str = "microbatch"      # FSDP weights of a stage: gathered in every F and B (microbatch) or once (step)
+  table: str = ""                 # PATH.csv: a schedule in torch.distributed.pipelining's CSV format (one row per
+                                  # rank); it fixes the stages, microbatches and virtual stages (pipeline_tables.py)
 
   def count(self, pipeline: int) -> int:
     """M on a pipeline of `pipeline` stages."""
@@ -202,8 +204,29 @@ class PipelineConfig:
 
   @property
   def staged(self) -> bool:
-    """A schedule table runs the layers as stages (impl is not `none`): the one place that reads the sentinel."""
-    return self.impl != "none"
+    """A schedule table runs the layers as stages (impl is not `none`, or a CSV table is given): the one place
+    that reads the sentinel."""
+    return self.impl != "none" or bool(self.table)
+
+  def with_table(self, stages: int) -> "PipelineConfig":
+    """This config with what its CSV table fixes filled in (microbatches, virtual_stages; the name, where none
+    was picked: the file's stem), checked against `stages` (mesh.pipeline) and the values set: one line where
+    they disagree. Itself without a table."""
+    if not self.table:
+      return self
+    from shardlab.errors import ConfigError
+    from shardlab.pipeline_tables import read_csv
+    _, P, V, M = read_csv(self.table)
+    where = f"pipeline.table={self.table}"
+    if P != stages:
+      raise ConfigError(f"{where} has {P} ranks (rows), mesh.pipeline={stages}: set mesh.pipeline={P}")
+    for key, got in (("microbatches", M), ("virtual_stages", V)):
+      asked = getattr(self, key)
+      if asked not in (got, 0 if key == "microbatches" else 1):      # (0 and 1: left at their defaults)
+        raise ConfigError(f"{where} runs {got} {key.replace('_', ' ')}, pipeline.{key}={asked}: leave pipeline.{key} "
+                          f"out (the file fixes it) or set it to {got}")
+    name = Path(self.table).stem if self.impl == "none" else self.name
+    return dataclasses.replace(self, microbatches=M, virtual_stages=V, name=name)
 
 
 @dataclass
@@ -342,7 +365,8 @@ def parallel_label(mesh, pipeline, context, expert=None) -> str:
   with a context split, '-all_to_all' with an expert split; in that order."""
   from shardlab.axes import CONTEXT, EXPERT, PIPELINE
   cls = lambda c: c["impl"].rpartition(":")[2] if ":" in c["impl"] else c["name"]
-  out = f"-{cls(pipeline)}" if int(mesh.get(PIPELINE, 1)) > 1 else ""
+  pipe = Path(str(pipeline["table"])).stem if pipeline.get("table") else cls(pipeline)   # a CSV table: its file's
+  out = f"-{pipe}" if int(mesh.get(PIPELINE, 1)) > 1 else ""
   if int(mesh.get(CONTEXT, 1)) > 1:
     out += f"-{cls(context)}" + ("-zigzag" if context["load_balance"] else "")
   if expert is not None and int(mesh.get(EXPERT, 1)) > 1:
@@ -449,4 +473,7 @@ def to_config(cfg: Any) -> Config:
       out[k] = hardware_file(v) if k == "hardware" and v.get("file") else type(d)(**v)
     else:
       out[k] = v
-  return Config(**out)
+  cfg = Config(**out)
+  if cfg.pipeline.table:        # what the CSV table fixes, checked against what was set
+    cfg = dataclasses.replace(cfg, pipeline=cfg.pipeline.with_table(cfg.mesh.pipeline))
+  return cfg

@@ -135,7 +135,8 @@ def part_columns(summary: dict, metrics: list[dict] | None = None) -> dict:
                pipeline_in_flight="/".join(str(n) for n in pp.get("in_flight") or []) or None)
   comm = (summary.get("prediction") or {}).get("t_comm_s") or {}
   mesh = summary.get("mesh") or {}
-  for axis in ("context", "expert"):      # a sequence or the experts split: their links' predicted time
+  from shardlab.axes import CONTEXT, EXPERT
+  for axis in (CONTEXT, EXPERT):          # a sequence or the experts split: their links' predicted time
     if mesh.get(axis, 1) > 1 and axis in comm:
       out[f"{axis}_comm_s"] = comm[axis]
   rows = [r for r in metrics or [] if "dropped_fraction" in r]

@@ -32,11 +32,19 @@ tick per stage (50% at P = 4, M = 8, T_B = 2 T_F, against 27%).
 
 `check` rejects a table that reads an activation before it was sent, misses or repeats an action, or never runs a
 backward; `table` rejects orders that deadlock. Each is one ConfigError line naming the stage, tick and action.
+
+A schedule also travels as a file in torch.distributed.pipelining's CSV format (torchtitan's
+`--parallelism.pipeline_parallel_schedule_csv`): one row per rank, each cell `{stage}{action}{microbatch}` in the
+rank's order. `read_csv` takes it (`pipeline.table=PATH.csv`), `write_csv` writes any schedule's orders as one
+(`python -m shardlab.pipeline export ...`).
 """
 from __future__ import annotations
 
+import csv
 import inspect
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -431,6 +439,122 @@ def load_table(impl: str, P: int, M: int, V: int):
     ticks = [[cell(c, f"tick {t} stage {s}") for s, c in enumerate(rows(row, P, f" at tick {t}", f"a list of {P} cells, {per_stage}"))]
              for t, row in enumerate(rows(got, None, "", "a list of ticks"))]
   check(ticks, M, V)
+  return ticks
+
+
+# ------------------------------------------------------------------------------- torch's CSV schedule format
+
+CSV_CELL = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|F|I|W|B)(\d*)")
+CSV_COMPUTE = {"F", "I", "W", "B"}
+
+
+def read_csv(path) -> tuple[list[list[Action]], int, int, int]:
+  """(orders, P, V, M) of a schedule in torch.distributed.pipelining's CSV format: one row per rank, each cell
+  `{stage}{action}{microbatch}` in the rank's order, actions F (forward), I (input gradient), W (weight
+  gradient), B (both), and the communication and FSDP actions SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD.
+  shardlab places those itself; where present each is checked (a send after the action that makes what it sends,
+  a receive before the action that reads it, on a stage the rank holds). torch's stage s runs on rank s mod P
+  (its looped placement, Megatron's interleave): shardlab's chunk s // P of stage s % P. I is shardlab's B of a
+  split backward; a B in a table that splits others is its B and W at once. What is not that is one line."""
+  where = f"pipeline.table={path}"
+  try:
+    text = Path(path).read_text()
+  except OSError as e:
+    raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+  rows = [[c.strip() for c in r if c.strip()] for r in csv.reader(text.splitlines())]
+  rows = [r for r in rows if r]
+  if not rows:
+    raise ConfigError(f"{where}: no actions (one row per rank of cells like 0F0, 0I0, 0W0)")
+  P, parsed = len(rows), []
+  for r, row in enumerate(rows):
+    out = []
+    for i, cell in enumerate(row):
+      m = CSV_CELL.fullmatch(cell)
+      if m is None or (m.group(2) in CSV_COMPUTE or m.group(2).startswith(("SEND", "RECV"))) and not m.group(3):
+        raise ConfigError(f"{where}: rank {r}, cell {i + 1}: {cell!r} is not an action ({{stage}}{{F|I|W|B|SEND_F|"
+                          f"RECV_F|SEND_B|RECV_B}}{{microbatch}}, or {{stage}}UNSHARD / RESHARD)")
+      stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3) or 0)
+      if stage % P != r:
+        raise ConfigError(f"{where}: rank {r} runs stage {stage} ({cell}): shardlab's executor places stage s on "
+                          f"rank s mod P = {stage % P} (torch's looped placement); a V-shaped one (ZB-V, DualPipeV) "
+                          f"is not supported")
+      out.append((stage, kind, mb, cell))
+    parsed.append(out)
+  stages = 1 + max(st for row in parsed for st, *_ in row)
+  if stages % P:
+    raise ConfigError(f"{where}: {stages} stages on {P} ranks: each rank must hold the same number of stages")
+  V = stages // P
+  M = 1 + max((mb for row in parsed for _, k, mb, _ in row if k in CSV_COMPUTE), default=-1)
+  split = any(k in ("I", "W") for row in parsed for _, k, _, _ in row)
+  orders = []
+  for r, row in enumerate(parsed):
+    order, done = [], []
+    for i, (stage, kind, mb, cell) in enumerate(row):
+      c = stage // P
+      if kind in CSV_COMPUTE:
+        if (stage, kind, mb) in done:
+          raise ConfigError(f"{where}: rank {r} runs {cell} twice")
+        done.append((stage, kind, mb))
+        if kind == "F":
+          order.append(Action("F", mb, c))
+        elif kind == "W":
+          order.append(Action("W", mb, c))
+        else:
+          order += [Action("B", mb, c)] + ([Action("W", mb, c)] if kind == "B" and split else [])
+        continue
+      made = {"SEND_F": ("F",), "RECV_F": ("F",), "SEND_B": ("I", "B"), "RECV_B": ("I", "B")}.get(kind)
+      if made:                     # communication present in the file: in an order that can run
+        ran = any((stage, k, mb) in done for k in made)
+        later = any(x[0] == stage and x[2] == mb and x[1] in made for x in row[i + 1:])
+        if kind.startswith("SEND") and not ran:
+          raise ConfigError(f"{where}: rank {r}, {cell}: sends before {stage}{made[0]}{mb} ran on this rank")
+        if kind.startswith("RECV") and not later:
+          raise ConfigError(f"{where}: rank {r}, {cell}: receives what no later {stage}{made[0]}{mb} on this rank "
+                            f"reads")
+    orders.append(order)
+  have = {(st, k if k != "I" else "B", mb) for row in parsed for st, k, mb, _ in row if k in CSV_COMPUTE}
+  need = ("F", "B", "W") if split else ("F", "B")
+  for st in range(stages):
+    for mb in range(M):
+      for k in need:
+        if (st, k, mb) not in have and not (k == "W" and (st, "B", mb) in have and
+                                             any(x[:3] == (st, "B", mb) for row in parsed for x in row)):
+          shown = "I" if k == "B" and split else k
+          raise ConfigError(f"{where}: rank {st % P} never runs {st}{shown}{mb} (every stage runs the forward and "
+                            f"the backward{' (I and W)' if split else ''} of every microbatch, 0 .. {M - 1})")
+  return orders, P, V, M
+
+
+def write_csv(orders_: list[list[Action]], path) -> None:
+  """Per-stage `orders_` (what `table` places on ticks) in torch.distributed.pipelining's CSV format: a row per
+  rank, its compute actions in its order, stage c P + s for chunk c of stage s, a split backward's B as I (the
+  communication and FSDP actions are the runtime's: left out). read_csv gives the same orders back."""
+  P = len(orders_)
+  split = any(a.kind == "W" for o in orders_ for a in o)
+  name = {"F": "F", "B": "I" if split else "B", "W": "W"}
+  with open(path, "w", newline="") as f:
+    csv.writer(f).writerows([[f"{vstage(s, a.chunk, P)}{name[a.kind]}{a.mb}" for a in o] for s, o in enumerate(orders_)])
+
+
+def orders_of(impl: str, P: int, M: int, V: int) -> list[list[Action]]:
+  """The per-stage orders of `pipeline.impl`: a named schedule's (`orders`), or a user's table's ticks read off in
+  tick order (a tick's F, then B, then W)."""
+  if ":" not in impl:
+    return orders(impl, P, M, V)
+  ticks = load_table(impl, P, M, V)
+  return [[a for row in ticks for a in sorted(row[s], key=lambda a: SLOT[a.kind])] for s in range(P)]
+
+
+def table_of(impl: str, csv_table: str, P: int, M: int, V: int):
+  """The ticks a pipeline runs on P stages: its CSV file (`pipeline.table`, read_csv) or its schedule
+  (`pipeline.impl`, load_table); checked."""
+  if not csv_table:
+    return load_table(impl, P, M, V)
+  try:
+    ticks = table(read_csv(csv_table)[0], V)
+    check(ticks, M, V)
+  except ConfigError as e:
+    raise ConfigError(str(e) if str(e).startswith("pipeline.table=") else f"pipeline.table={csv_table}: {e}") from None
   return ticks
 
 

@@ -67,6 +67,12 @@ COMMANDS = {
     "python -m shardlab hydra.run.dir=outputs/r1 train.steps=200 checkpoint.every=50 checkpoint.resume=true": COVERED,
     "python -m shardlab mesh=1x8 train.steps=300 checkpoint.resume=true checkpoint.dir=outputs/r1/checkpoints": COVERED,
     "python -m shardlab schedule.impl=user_schedule:ExplicitReduce schedule.tp=user_schedule:NamedAllGatherTP": COVERED,
+    # docs/pipeline.md
+    "python -m shardlab.pipeline export schedule=zb_h1 stages=4 microbatches=8 out=zb_h1.csv": "pipeline tool",
+    "python -m shardlab.pipeline show table=zb_h1.csv": "pipeline tool",
+    "python -m shardlab pipeline.table=zb_h1.csv mesh.pipeline=4 mesh.fsdp=2 mesh.tensor=1 model.n_layers=8":
+    "trains a CSV table: tests/test_pipeline.py trains one in-process, test_fuzz.py checks the settings; the "
+    "table itself comes from the export above (test_the_pipeline_tool_runs_as_written)",
     # docs/experts.md
     "python -m shardlab.plan model=mixtral_8x7b hardware=h100_multinode devices=64 precision=bf16 "
     "train.batch_size=128 expert_search=true": "plan",
@@ -162,3 +168,13 @@ def test_the_pipeline_sweep_answers_which_schedule(command, tmp_path):
   for job in sorted(p for p in tmp_path.iterdir() if (p / "summary.json").exists()):
     s = json.loads((job / "summary.json").read_text())
     assert s["prediction"]["t_overlapped_s"] == s["pipeline_prediction"]["step_s"] and (job / "pipeline.png").exists()
+
+
+def test_the_pipeline_tool_runs_as_written(tmp_path, monkeypatch, capsys):
+  """docs/pipeline.md's export and show, in order, in one directory: the CSV is written, read back and placed."""
+  from shardlab.pipeline import main
+  monkeypatch.chdir(tmp_path)
+  for command in [c for c, k in COMMANDS.items() if k == "pipeline tool"]:
+    assert main(shlex.split(command)[3:]) == 0, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert (tmp_path / "zb_h1.csv").read_text().startswith("0F0,") and "4 stages, 1 chunk(s) per stage, 8 microbatches" in out

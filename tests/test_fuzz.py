@@ -184,6 +184,13 @@ BAD = [
     (["model=tiny_moe", "expert=hierarchical", "mesh.expert=2", "mesh.fsdp=2"],
      "expert=hierarchical dispatches over two mesh axes (across nodes, then inside)"),
     (["model=tiny_moe", "expert.chunks=3", "mesh.expert=2", "mesh.fsdp=2"], "expert.chunks=3 does not divide the"),
+    # a schedule in torch's CSV format (pipeline.table): the file, its ranks and what it fixes, checked
+    (["pipeline.table=no_such_table.csv", "mesh.pipeline=2", "mesh.fsdp=4", "model.n_layers=4"],
+     "pipeline.table=no_such_table.csv: cannot read it"),
+    (["pipeline.table=tests/assets/torchtitan-2-rank.csv", "mesh.pipeline=4", "mesh.fsdp=2", "model.n_layers=8"],
+     "has 2 ranks (rows), mesh.pipeline=4: set mesh.pipeline=2"),
+    (["pipeline.table=tests/assets/torchtitan-2-rank.csv", "pipeline.microbatches=4", "mesh.pipeline=2",
+      "mesh.fsdp=4", "model.n_layers=4"], "runs 8 microbatches, pipeline.microbatches=4"),
 ]
 SETUP = {   # index in BAD -> (make files, environment)
     BAD.index((["checkpoint.dir={tmp}/ck_file"], "is a file")): (lambda t: _file(t, "ck_file"), {}),

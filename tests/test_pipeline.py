@@ -165,3 +165,15 @@ def test_check_slots_reads_the_one_trace_for_a_ppermute_inside_a_slot():
     check_slots(step(PIPELINE, True))
   check_slots(step(TENSOR, True))        # an axis of one device: no message crosses stages
   check_slots(step(PIPELINE, False))     # the pipeline's own sends, outside the slots
+
+
+@pytest.mark.slow
+def test_a_schedule_csv_from_torchtitan_trains_like_the_reference():
+  """pipeline.table=PATH.csv: torchtitan's 2-rank schedule (tests/assets: two stages per rank, I and W actions,
+  8 microbatches; the file fixes P, V and M) trains equal to the plain reference on p2xf2xt2."""
+  from pathlib import Path
+  path = str(Path(__file__).parent / "assets" / "torchtitan-2-rank.csv")
+  _, (loss, grads) = testing.compile_schedule(None, P2F2T2, MODEL, pipeline={"table": path})
+  ref_loss, ref_grads = reference_loss_and_grads(MODEL)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="torchtitan 2-rank csv: ")

@@ -83,3 +83,56 @@ def test_the_picture(tmp_path):
     r = PR.replay(PL.build(name, 4, 8, V), t_f=1.0, t_b=2.0)
     PR.draw(r, tmp_path / f"{name}.png", title=f"{name}, P=4, M=8{', V=2' if V > 1 else ''}: ", unit="T_F")
     assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
+ASSETS = __import__("pathlib").Path(__file__).parent / "assets"
+
+
+@pytest.mark.parametrize("name,V", [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2), ("zb_h1", 1)])
+def test_every_table_written_as_torch_csv_loads_back_identically(name, V, tmp_path):
+  """write_csv (torch.distributed.pipelining's format: a row per rank, cells {stage}{F|I|W|B}{microbatch}) and
+  read_csv: the same orders, placed on the same ticks as the named table; a split backward is written as I."""
+  PL.write_csv(PL.orders(name, 4, 8, V), tmp_path / "t.csv")
+  orders, P, V2, M = PL.read_csv(tmp_path / "t.csv")
+  assert (P, V2, M) == (4, V, 8) and orders == PL.orders(name, 4, 8, V) and PL.table(orders, V) == PL.build(name, 4, 8, V)
+  cells = (tmp_path / "t.csv").read_text().split()[0].split(",")
+  assert cells[0] == "0F0" and ("0I0" in cells and "0W0" in cells if name == "zb_h1" else "0B0" in cells)
+
+
+@pytest.mark.parametrize("asset,P,V,M", [("torchtitan-2-rank.csv", 2, 2, 8), ("torchtitan-4-rank.csv", 4, 2, 6)])
+def test_torchtitans_schedule_csvs_load(asset, P, V, M):
+  """The CSVs torchtitan keeps among its test assets (tests/assets/README.md): two stages per rank, I and W
+  actions; read, placed on ticks and checked; each (stage, microbatch) forward, input and weight gradient once."""
+  orders, P2, V2, M2 = PL.read_csv(ASSETS / asset)
+  assert (P2, V2, M2) == (P, V, M)
+  ticks = PL.table(orders, V)
+  PL.check(ticks, M, V)
+  kinds = [a.kind for row in ticks for cell in row for a in cell]
+  assert kinds.count("F") == kinds.count("B") == kinds.count("W") == P * V * M
+
+
+def test_communication_actions_in_a_csv_are_checked_and_a_bad_csv_is_one_line(tmp_path):
+  """SEND/RECV and UNSHARD/RESHARD (torchtitan's example.csv has them) are shardlab's to place: checked where
+  present, then left out; a cell that is no action, a stage on the wrong rank (a V-shaped placement), a send before
+  its action, an action twice or missing, a table that deadlocks: one line each, naming the file."""
+  good = ("0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1,0RESHARD\n"
+          "1RECV_F0,1F0,1RECV_F1,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n")
+  (tmp_path / "g.csv").write_text(good)
+  orders, P, V, M = PL.read_csv(tmp_path / "g.csv")
+  assert PL.table(orders, V) == PL.build("gpipe", 2, 2)
+  bad = {"0F0,0X0\n1F0\n": "'0X0' is not an action",
+         "0F0,1F0\n1F1\n": "rank 0 runs stage 1 (1F0): shardlab's executor places stage s on rank s mod P",
+         "0SEND_F0,0F0,0B0\n1F0,1B0\n": "0SEND_F0: sends before 0F0 ran on this rank",
+         "0F0,0F0,0B0\n1F0,1B0\n": "rank 0 runs 0F0 twice",
+         "0F0,0B0\n1F0\n": "rank 1 never runs 1B0",
+         "0B0,0F0\n1F0,1B0\n": "deadlock"}
+  for i, (text, why) in enumerate(bad.items()):
+    path = tmp_path / f"b{i}.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+      _, P, V, M = PL.read_csv(path)
+      PL.table_of("none", str(path), P, M, V)
+    assert str(e.value).startswith(f"pipeline.table={path}: ") and why in str(e.value) and "\n" not in str(e.value), \
+        (text, str(e.value))
+  with pytest.raises(ConfigError, match="cannot read it"):
+    PL.read_csv(tmp_path / "missing.csv")

@@ -44,7 +44,7 @@ import jax
 
 from shardlab import params as PM
 from shardlab.layout import from_config
-from shardlab.pipeline_tables import Plan, load_table
+from shardlab.pipeline_tables import Plan, table_of
 from shardlab.schedules import context as CP
 from shardlab.schedules.tp import make_tp
 from shardlab.axes import PIPELINE
@@ -256,12 +256,12 @@ def pipeline_buffers(cfg) -> dict:
   gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of
   per-layer output gradients kept for a split-off weight gradient (zero-bubble)."""
   P = stages(cfg)
-  return _buffers(cfg.pipeline.impl, P, cfg.pipeline.count(P), cfg.pipeline.virtual_stages)
+  return _buffers(cfg.pipeline.impl, cfg.pipeline.table, P, cfg.pipeline.count(P), cfg.pipeline.virtual_stages)
 
 
 @functools.lru_cache(maxsize=None)
-def _buffers(impl: str, P: int, M: int, V: int) -> dict:
-  return Plan(load_table(impl, P, M, V), M, V).buffers()
+def _buffers(impl: str, csv_table: str, P: int, M: int, V: int) -> dict:
+  return Plan(table_of(impl, csv_table, P, M, V), M, V).buffers()
 
 
 def split(cfg, logical: str) -> int:

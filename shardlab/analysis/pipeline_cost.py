@@ -50,7 +50,7 @@ def predict(prog, cfg, ticks, seconds, link) -> dict:
   return {"schedule": cfg.pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
           "slot_s": t, "step_s": run["step_s"], "bubble": run["bubble"],
           "table_step_s": ideal["step_s"], "table_bubble": ideal["bubble"],
-          "closed_form_bubble": PT.closed_form_bubble(cfg.pipeline.impl, P, M, V),
+          "closed_form_bubble": None if cfg.pipeline.table else PT.closed_form_bubble(cfg.pipeline.impl, P, M, V),
           "in_flight": PT.in_flight(ticks, "W" if split else "B"),
           "note": "prediction: the table replayed with each slot's compiled computation timed by the run's model, "
                   "ticks synchronised between neighbouring stages; not a measurement"}, run

@@ -19,7 +19,7 @@ from shardlab.axes import PIPELINE, TENSOR
 from shardlab.errors import ConfigError
 from shardlab.pipeline_tables import (  # noqa: F401  (re-exported: the tables' names, for users' tables and scripts)
     KINDS, SCHEDULES, Action, Plan, build, check, check_shape, closed_form_bubble, depth_order, in_flight, load_table,
-    orders, runs, table, vstage)
+    orders, runs, table, table_of, vstage)
 from shardlab.schedules.capability import stated, unstated_by
 
 def _zeros(aval, n: int | None = None, extra=(), lead=()):
@@ -108,7 +108,7 @@ class Pipeline:
     self.M, self.V = cfg.count(P), cfg.virtual_stages
 
   def ticks(self):
-    return load_table(self.cfg.impl, self.P, self.M, self.V)
+    return table_of(self.cfg.impl, self.cfg.table, self.P, self.M, self.V)
 
   def check(self, n_layers: int, shape: dict | None = None) -> None:
     """One line for what this pipeline cannot run: a part inside its stages that may not run in a slot (on a mesh

@@ -122,6 +122,8 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
       name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance)
   from shardlab.config import PipelineConfig
   pipe = PipelineConfig(**{"name": dict(pipe_items).get("impl", "none"), **dict(pipe_items)}) if pipe_items else None
+  from shardlab.axes import PIPELINE
+  pipe = pipe.with_table(dict(mesh_items).get(PIPELINE, 1)) if pipe else None     # a CSV table fixes M and V
   from shardlab.config import ExpertConfig
   ep = ExpertConfig(**{"name": dict(expert_items).get("impl", "all_to_all"), **dict(expert_items)}) if expert_items else None
   sched = (cls(cfg.schedule, cfg.model, jnp.float32, layout, *([cp] if cp else [])) if cls
