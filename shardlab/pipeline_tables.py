@@ -22,6 +22,9 @@ the cost model replays with the compiled slots' times (analysis/pipeline_replay.
   zb_h1        1f1b with each backward split into B (input gradient: on the critical path) and W (weight
                gradient: deferred into what would be bubble), holding no more microbatches than 1f1b (ZB-H1, Qi
                et al. 2023, arXiv:2401.10241)
+  looped_bfs   breadth first over V chunks: every microbatch's forward through chunk 0, then chunk 1, ..., then
+               the backwards in the reverse order (torch's ScheduleLoopedBFS, Lamy-Poirier 2023,
+               arXiv:2211.05953): GPipe per chunk, M V microbatch-chunks in flight, the bubble of interleaved
 
 Closed forms with uniform per-microbatch stage times and free links: gpipe and 1f1b leave a bubble of
 (P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1) (Qi et al.'s hand-placed ZB-H1: (P-1)/(3M+P-1) when
@@ -52,7 +55,8 @@ from shardlab.errors import ConfigError
 from shardlab.loading import call_user, kind_of, load_object
 
 KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1", "looped_bfs")
+CHUNKED = ("interleaved", "looped_bfs")   # the schedules that run several chunks (virtual stages) per stage
 
 
 @dataclass(frozen=True, order=True)
@@ -103,6 +107,9 @@ def orders(name: str, P: int, M: int, V: int = 1) -> list[list[Action]]:
       if name == "zb_h1":   # each B's weight gradient W: placed by `table` into the ticks B leaves idle
         order = [a for x in order for a in ((x, Action("W", x.mb)) if x.kind == "B" else (x,))]
       out.append(order)
+    elif name == "looped_bfs":   # breadth first: every microbatch through chunk 0, then chunk 1, ..; backwards
+      out.append([Action("F", m, c) for c in range(V) for m in range(M)] +      # the other way (torch's
+                 [Action("B", m, c) for c in reversed(range(V)) for m in range(M)])   # ScheduleLoopedBFS)
     else:                   # interleaved: microbatches in groups of P, chunks in turn (Megatron-LM)
       fwd = [Action("F", g * P + i, c) for g in range(M // P) for c in range(V) for i in range(P)]
       bwd = [Action("B", g * P + i, c) for g in range(M // P) for c in reversed(range(V)) for i in range(P)]
@@ -127,8 +134,9 @@ def check_shape(name: str, P: int, M: int, V: int) -> None:
     raise ConfigError(f"pipeline={name}: unknown; choose one of {', '.join(SCHEDULES)}")
   if P < 1 or M < 1 or V < 1:
     raise ConfigError(f"pipeline: stages {P}, microbatches {M}, virtual stages {V}: each must be >= 1")
-  if name != "interleaved" and V != 1:
-    raise ConfigError(f"pipeline.virtual_stages={V}: only pipeline=interleaved runs several chunks per stage")
+  if name not in CHUNKED and V != 1:
+    raise ConfigError(f"pipeline.virtual_stages={V}: only pipeline={' or '.join(CHUNKED)} run several chunks per "
+                      f"stage")
   if name == "interleaved" and M % P:
     raise ConfigError(f"pipeline.microbatches={M} is not a multiple of mesh.pipeline={P} (interleaved runs "
                       f"microbatches in groups of P); choose microbatches a multiple of {P}")
@@ -270,9 +278,9 @@ def in_flight(ticks, until: str = "B") -> list[int]:
 
 
 def closed_form_bubble(name: str, P: int, M: int, V: int = 1) -> float:
-  """(P-1)/(M+P-1) for gpipe, 1f1b and eager_1f1b, (P-1)/(V M+P-1) for interleaved; zb_h1: 1f1b's (an upper
-  bound)."""
-  return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
+  """(P-1)/(M+P-1) for gpipe, 1f1b and eager_1f1b, (P-1)/(V M+P-1) for interleaved and looped_bfs (the fill
+  and drain of chunks 1/V of a stage); zb_h1: 1f1b's (an upper bound)."""
+  return (P - 1) / ((V if name in CHUNKED else 1) * M + P - 1)
 
 
 # ---------------------------------------------------------------------------------------- the executor's plan

@@ -22,7 +22,7 @@ P2D2T2 = {"pipeline": 2, "data": 2, "fsdp": 1, "tensor": 2}
 CASES = [("gpipe", P2F2T2, 2, 1), ("gpipe", P8, 16, 1),
          ("1f1b", P4F2, 8, 1), ("1f1b", P2D2T2, 2, 1), ("eager_1f1b", P4F2, 8, 1),
          ("interleaved", P2F2T2, 4, 2), ("interleaved", P4F2, 4, 2),
-         ("zb_h1", P2D2T2, 2, 1), ("zb_h1", P4F2, 8, 1)]
+         ("zb_h1", P2D2T2, 2, 1), ("zb_h1", P4F2, 8, 1), ("looped_bfs", P2F2T2, 2, 2)]
 
 
 def _run(impl, shape, M, V, **pipe):

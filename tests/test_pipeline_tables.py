@@ -10,13 +10,14 @@ from shardlab.pipeline_tables import Action
 
 @pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])
 def test_bubble_of_uniform_stages_on_free_links_is_the_closed_form(P, M):
-  """gpipe and 1f1b: (P-1)/(M+P-1); interleaved (V=2): (P-1)/(V M+P-1), each within 10% (here: exact);
+  """gpipe and 1f1b: (P-1)/(M+P-1); interleaved and looped_bfs (V=2): (P-1)/(V M+P-1), each within 10% (here:
+  exact; looped_bfs in the executor's ticks too);
   zb_h1 (W split off and deferred) below 1f1b's."""
-  for name, V in (("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2)):
+  for name, V in (("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2), ("looped_bfs", 2)):
     got = PR.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0, sync=False)["bubble"]
     want = PL.closed_form_bubble(name, P, M, V)
     assert abs(got - want) <= 0.1 * want, (name, P, M, V, got, want)
-    if name in ("gpipe", "eager_1f1b"):   # the executor's ticks (neighbour-synchronised): the same
+    if name in ("gpipe", "eager_1f1b", "looped_bfs"):   # the executor's ticks (neighbour-synchronised): the same
       assert abs(PR.replay(PL.build(name, P, M, V), t_f=1.0, t_b=2.0)["bubble"] - want) <= 0.1 * want
   bubble = lambda name, sync: PR.replay(PL.build(name, P, M), 1.0, 1.0, 1.0, sync=sync)["bubble"]
   assert bubble("zb_h1", False) <= bubble("1f1b", False), (P, M)
@@ -88,7 +89,8 @@ def test_the_picture(tmp_path):
 ASSETS = __import__("pathlib").Path(__file__).parent / "assets"
 
 
-@pytest.mark.parametrize("name,V", [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2), ("zb_h1", 1)])
+@pytest.mark.parametrize("name,V", [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2), ("zb_h1", 1),
+                                    ("looped_bfs", 2)])
 def test_every_table_written_as_torch_csv_loads_back_identically(name, V, tmp_path):
   """write_csv (torch.distributed.pipelining's format: a row per rank, cells {stage}{F|I|W|B}{microbatch}) and
   read_csv: the same orders, placed on the same ticks as the named table; a split backward is written as I."""
