@@ -57,17 +57,17 @@ def test_moe_with_other_parts_equals_the_reference(dispatcher, label, mesh, mode
   check(dispatcher, mesh, model, label, **knobs)
 
 
+# (the interleaved schedule's chunks carry the statistics the same way: tried, equal, left out for the suite's time)
 PIPELINED = [("ragged", "1f1b", "p2xe2xf2", {"microbatches": 4}),
-             ("all_to_all", "zb_h1", "p2xe2xt2", {"microbatches": 2}),
-             ("all_gather", "interleaved", "p2xe2xf2", {"microbatches": 2, "virtual_stages": 2})]
+             ("all_to_all", "zb_h1", "p2xe2xt2", {"microbatches": 2})]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatcher,schedule,mesh,pipe", PIPELINED, ids=[f"{c[0]}-{c[1]}" for c in PIPELINED])
 def test_moe_inside_a_pipeline_equals_the_reference(dispatcher, schedule, mesh, pipe):
   """A MoE inside pipeline stages (the residual stream between stages carries the router statistics so far):
-  loss and every gradient the reference's, with zero-bubble's split backward, interleaved chunks (layers in the
-  model's order) and sequence-parallel tensor inside the stages; the step's router statistics (summed over the
+  loss and every gradient the reference's, with zero-bubble's split backward and sequence-parallel tensor inside
+  the stages; the step's router statistics (summed over the
   stages' layers, the microbatches and the devices) are those of the plain model."""
   import jax
   from shardlab import model as M, params as PM

@@ -605,7 +605,7 @@ def test_a_folded_loop_replays_the_same_step(monkeypatch):
   from shardlab import target as TG
   from shardlab.analysis import calibrated
   from shardlab.analysis.program import Program
-  cfg, compiled, _ = small_target("fsdp_prefetch", n_layers=6)
+  cfg, compiled, _ = small_target("baseline")          # the memory test's program: 4 layers
   devs = TG.mesh_devices(TG.devices(h100(), 8), tuple(cfg.mesh.shape.values()))
   prog = Program(compiled.as_text(), np.vectorize(lambda d: d.id)(devs), tuple(cfg.mesh.shape), "gpu", compiled)
   folded = calibrated.replay(prog, h100(), {})
