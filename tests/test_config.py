@@ -90,6 +90,7 @@ def test_a_model_changed_by_overrides_is_not_labelled_as_its_preset():
   assert to_config(compose("model.n_layers=4")).model.label == "tiny+overrides"
 
 
+@pytest.mark.slow
 def test_help_lists_only_real_choices():
   """--help: every group's options as one types them (model=llama3_8b), no structured-config schema among them."""
   r = subprocess.run([sys.executable, "-m", "shardlab", "--help"], capture_output=True, text=True, cwd=ROOT,

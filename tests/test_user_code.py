@@ -159,6 +159,7 @@ def test_bad_user_code_is_exit_2_one_line_nothing_written(tmp_path):
   assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
 
 
+@pytest.mark.slow
 def test_a_table_given_as_a_function_trains(tmp_path):
   """pipeline.impl=module:function (docs/pipeline.md): the function is the orders, f(P, M, V); one step trains
   and writes its summary, the same loss as the built-in gpipe table it spells out."""
