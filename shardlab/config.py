@@ -105,7 +105,7 @@ class ModelConfig:
   @property
   def label(self) -> str:
     """The preset's name, or `<name>+overrides` where the architecture differs from conf/model/<name>.yaml (a model
-    built by overrides on a preset is not that preset: run names, summary.json's model_label, the figures)."""
+    built by overrides on a preset is not that preset: run names, summary.json's `model`, the figures)."""
     return model_label(self.__dict__)
 
   @property

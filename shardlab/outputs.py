@@ -123,14 +123,14 @@ def prediction_label(summary: dict) -> str:
 
 def part_columns(summary: dict, metrics: list[dict] | None = None) -> dict:
   """The columns of the parts a run has, for the sweep's and the report's tables (None where it has not that
-  part): pipeline_step_s, pipeline_bubble (the executor's, predicted), pipeline_table_bubble (the table's own),
+  part): pipeline_bubble (the executor's, predicted; its step is the run's predicted step), pipeline_table_bubble (the table's own),
   pipeline_in_flight (microbatches each stage holds, stage 0 first); context_comm_s and expert_comm_s (the
   predicted time of the collectives over that axis, where it splits); for a mixture of experts, over the run's
   steps (`metrics`: metrics.jsonl's rows), dropped_fraction and expert_load_max_over_mean (their means)."""
   out = {}
   pp = summary.get("pipeline_prediction")
   if pp:
-    out.update(pipeline_step_s=pp.get("step_s"), pipeline_bubble=pp.get("bubble"),
+    out.update(pipeline_bubble=pp.get("bubble"),
                pipeline_table_bubble=pp.get("table_bubble"),
                pipeline_in_flight="/".join(str(n) for n in pp.get("in_flight") or []) or None)
   comm = (summary.get("prediction") or {}).get("t_comm_s") or {}

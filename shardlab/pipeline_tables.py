@@ -520,13 +520,11 @@ def read_csv(path) -> tuple[list[list[Action]], int, int, int]:
           raise ConfigError(f"{where}: rank {r}, {cell}: receives what no later {stage}{made[0]}{mb} on this rank "
                             f"reads")
     orders.append(order)
-  have = {(st, k if k != "I" else "B", mb) for row in parsed for st, k, mb, _ in row if k in CSV_COMPUTE}
-  need = ("F", "B", "W") if split else ("F", "B")
+  have = {(vstage(s, a.chunk, P), a.kind, a.mb) for s, o in enumerate(orders) for a in o}   # (a B is its B and W)
   for st in range(stages):
     for mb in range(M):
-      for k in need:
-        if (st, k, mb) not in have and not (k == "W" and (st, "B", mb) in have and
-                                             any(x[:3] == (st, "B", mb) for row in parsed for x in row)):
+      for k in ("F", "B", "W") if split else ("F", "B"):
+        if (st, k, mb) not in have:
           shown = "I" if k == "B" and split else k
           raise ConfigError(f"{where}: rank {st % P} never runs {st}{shown}{mb} (every stage runs the forward and "
                             f"the backward{' (I and W)' if split else ''} of every microbatch, 0 .. {M - 1})")

@@ -407,8 +407,8 @@ def table(result: dict, cfg, rows: int = 5) -> str:
       r[6:6] = [f"{100 * l['bubble']:.0f}%" if pp else "-"]
   compiled = any("target" in l for l in layouts[:rows])
   if compiled:    # top=K: each layout compiled for the target, its calibrated replay beside the closed forms
-    cols[-1:-1] = ["compiled: step", "MFU ", "memory"]
-    right |= {"compiled: step", "MFU ", "memory"}
+    cols[-1:-1] = ["compiled: step", "compiled MFU", "compiled memory"]
+    right |= {"compiled: step", "compiled MFU", "compiled memory"}
     for r, l in zip(body, layouts):
       t = l.get("target") or {}
       r[-1:-1] = ([human_seconds(t["step_time_s"]), f"{100 * t['mfu']:.0f}%", human_bytes(t["memory_compiled_bytes"])]

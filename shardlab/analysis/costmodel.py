@@ -67,16 +67,15 @@ def row(t: TL.Task, hw) -> str:
 
 
 def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: float = 0.0,
-            program: list | None = None) -> tuple[dict, list]:
+            program: list | None = None, scale: dict | None = None) -> tuple[dict, list]:
   """(prediction, timeline events) for one compiled step's HLO text. `model_flops`: 6 P T / N per device, for MFU.
   `program`: the traced step's ledger rows; collectives the compiler widened (bf16 -> f32 on XLA:CPU) are costed
-  at the program's bytes (ledger.dtype_scale)."""
+  at the program's bytes (ledger.dtype_scale; `scale`: that, where the caller has it)."""
   from shardlab.analysis.program import Program
   ici_axes = ici_axes or {}
   prog = text if isinstance(text, Program) else Program(text, mesh.device_ids, tuple(mesh.axis_names))
-  scale = {}
-  if program is not None:
-    scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives))
+  if scale is None:
+    scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives)) if program is not None else {}
   walked = unrolled_instructions(prog)
   if calibrates(prog, hw) and walked > GRAPH_LIMIT:   # the graph would be millions of tasks: the ceiling is
     from shardlab.analysis import calibrated          # the scheduled order at peak rates (loops folded) instead
@@ -195,6 +194,7 @@ def calibrated_prediction(prog, hw, ici_axes: dict, model_flops: float, scale: d
   from shardlab.analysis import calibrated
   r = calibrated.replay(prog, hw, ici_axes, scale)
   peak = calibrated.replay(prog, hw.peak(), ici_axes, scale)
+  ceiling.setdefault("t_overlapped_s", peak.t_total_s)   # the graph skipped: the scheduled order at peak
   t = r.t_total_s
   comm = {a: r.t_comm_s.get(a, 0.0) for a in (*prog.axis_names, *sorted(r.t_comm_s))}
   pred = {
@@ -236,12 +236,13 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   ici = link_axes(cfg)
   from shardlab.analysis.program import Program
   prog = prog or Program.of(compiled, mesh)
-  pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program)
+  rows = ledger.from_hlo(prog.collectives)
+  scale = ledger.dtype_scale(program, rows) if program is not None else {}
+  pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program, scale)
   stages = getattr((built or {}).get("schedule"), "stages_on", None)
   pipe = stages(cfg.mesh.shape) if stages else None
   extra = {}
   if pipe is not None:     # the step is the table replayed with the slots timed by the same model (pipeline_cost)
-    scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives)) if program is not None else {}
     extra["pipeline_prediction"], replayed = pipeline_cost.predict(
         prog, cfg, pipe.ticks(), lambda comp: computation_seconds(prog, cfg.hardware, ici, comp, scale),
         lambda c: link_seconds(prog, cfg.hardware, ici, c, scale))
@@ -257,7 +258,6 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     TL.plot(evs, out / "timeline.png", title(cfg, pred))
     if pipe is not None:
       pipeline_cost.draw(replayed, out / "pipeline.png", cfg, extra["pipeline_prediction"])
-  rows = ledger.from_hlo(prog.collectives)
   led = {"program": None, "compiled": ledger.nested(rows), "rewrites": None, "differences": None, "per_axis": None}
   audit = dict(analysis.get("audit") or prog.audit())
   if program is not None:

@@ -138,14 +138,15 @@ class Pipeline:
 
   def parts_inside(self, shape: dict | None) -> list[tuple[str, object]]:
     """(setting, part) for each part that runs inside a stage and moves bytes on a mesh of `shape`: the TP
-    contraction when `tensor` splits, the context strategy when the sequence does, a MoE model's dispatcher
-    (None: all)."""
+    contraction when `tensor` splits, the context strategy when the sequence does, a MoE model's dispatcher when
+    the experts do (None: all)."""
     sched, out = self.sched, []
     if shape is None or shape.get(TENSOR, 1) > 1:
       out.append((f"schedule.tp={sched.cfg.tp}", sched.ops))
     if shape is None or sched.cp.parts(shape) > 1:
       out.append((f"context.impl={sched.cp.cfg.impl}", sched.cp))
-    if sched.model.moe:
+    if sched.model.moe and (shape is None or any(shape.get(a, 1) > 1 for a in
+                                                 sched.layout.rule("experts", tuple(shape)))):
       out.append((f"expert.impl={sched.ep.cfg.impl}", sched.ep))
     return out
 
