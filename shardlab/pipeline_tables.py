@@ -175,29 +175,37 @@ def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ..
   forward, then one backward, then one weight gradient (what one executor tick does; a 1F1B steady state runs
   one F and one B per tick). Each stage takes the next action of its order at the first tick its inputs are
   there (one from another stage: sent at the end of the tick it was made). A W (split weight gradient) may run
-  later than listed: in a tick where the stage runs nothing else, or when more are waiting than the stage's
-  order holds forwards before its first backward (each waiting W holds its microbatch's residuals and output
-  gradients). Orders that can never finish deadlock: one line naming the stuck stages."""
+  later than listed: in a tick where the stage runs nothing else, or before the stage's next forward when it
+  holds as many microbatch-chunks (forward run, W not yet) as the most any stage's order runs forwards before
+  its first backward (1f1b's peak, P: ZB-H1 keeps 1F1B's memory, Qi et al.). Orders that can never finish
+  deadlock: one line naming the stuck stages."""
   P = len(orders_)
   done: dict[tuple[int, Action], int] = {}
   pending = [list(o) for o in orders_]
   deferred: list[list[Action]] = [[] for _ in range(P)]
-  cap = [next((i for i, a in enumerate(a for a in o if a.kind != "W") if a.kind == "B"), len(o)) for o in orders_]
+  most = max(next((i for i, a in enumerate(a for a in o if a.kind != "W") if a.kind == "B"), len(o))
+             for o in orders_)
+  live = [0] * P      # per stage, microbatch-chunks whose forward ran and whose W has not (split tables)
+  split = any(a.kind == "W" for o in orders_ for a in o)
   ticks, t = [], 0
   limit = 4 * sum(len(o) for o in orders_) + 4
   while any(pending) or any(deferred):
     row = []
     for s in range(P):
       cell: list[Action] = []
+      full = split and live[s] >= most    # the W's wait: the next forward waits for one of them
       for kind in ("F", "B"):
         while pending[s] and pending[s][0].kind == "W":    # W's wait in the stage's deferred queue
           deferred[s].append(pending[s].pop(0))
-        if pending[s] and pending[s][0].kind == kind and _ready(pending[s][0], s, t, cell, done, P, V):
+        if (pending[s] and pending[s][0].kind == kind and not (kind == "F" and full)
+                and _ready(pending[s][0], s, t, cell, done, P, V)):
           cell.append(pending[s].pop(0))
+          live[s] += cell[-1].kind == "F"
       while pending[s] and pending[s][0].kind == "W":
         deferred[s].append(pending[s].pop(0))
-      if deferred[s] and (not cell or len(deferred[s]) > cap[s]) and _ready(deferred[s][0], s, t, cell, done, P, V):
+      if deferred[s] and (not cell or full or not pending[s]) and _ready(deferred[s][0], s, t, cell, done, P, V):
         cell.append(deferred[s].pop(0))
+        live[s] -= 1
       row.append(tuple(cell))
     for s, cell in enumerate(row):
       for a in cell:

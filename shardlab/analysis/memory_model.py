@@ -108,7 +108,8 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   """Bytes per device: master_params, grads, optimizer, compute_params, gathered_weights, activations, total.
 
   `residuals`: one layer's residual bytes per device from the traced program (schedules.explicit.
-  Stage.residual_bytes: `saved` under the remat policy, `unremat` without it). With them, activations are exact
+  Stage.residual_bytes: `saved` under the remat policy, `unremat` without it; `held`, what a zero-bubble
+  B leaves for its W, per layer). With them, activations are exact
   shapes and dtypes: n_layers x saved + one layer's unremat (the layer whose backward runs holds its whole
   set, recomputed or saved, beside its cotangents' first buffers); without them, the per-token estimate (also
   what a GPU target with model.attention=dot_product gets: the trace sees XLA's attention, the GPU runs cuDNN's
@@ -145,7 +146,8 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     buf = pipeline_buffers(cfg)
     x = tokens * m.d_model // (t if t > 1 and tp.seq_sharded else 1) * (4 if m.kind == "ffn" else cb)
     k = m.n_layers // (P * cfg.pipeline.virtual_stages)
-    acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * x
+    held = (residuals or {}).get("held", unremat)   # a zero-bubble W's inputs per layer (Stage.held), traced
+    acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * held
   else:
     acts = m.n_layers * saved + unremat if residuals else m.n_layers * saved
   acts += moe_layer_bytes(cfg, tokens // (t if t > 1 and tp.seq_sharded else 1), cb)
@@ -253,8 +255,8 @@ def pipeline_buffers(cfg) -> dict:
   """What a pipeline stage holds, in units, from the executor's own allocation of its table (schedules/
   pipeline.py: Plan, each buffer with its trash slot): `res`, microbatch-chunks of residuals (each k layers'
   saved set); `x`, residual-stream blocks of one microbatch (every microbatch's embedding and its input
-  gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of
-  per-layer output gradients kept for a split-off weight gradient (zero-bubble)."""
+  gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of what
+  each layer's B leaves for its split-off weight gradient W (zero-bubble; schedules/explicit.py: Stage.held)."""
   P = stages(cfg)
   return _buffers(cfg.pipeline.impl, cfg.pipeline.table, P, cfg.pipeline.count(P), cfg.pipeline.virtual_stages)
 

@@ -33,6 +33,7 @@ from shardlab.axes import CONTEXT, EXPERT, FSDP, PIPELINE, TENSOR
 from shardlab.config import ContextConfig, ExpertConfig, ModelConfig, PipelineConfig, ScheduleConfig
 from shardlab.data import Batch
 from shardlab.jax_private import dce_used_inputs
+from shardlab.schedules.split import split
 from shardlab.layout import Layout, honoured
 from shardlab.errors import ConfigError
 from shardlab.params import declare, is_param
@@ -192,15 +193,44 @@ class Stage:
     body = lambda l, x, w, b: (self.layer_fn(x, w), b)
     return prefetched_loop(n, self.depth, False, self._fetch(stacked), body, x, ())[0]
 
+  def _probe(self, x, stacked, split_backward: bool = False):
+    """One layer's residual structure, from an abstract trace that emits nothing: sets `meta` (treedef, where
+    the weights are; with split_backward, the layer's backward cut for zero-bubble, see `held`) and returns the
+    saved leaves' types."""
+    def probe(x, stacked):
+      y, leaves, treedef, where_w = self._residuals(x, self.gather(_take(stacked, 0)))
+      self.meta.update(treedef=treedef, where_w=where_w)
+      if split_backward:
+        self.meta["split"] = self._split(leaves, y, jax.tree.structure(stacked))
+      return self._save(leaves, where_w)
+    return jax.make_jaxpr(probe)(x, stacked).out_avals
+
+  def _split(self, leaves, y, w_tree):
+    """The layer's backward cut into B (input gradient) and W (weight gradient) (schedules/split.py), over the
+    flat inputs: the vjp closure's leaves, then the output gradient's. The cut's jaxprs hold no tracer: made
+    once, by the probe, they run wherever the backward runs."""
+    treedef, n, y_tree = self.meta["treedef"], len(leaves), jax.tree.structure(y)
+
+    def backward(*a):
+      dx, dw = jax.tree.unflatten(treedef, list(a[:n]))(jax.tree.unflatten(y_tree, list(a[n:])))
+      return [*jax.tree.leaves(dx), *w_tree.flatten_up_to(dw)]
+    cts = jax.tree.leaves(y)
+    return {"cut": split(backward, [*leaves, *cts], len(cts)), "w_tree": w_tree,
+            "cts": [jax.typeof(c) for c in cts]}
+
+  def held(self, x, stacked) -> list:
+    """The types of what one layer's zero-bubble B leaves for its W (per microbatch, beside its residuals): the
+    output gradients W reads, then the cut's boundary (each weight contraction's output gradient, and under
+    remat what B recomputed that W reads). Also makes the cut that backward(part="input" / "weight") runs."""
+    self._probe(x, stacked, split_backward=True)
+    sp, n = self.meta["split"]["cut"], len(self.meta["where_w"])
+    return [a for a, r in zip(self.meta["split"]["cts"], sp.w_reads[n:]) if r] + list(sp.boundary_avals)
+
   def forward(self, x, stacked):
     """(y, residuals): residuals = (one buffer per saved leaf [n, ...], stacked)."""
     n = jax.tree.leaves(stacked)[0].shape[0]
     # Shapes (and varying axes) of one layer's residuals, from an abstract trace that emits nothing.
-    def probe(x, stacked):
-      _, leaves, treedef, where_w = self._residuals(x, self.gather(_take(stacked, 0)))
-      self.meta.update(treedef=treedef, where_w=where_w)
-      return self._save(leaves, where_w)
-    avals = jax.make_jaxpr(probe)(x, stacked).out_avals
+    avals = self._probe(x, stacked)
     bufs = [C.pvary(jnp.zeros((n, *a.shape), a.dtype), a.manual_axis_type.varying, name="zeros") for a in avals]
 
     def body(l, x, w, bufs):
@@ -214,14 +244,13 @@ class Stage:
   def backward(self, residuals, dy, part: str = "both"):
     """(dx, dW), dW shaped like `stacked`: each layer's gradient reduced (its shard).
 
-    part="input": (dx, dys), the input gradient alone (the weight-gradient work is dead and XLA drops it) and
-    each layer's output gradient dys [n, ..] (zero-bubble's B); part="weight": dW from those dys (`dy` is the
-    dys), the input-gradient work dead (zero-bubble's W). Between them they re-run a layer's backward chain
-    inside the layer (JAX's vjp does not split), which the compiled times of each count."""
+    Zero-bubble's split (schedules/split.py): part="input" returns (dx, held), the input gradient and, per
+    layer, what its weight gradient needs beyond the residuals (`held`: a list of [n, ..] buffers, see `held`);
+    part="weight" takes those as `dy` and returns dW. Between them each layer's backward runs once: B leaves
+    the weight-gradient work out, W does only that (reading the weights only where that work does)."""
     bufs, stacked = residuals
     n = jax.tree.leaves(stacked)[0].shape[0]
     where_w, treedef = self.meta["where_w"], self.meta["treedef"]
-    dys = dy if part == "weight" else None
 
     def regather(l, dx):
       # XLA:CPU drops optimization barriers before its last CSE pass, which would then merge a re-gather
@@ -234,29 +263,51 @@ class Stage:
     def settle(l, dw, grads):
       return _put(grads, self.reduce(dw, _take(stacked, l)), l)   # W_l's gradient reduce-scattered, in backward
 
-    def vjp(l, w):
+    def leaves(l, w):
       saved = iter(_take(bufs, l))
       w_leaves = jax.tree.leaves(w) if w is not None else []
-      return jax.tree.unflatten(treedef, [next(saved) if i < 0 else w_leaves[i] for i in where_w])
+      return [next(saved) if i < 0 else w_leaves[i] if w_leaves else None for i in where_w]
 
+    fetch = None if self.keep else regather
+    if part != "both":
+      assert "split" in self.meta, "Stage.held makes the backward's cut before a split backward runs"
+      sp, k = self.meta["split"]["cut"], len(where_w)
     if part == "input":
+      n_ct = len(jax.tree.leaves(dy))
+      keep_ct = sp.w_reads[k:]
+
       def body(l, dx, w, out):
-        return vjp(l, w)(dx)[0], _put(out, dx, l)
-      out = jax.tree.map(lambda d: C.pvary(jnp.zeros((n, *d.shape), d.dtype), C.varying_axes(d), name="zeros"), dy)
-      return prefetched_loop(n, self.depth, True, None if self.keep else regather, body, dy, out)
+        cts = jax.tree.leaves(dx)
+        dxs, boundary = sp.b(*leaves(l, w), *cts)
+        held = [c for c, r in zip(cts, keep_ct) if r] + boundary
+        return jax.tree.unflatten(jax.tree.structure(dx), dxs), _put(out, held, l)
+      avals = [a for a, r in zip(self.meta["split"]["cts"], keep_ct) if r] + list(sp.boundary_avals)
+      out = [C.pvary(jnp.zeros((n, *a.shape), a.dtype), tuple(a.manual_axis_type.varying), name="zeros")
+             for a in avals]
+      assert n_ct == len(keep_ct)
+      return prefetched_loop(n, self.depth, True, fetch, body, dy, out)
 
     grads = jax.tree.map(C.zeros_like, stacked)
+    if part == "weight":
+      w_tree = self.meta["split"]["w_tree"]
+      held_in = dy
+      n_kept = sum(sp.w_reads[k:])
+      reads_w = any(r and i >= 0 for r, i in zip(sp.w_reads[:k], where_w))
+      fetch = fetch if reads_w else None
 
-    def body(l, dx, w, grads):
-      if part == "weight":
-        dw = vjp(l, w)(_take(dys, l))[1]
-      else:
-        dx, dw = vjp(l, w)(dx)
-      return (dx, grads, dw) if self.late else (dx, settle(l, dw, grads))
-
-    carry = _take(dys, n - 1) if part == "weight" else dy
-    dx, grads = prefetched_loop(n, self.depth, True, None if self.keep else regather, body, carry, grads,
-                                settle if self.late else None)
+      def body(l, carry, w, grads):
+        held = _take(held_in, l)
+        cts = iter(held[:n_kept])
+        args = [*leaves(l, w), *(next(cts) if r else None for r in sp.w_reads[k:])]
+        dw = w_tree.unflatten(sp.w([a for a, r in zip(args, sp.w_reads) if r], held[n_kept:]))
+        return (carry, grads, dw) if self.late else (carry, settle(l, dw, grads))
+      carry = _take(held_in, n - 1)
+    else:
+      def body(l, dx, w, grads):
+        dx, dw = jax.tree.unflatten(treedef, leaves(l, w))(dx)
+        return (dx, grads, dw) if self.late else (dx, settle(l, dw, grads))
+      carry = dy
+    dx, grads = prefetched_loop(n, self.depth, True, fetch, body, carry, grads, settle if self.late else None)
     return grads if part == "weight" else (dx, grads)
 
   def residual_bytes(self, x, stacked) -> dict:

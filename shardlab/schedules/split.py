@@ -1,0 +1,104 @@
+"""A layer's backward cut in two, for zero-bubble pipelines (Qi et al. 2023, arXiv:2401.10241): B computes the
+input gradient and hands W what W needs; W computes the weight gradient from it and the layer's residuals. No
+work is done twice: no second backward chain, no recomputed forward.
+
+JAX's vjp gives one backward function for both gradients. `split` traces it once into a flat jaxpr (calls to
+jitted functions and remat blocks inlined, so that their equations can land on either side), keeps for B every
+equation the input gradient depends on, and gives W the rest of what the weight gradient depends on. What W reads
+of B's equations (each weight matmul's output gradient and, under remat, the recomputed activations) is B's extra
+output: the values a waiting W holds (`Split.boundary_avals`). A matmul's weight gradient x^T dy thus runs once,
+in W, from the x and dy that B left. Public JAX only (jax.extend.core): the jaxprs are cut, not rewritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from jax.extend import core as jcore
+from jax.extend import source_info_util as SI
+
+INLINED = ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call")   # call-like: their bodies inlined
+
+
+def _read(env, v):
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _inline(jaxpr, consts, args, names=None):
+  """Evaluate `jaxpr` by binding its equations, a call-like one by evaluating its body the same way (so that
+  tracing this gives a jaxpr without them). Each equation keeps its name scopes (the audit reads a collective's)."""
+  names = SI.current_name_stack() if names is None else names
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    vals = [_read(env, v) for v in eqn.invars]
+    body = eqn.params.get("jaxpr") if eqn.primitive.name in INLINED else None
+    stack = names + eqn.source_info.name_stack
+    if body is not None:
+      inner, inner_consts = (body.jaxpr, body.consts) if isinstance(body, jcore.ClosedJaxpr) else (body, ())
+      outs = _inline(inner, inner_consts, vals, stack)
+    else:
+      with SI.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
+        outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _needs(eqns, outvars) -> set[int]:
+  """Indices of the equations `outvars` depend on."""
+  made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  want = [v for v in outvars if not isinstance(v, jcore.Literal)]
+  seen: set[int] = set()
+  while want:
+    i = made.get(want.pop())
+    if i is None or i in seen:
+      continue
+    seen.add(i)
+    want.extend(v for v in eqns[i].invars if not isinstance(v, jcore.Literal))
+  return seen
+
+
+@dataclass(frozen=True)
+class Split:
+  """The two halves of one backward over flat inputs `args`: b(*args) -> (input gradients, boundary) and
+  w(read, boundary) -> weight gradients, `read` the inputs W reads (`w_reads`: per input, whether it does).
+  `boundary_avals`: what B hands W beyond those inputs."""
+  b_jaxpr: object
+  w_jaxpr: object
+  boundary_avals: tuple
+  w_reads: tuple
+
+  def b(self, *args):
+    outs = jcore.jaxpr_as_fun(self.b_jaxpr)(*args)
+    n = len(outs) - len(self.boundary_avals)
+    return list(outs[:n]), list(outs[n:])
+
+  def w(self, read, boundary):
+    return list(jcore.jaxpr_as_fun(self.w_jaxpr)(*read, *boundary))
+
+
+def split(fn, args, n_input: int) -> Split:
+  """Cut the backward `fn(*args)` (flat arrays in, flat arrays out; its first `n_input` outputs the input
+  gradients, the rest the weight gradients; args may be jax.ShapeDtypeStructs) into B and W."""
+  closed = jax.make_jaxpr(fn)(*args)
+  flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*args)
+  jx = flat.jaxpr
+  dx_out, dw_out = jx.outvars[:n_input], jx.outvars[n_input:]
+  b_eqns = _needs(jx.eqns, dx_out)
+  w_eqns = _needs(jx.eqns, dw_out) - b_eqns
+  made_by_b = {v for i in b_eqns for v in jx.eqns[i].outvars}
+  w_list = [e for i, e in enumerate(jx.eqns) if i in w_eqns]
+  read = [v for e in w_list for v in e.invars if not isinstance(v, jcore.Literal)]
+  read += [v for v in dw_out if not isinstance(v, jcore.Literal)]
+  boundary = list(dict.fromkeys(v for v in read if v in made_by_b))
+  w_reads = tuple(v in set(read) for v in jx.invars)
+  info = lambda what, n_in, n_out: jcore.DebugInfo(f"zero-bubble {what}", jx.debug_info.func_src_info,
+                                                   (None,) * n_in, (None,) * n_out)
+  w_in = [v for v, r in zip(jx.invars, w_reads) if r] + boundary
+  b_jaxpr = jcore.Jaxpr(jx.constvars, jx.invars, [*dx_out, *boundary],
+                        [e for i, e in enumerate(jx.eqns) if i in b_eqns],
+                        debug_info=info("B", len(jx.invars), len(dx_out) + len(boundary)))
+  w_jaxpr = jcore.Jaxpr(jx.constvars, w_in, dw_out, w_list, debug_info=info("W", len(w_in), len(dw_out)))
+  return Split(jcore.ClosedJaxpr(b_jaxpr, flat.consts), jcore.ClosedJaxpr(w_jaxpr, flat.consts),
+               tuple(v.aval for v in boundary), w_reads)
