@@ -176,6 +176,8 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
   chosen = None
   if not opts["search"]:
     result = {**planner.plan(cfg), "layout": planner.this_layout(cfg)}
+    if cfg.mesh.sizes.get(PIPELINE, 1) > 1:
+      result.update(given_pipeline(cfg, result["warnings"]))
     if opts["confirm_batch"]:
       result["batch_window"]["target"] = confirm_batch_window(cfg, build)
   else:
@@ -372,6 +374,29 @@ def _cluster(hw, n: int) -> str:
   return f"{n} x {hw.name}{nodes}"
 
 
+def given_pipeline(cfg, warnings: list[str]) -> dict:
+  """The plan's pipeline fields for a mesh with stages: {"pipeline": planner.given_pipeline's row} (the stage's
+  memory replaces the closed forms' every-layer figure in the warnings), or a warning saying why it has none."""
+  from shardlab.analysis import planner
+  P = cfg.mesh.sizes[PIPELINE]
+  kept = [w for w in warnings if "exceeds HBM" not in w]    # the closed forms' every-layer memory: not a stage's
+  if cfg.pipeline.impl == "none" and not cfg.pipeline.table:
+    return {"warnings": kept + [f"mesh.pipeline={P} without a pipeline schedule: pick one with pipeline=NAME "
+                                    "(e.g. pipeline=1f1b) or pipeline.table=PATH.csv"]}
+  row = planner.given_pipeline(cfg)
+  if row is None:
+    shards = cfg.mesh.data * cfg.mesh.fsdp
+    seqs = planner.global_tokens(cfg) / shards / cfg.model.seq_len
+    return {"warnings": kept + [
+        f"mesh.pipeline={P}: the global batch gives {seqs:.3g} sequences to each of the {shards} data x fsdp "
+        f"shards, too few for the pipeline's microbatches (each whole sequences); raise train.batch_size or "
+        f"train.global_batch_tokens"]}
+  if not row["fits"]:
+    kept.append(f"{human_bytes(row['memory_per_device_bytes'])} per device on a pipeline stage exceeds HBM "
+                f"({human_bytes(cfg.hardware.hbm_bytes)})")
+  return {"pipeline": row, "warnings": kept}
+
+
 def _pipeline_line(pp: dict, cfg) -> str:
   """pipeline_search's one line under the table: why no pipeline layout applies (so that a table without P columns
   is not read as pipelines that lost), or which stage counts were costed and which the layers rule out."""
@@ -449,6 +474,21 @@ def table(result: dict, cfg, rows: int = 5) -> str:
   return "\n".join(out)
 
 
+def _stage_lines(pp: dict, hbm: int) -> list[str]:
+  """A pipeline's lines of the summary: its schedule and microbatches, the stage's memory, the step with its
+  bubble (planner.evaluate_pipeline: the table replayed in shardlab's ticks)."""
+  v = f", {pp['virtual_stages']} chunks per stage" if pp["virtual_stages"] > 1 else ""
+  closed = "" if pp["bubble_closed_form"] is None else f", closed form {100 * pp['bubble_closed_form']:.1f}%"
+  return [f"  pipeline            {pp[PIPELINE]} stages of {pp['stage_layers']} layers, {pp['schedule']}{v}, "
+          f"{pp['microbatches']} microbatches, {pp['in_flight']} microbatch-chunks in flight on the busiest stage",
+          f"  memory per device   {human_bytes(pp['memory_per_device_bytes'])} of {human_bytes(hbm)} on a stage: "
+          + ("fits" if pp["fits"] else "does NOT fit")
+          + ("" if pp["fits"] or not pp.get("fits_with") else
+             " (fits with " + ", ".join(f"{k}={v}" for k, v in pp["fits_with"].items()) + ")"),
+          f"  step time           {human_seconds(pp['step_time_s'])}, MFU {100 * pp['mfu']:.0f}%, bubble "
+          f"{100 * pp['bubble']:.1f}% in shardlab's ticks{closed}"]
+
+
 def summary(result: dict, cfg) -> str:
   """One configured mesh on one screen: memory and fit, step time and MFU (the layout's roofline, as the search
   ranks it), the critical batch, the window."""
@@ -469,6 +509,9 @@ def summary(result: dict, cfg) -> str:
                                      "below it)" if crit["this_mesh"] is not None else
                                      f"none: {crit['binding_axis']} binds at any batch"),
          f"  fits up to          {_tokens(result['batch_window']['max_global_batch_tokens'] * lay[DATA], L)}"]
+  if result.get("pipeline"):   # the stages' lines; the batch window is the closed forms' every-layer mesh's
+    out = ([out[0].replace(f"{lay['microbatches']} microbatch{'es' if lay['microbatches'] > 1 else ''}, ", "")]
+           + _stage_lines(result["pipeline"], result["hbm_bytes"]) + out[3:4])
   out += [f"Warning: {x}" for x in result["warnings"]]
   out += ["Every number is a prediction of the closed forms (docs/planning.md); devices=N searches every layout "
           "of N devices; --json prints the JSON, json=PATH writes it."]

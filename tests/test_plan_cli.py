@@ -202,3 +202,30 @@ def test_pipeline_search_names_the_stage_counts_it_costed(capsys):
   assert pp["layouts"] == sum("pipeline" in l for l in out["layouts"]) > 0
   assert (f"Pipeline layouts: {pp['layouts']} costed at P = 2; not at P = 4, 8 (model.n_layers=2 is not a multiple "
           "of them)") in text
+
+
+def test_a_given_pipeline_is_priced_as_one(capsys):
+  """mesh.pipeline=P with a schedule: the plan prices that pipeline (planner.given_pipeline: the table replayed
+  in shardlab's ticks, the stage's memory from the executor's buffers), with the microbatches that fit and are
+  fastest, one memory figure (the stage's), the bubble beside its closed form; too small a batch, or no
+  schedule, is a warning that says so."""
+  base = ["model=llama3_70b", "hardware=h100", "mesh.pipeline=2", "mesh.data=48", "mesh.fsdp=1", "mesh.tensor=8",
+          "precision=bf16", "pipeline=interleaved", "pipeline.virtual_stages=2"]
+  text, out = _plan(capsys, [*base, "train.global_batch_tokens=6291456"])
+  pp = out["pipeline"]
+  assert (pp["pipeline"], pp["schedule"], pp["virtual_stages"]) == (2, "interleaved", 2)
+  assert pp["microbatches"] % 2 == 0 and pp["bubble"] > 0 and pp["bubble_closed_form"] > 0
+  assert pp == planner.given_pipeline(compose([*base, "train.global_batch_tokens=6291456"]))
+  lines = text.splitlines()
+  assert "microbatch," not in lines[0]          # schedule.microbatches: not what a pipeline runs
+  assert lines[1].startswith("  pipeline            2 stages of 40 layers, interleaved, 2 chunks per stage, "
+                             f"{pp['microbatches']} microbatches")
+  memory = [l for l in lines if "GB" in l and ("memory" in l or "exceeds HBM" in l)]
+  figure = f"{pp['memory_per_device_bytes'] / 1e9:.0f} GB"
+  assert memory and all(figure in l for l in memory), memory       # one memory: the stage's
+  assert f"bubble {100 * pp['bubble']:.1f}% in shardlab's ticks" in text
+  # a batch of 16 sequences over 48 data shards: no microbatch of whole sequences
+  text, out = _plan(capsys, base)
+  assert "pipeline" not in out and any("too few for the pipeline's microbatches" in w for w in out["warnings"])
+  text, out = _plan(capsys, [*base[:6], "precision=bf16", "train.global_batch_tokens=6291456"])
+  assert any("without a pipeline schedule" in w for w in out["warnings"])

@@ -27,7 +27,7 @@ BASE = ["dry_run=true", "compile_for=target", "hardware=h100_multinode", "model=
         "pipeline.microbatches=32", "train.batch_size=32", "progress=false"]
 NODES = (2, 4, 8)
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1")
-PICTURES = {(4, "1f1b"), (4, "eager_1f1b"), (4, "interleaved")}
+PICTURES = {(4, "1f1b"), (4, "eager_1f1b"), (4, "interleaved"), (4, "zb_h1")}
 
 
 def run(P: int, name: str, root: Path) -> dict:

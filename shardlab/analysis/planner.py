@@ -50,7 +50,7 @@ from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths
 from shardlab.analysis.memory_model import dtype_bytes, global_tokens
 from shardlab.analysis.pipeline_replay import replay
 from shardlab.pipeline_tables import (SCHEDULES, Plan, build, check_shape, chunks_per_stage, closed_form_bubble,
-                                      in_flight)
+                                      in_flight, table_of)
 from shardlab.layout import from_config
 
 BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
@@ -567,14 +567,15 @@ def pipeline_virtual_stages(name: str) -> int:
 _TABLES: dict = {}
 
 
-def pipeline_table(name: str, P: int, M: int, V: int) -> dict[str, Any]:
-  """The named schedule's tick table (pipeline_tables.py: build) and what a stage holds by it, cached:
+def pipeline_table(name: str, P: int, M: int, V: int, csv: str = "") -> dict[str, Any]:
+  """The named schedule's tick table (pipeline_tables.py: build; a torch-format CSV's: table_of) and what a stage
+  holds by it, cached:
   {"ticks", "split" (W split off), "in_flight" (the most microbatch-chunks of residuals a stage holds, on the
   stage that holds the most: max of pipeline.in_flight, until W when split), "x" and "w" (residual-stream
   blocks and per-layer output-gradient chunks the executor allocates: Plan.buffers)}."""
-  key = (name, P, M, V)
+  key = (name, P, M, V, csv)
   if key not in _TABLES:
-    ticks = build(name, P, M, V)
+    ticks = table_of(name, csv, P, M, V) if csv else build(name, P, M, V)
     split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
     units = Plan(ticks, M, V).buffers()
     _TABLES[key] = {"ticks": ticks, "split": split, "in_flight": max(in_flight(ticks, "W" if split else "B")),
@@ -610,21 +611,23 @@ def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[
 
 
 def pipeline_memory(cfg, data: int, fsdp: int, tensor: int, P: int, name: str, M: int,
-                    tokens: float | None = None) -> dict[str, float]:
+                    tokens: float | None = None, V: int | None = None, csv: str = "") -> dict[str, float]:
   """Bytes per device on a pipeline stage: memory_model.breakdown of cfg on P stages by the named schedule (V =
-  pipeline_virtual_stages) at M microbatches, each stage a data x fsdp x tensor mesh, at `tokens` (default
+  pipeline_virtual_stages, or V; `csv`: a CSV table's) at M microbatches, each stage a data x fsdp x tensor mesh, at `tokens` (default
   cfg's global batch): the stage's n_layers / P layers of state and gathered weights, the embeddings every
   stage holds, and the activations the executor allocates from the schedule's table (in-flight microbatch-chunks
   of residuals, residual-stream blocks, a split weight gradient's output gradients, one microbatch's logits)."""
   tokens = global_tokens(cfg) if tokens is None else tokens
   stage = override(cfg, mesh={PIPELINE: P, FSDP: fsdp, TENSOR: tensor, DATA: 1},
-                   pipeline={"name": name, "impl": name, "microbatches": M,
-                             "virtual_stages": pipeline_virtual_stages(name)}, schedule={"microbatches": 1})
+                   pipeline={"name": name, "impl": name, "microbatches": M, "table": csv,
+                             "virtual_stages": V or pipeline_virtual_stages(name)}, schedule={"microbatches": 1})
   return MM.breakdown(at_tokens(stage, tokens / data))
 
 
-def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str, Any]:
-  """One pipeline layout: P stages by the named schedule (V = pipeline_virtual_stages) at M microbatches, each
+def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int, V: int | None = None,
+                      csv: str = "") -> dict[str, Any]:
+  """One pipeline layout: P stages by the named schedule (V = pipeline_virtual_stages, or V; `csv`: the table
+  of a torch-format CSV) at M microbatches, each
   stage a data x fsdp x tensor mesh of `place` (placements(..., pipeline=P)), at cfg's remat. The same row as
   evaluate_layout's, with pipeline, schedule, virtual_stages, bubble (and the slot times the replay took).
 
@@ -642,8 +645,8 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str,
   gather and reduce-scatter (once per step), / train.mfu. All predictions."""
   data, fsdp, tensor, bws, axes, hops, untiled = place
   m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
-  V = pipeline_virtual_stages(name)
-  tab = pipeline_table(name, P, M, V)
+  V = V or pipeline_virtual_stages(name)
+  tab = pipeline_table(name, P, M, V, csv)
   tokens = global_tokens(cfg)
   n = P * data * fsdp * tensor
   b = tokens / (data * fsdp * tensor) / M    # per-device tokens of one microbatch (every stage runs all of it)
@@ -670,7 +673,7 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str,
   step = (run["step_s"] + tail + once) / cfg.train.mfu
 
   ratios = block.comm_to_math(b)
-  mem = pipeline_memory(cfg, data, fsdp, tensor, P, name, M)
+  mem = pipeline_memory(cfg, data, fsdp, tensor, P, name, M, V=V, csv=csv)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
   why = _sharding_problems(cfg, shape_of({PIPELINE: P, DATA: data, FSDP: fsdp, TENSOR: tensor}))
@@ -703,7 +706,7 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str,
       "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
       "ici_axes": axes, "axis_bandwidth": bws, "latency_hops": hops, "notes": notes,
       PIPELINE: P, "schedule": name, "virtual_stages": V, "bubble": run["bubble"],
-      "bubble_closed_form": closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
+      "bubble_closed_form": None if csv else closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
       "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
       "slot_s": {"F": t_f, "B": t_b, "W": t_w, "send": t_send},
       "pipeline_step_s": run["step_s"] / cfg.train.mfu,
@@ -711,7 +714,7 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int) -> dict[str,
 
 
 def _choose_pipeline(cfg, place: tuple, P: int, name: str, counts: list[int],
-                     remats: tuple[str, ...]) -> dict[str, Any] | None:
+                     remats: tuple[str, ...], V: int | None = None, csv: str = "") -> dict[str, Any] | None:
   """The pipeline layout at its best (remat, M) by CHOICE: for each M of `counts` that leaves each microbatch
   whole sequences on every batch shard, the least recomputation that fits (the step time does not charge it);
   the fastest of those (ties: the fewest microbatches). Nothing fits: the setting with the least memory. None
@@ -724,16 +727,46 @@ def _choose_pipeline(cfg, place: tuple, P: int, name: str, counts: list[int],
   fitting, least = [], (math.inf, None)
   for M in counts:
     for remat in remats:
-      total = pipeline_memory(override(cfg, schedule={"remat": remat}), data, fsdp, tensor, P, name, M)["total"]
+      total = pipeline_memory(override(cfg, schedule={"remat": remat}), data, fsdp, tensor, P, name, M, V=V,
+                              csv=csv)["total"]
       least = min(least, (total, (remat, M)), key=lambda t: t[0])
       if total <= cfg.hardware.hbm_bytes:
         fitting.append((remat, M))
         break
   if not fitting:
     fitting = [least[1]]
-  evaluated = [evaluate_pipeline(override(cfg, schedule={"remat": r}), place, P, name, M) for r, M in fitting]
+  evaluated = [evaluate_pipeline(override(cfg, schedule={"remat": r}), place, P, name, M, V, csv)
+               for r, M in fitting]
   return min(evaluated, key=lambda l: (float(f"{l['step_time_s']:.6g}"), REMAT_BY_RECOMPUTE.index(l["remat"]),
                                        l["microbatches"]))
+
+
+def given_pipeline(cfg) -> dict[str, Any] | None:
+  """The pipeline of cfg as configured (mesh.pipeline = P > 1 with pipeline=NAME or pipeline.table=PATH.csv):
+  evaluate_pipeline's row on its data x fsdp x tensor stages at cfg's remat, its V, and its M, or (M = 0 and no
+  CSV) the M of P, 2P, 4P, 8P that fits and is fastest (_choose_pipeline); where nothing fits, "fits_with" names
+  the remat and M that would. None without stages or without an M of whole sequences per batch shard."""
+  from shardlab.errors import ConfigError
+  P = cfg.mesh.sizes.get(PIPELINE, 1)
+  if P < 2 or (cfg.pipeline.impl == "none" and not cfg.pipeline.table):
+    return None
+  pipe = cfg.pipeline.with_table(P)
+  M, V = pipe.microbatches, pipe.virtual_stages
+  counts = [M] if M else []
+  for m in ([] if M else PIPELINE_MICROBATCHES):
+    try:
+      check_shape(pipe.impl, P, m * P, V)
+      counts.append(m * P)
+    except ConfigError:
+      continue
+  shape = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  place = next(p for p in placements(cfg, cfg.mesh.n_devices, pipeline=P) if tuple(p[:3]) == shape)
+  row = _choose_pipeline(cfg, place, P, pipe.impl, counts, (cfg.schedule.remat,), V, pipe.table)
+  if row is not None and not row["fits"]:     # what would fit: more recomputation, another M
+    other = _choose_pipeline(cfg, place, P, pipe.impl, counts, REMAT_BY_RECOMPUTE, V, pipe.table)
+    if other["fits"]:
+      row["fits_with"] = {"schedule.remat": other["remat"], "pipeline.microbatches": other["microbatches"]}
+  return row
 
 
 def pipeline_layouts(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
