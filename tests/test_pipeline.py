@@ -177,3 +177,14 @@ def test_a_schedule_csv_from_torchtitan_trains_like_the_reference():
   ref_loss, ref_grads = reference_loss_and_grads(MODEL)
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="torchtitan 2-rank csv: ")
+
+
+@pytest.mark.parametrize("remat", ["full", "save_matmuls"])
+def test_zero_bubble_under_remat_equals_the_reference(remat):
+  """zb_h1's B and W split each layer's backward once (schedules/split.py); under remat W reads what B
+  recomputed, from buffers that vary over `pipeline` where the layer's trace did not."""
+  _, (loss, grads) = testing.compile_schedule({"remat": remat}, P2D2T2, MODEL,
+                                              pipeline={"impl": "zb_h1", "microbatches": 4})
+  ref_loss, ref_grads = reference_loss_and_grads(MODEL)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"zb_h1 remat={remat}: ")

@@ -193,15 +193,17 @@ class Stage:
     body = lambda l, x, w, b: (self.layer_fn(x, w), b)
     return prefetched_loop(n, self.depth, False, self._fetch(stacked), body, x, ())[0]
 
-  def _probe(self, x, stacked, split_backward: bool = False):
+  def _probe(self, x, stacked, split_backward: bool = False, vary=()):
     """One layer's residual structure, from an abstract trace that emits nothing: sets `meta` (treedef, where
-    the weights are; with split_backward, the layer's backward cut for zero-bubble, see `held`) and returns the
-    saved leaves' types."""
+    the weights are; with split_backward, the layer's backward cut for zero-bubble, see `held`, traced with every
+    input varying over `vary` too, as the buffers it will read them from are) and returns the saved leaves' types."""
     def probe(x, stacked):
       y, leaves, treedef, where_w = self._residuals(x, self.gather(_take(stacked, 0)))
       self.meta.update(treedef=treedef, where_w=where_w)
       if split_backward:
-        self.meta["split"] = self._split(leaves, y, jax.tree.structure(stacked))
+        widen = lambda a: C.pvary(a, vary, name="zeros")
+        self.meta["split"] = self._split([widen(a) for a in leaves], jax.tree.map(widen, y),
+                                         jax.tree.structure(stacked))
       return self._save(leaves, where_w)
     return jax.make_jaxpr(probe)(x, stacked).out_avals
 
@@ -218,11 +220,12 @@ class Stage:
     return {"cut": split(backward, [*leaves, *cts], len(cts)), "w_tree": w_tree,
             "cts": [jax.typeof(c) for c in cts]}
 
-  def held(self, x, stacked) -> list:
+  def held(self, x, stacked, vary=()) -> list:
     """The types of what one layer's zero-bubble B leaves for its W (per microbatch, beside its residuals): the
     output gradients W reads, then the cut's boundary (each weight contraction's output gradient, and under
-    remat what B recomputed that W reads). Also makes the cut that backward(part="input" / "weight") runs."""
-    self._probe(x, stacked, split_backward=True)
+    remat what B recomputed that W reads). Also makes the cut that backward(part="input" / "weight") runs, its
+    inputs varying over `vary` (the mesh axes the caller's buffers add: a pipeline's)."""
+    self._probe(x, stacked, split_backward=True, vary=vary)
     sp, n = self.meta["split"]["cut"], len(self.meta["where_w"])
     return [a for a, r in zip(self.meta["split"]["cts"], sp.w_reads[n:]) if r] + list(sp.boundary_avals)
 

@@ -209,7 +209,8 @@ class Pipeline:
     zeros = lambda avals, n=None, extra=(): tree(lambda a: _zeros(a, n, extra), avals)
     res_avals = jax.make_jaxpr(lambda x, w: stage.forward(x, w)[1][0])(x_first, chunk(0)).out_avals
     if sched.residuals is not None:   # one layer's residual bytes for one microbatch (the memory breakdown)
-      held = {"held": sum(a.size * a.dtype.itemsize for a in stage.held(x_first, chunk(0)))} if plan.split else {}
+      held = {"held": sum(a.size * a.dtype.itemsize for a in stage.held(x_first, chunk(0), (PIPELINE,)))
+              } if plan.split else {}
       sched.residuals.append({**stage.residual_bytes(x_first, chunk(0)), **held})
     n_slots = plan.slots
     head = lambda y, w, b: MD.head_and_stats(ctx(w), m, y, b, n_tokens)   # (loss, a MoE model's statistics)
@@ -220,7 +221,7 @@ class Pipeline:
           "g": tree(C.zeros_like, layers), "gh": tree(C.zeros_like, hw),
           "loss": _zeros(loss_aval, extra=(PIPELINE,)), "stats": zeros(stats_aval, extra=(PIPELINE,))}
     if plan.split:    # what each layer's B leaves for its W (Stage.held)
-      st["wb"] = [_zeros(a, n_slots["w"] + 1, lead=(k,)) for a in stage.held(x_first, chunk(0))]
+      st["wb"] = [_zeros(a, n_slots["w"] + 1, lead=(k,)) for a in stage.held(x_first, chunk(0), (PIPELINE,))]
 
     # Each slot's conditional takes the slices it reads and returns what it makes; the buffers are read and
     # written outside it (an idle slot returns zeros, written to the trash slot). A conditional that updated a

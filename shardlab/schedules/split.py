@@ -17,6 +17,8 @@ import jax
 from jax.extend import core as jcore
 from jax.extend import source_info_util as SI
 
+from shardlab import collectives as C
+
 INLINED = ("jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call")   # call-like: their bodies inlined
 
 
@@ -24,23 +26,43 @@ def _read(env, v):
   return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
-def _inline(jaxpr, consts, args, names=None):
-  """Evaluate `jaxpr` by binding its equations, a call-like one by evaluating its body the same way (so that
-  tracing this gives a jaxpr without them). Each equation keeps its name scopes (the audit reads a collective's)."""
+def _bind(eqn, vals):
+  """eqn's primitive on vals. A body traced with some inputs invariant (a remat block's, a vjp closure's) may
+  be run with them varying over more mesh axes (read back from a buffer that varies over them): an equation
+  whose inputs then disagree gets them all varying over the union (no communication, as JAX's own numpy
+  functions do), and a pvary of an axis already varying is the identity."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if eqn.primitive.name == "pvary":
+    axes = tuple(a for a in params["axes"] if a not in C.varying_axes(vals[0]))
+    return [vals[0]] if not axes else [eqn.primitive.bind(vals[0], axes=axes)]
+  try:
+    outs = eqn.primitive.bind(*vals, **params)
+  except ValueError as e:
+    if "varying manual axes" not in str(e):
+      raise
+    union = frozenset().union(*(C.varying_axes(v) for v in vals if hasattr(v, "shape")))
+    outs = eqn.primitive.bind(*(C.pvary(v, tuple(union), name="zeros") if hasattr(v, "shape") else v
+                                for v in vals), **params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _eval(jaxpr, consts, args, names=None, inline: bool = False):
+  """Evaluate `jaxpr` by binding its equations (_bind), with inline a call-like one by evaluating its body the
+  same way (so that tracing this gives a jaxpr without them). Each equation keeps its name scopes (the audit
+  reads a collective's)."""
   names = SI.current_name_stack() if names is None else names
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     vals = [_read(env, v) for v in eqn.invars]
-    body = eqn.params.get("jaxpr") if eqn.primitive.name in INLINED else None
+    body = eqn.params.get("jaxpr") if inline and eqn.primitive.name in INLINED else None
     stack = names + eqn.source_info.name_stack
     if body is not None:
       inner, inner_consts = (body.jaxpr, body.consts) if isinstance(body, jcore.ClosedJaxpr) else (body, ())
-      outs = _inline(inner, inner_consts, vals, stack)
+      outs = _eval(inner, inner_consts, vals, stack, inline=True)
     else:
       with SI.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
-        outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
-      outs = outs if eqn.primitive.multiple_results else [outs]
+        outs = _bind(eqn, vals)
     env.update(zip(eqn.outvars, outs))
   return [_read(env, v) for v in jaxpr.outvars]
 
@@ -70,19 +92,19 @@ class Split:
   w_reads: tuple
 
   def b(self, *args):
-    outs = jcore.jaxpr_as_fun(self.b_jaxpr)(*args)
+    outs = _eval(self.b_jaxpr.jaxpr, self.b_jaxpr.consts, args)
     n = len(outs) - len(self.boundary_avals)
     return list(outs[:n]), list(outs[n:])
 
   def w(self, read, boundary):
-    return list(jcore.jaxpr_as_fun(self.w_jaxpr)(*read, *boundary))
+    return list(_eval(self.w_jaxpr.jaxpr, self.w_jaxpr.consts, [*read, *boundary]))
 
 
 def split(fn, args, n_input: int) -> Split:
   """Cut the backward `fn(*args)` (flat arrays in, flat arrays out; its first `n_input` outputs the input
   gradients, the rest the weight gradients; args may be jax.ShapeDtypeStructs) into B and W."""
   closed = jax.make_jaxpr(fn)(*args)
-  flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*args)
+  flat = jax.make_jaxpr(lambda *a: _eval(closed.jaxpr, closed.consts, a, inline=True))(*args)
   jx = flat.jaxpr
   dx_out, dw_out = jx.outvars[:n_input], jx.outvars[n_input:]
   b_eqns = _needs(jx.eqns, dx_out)
