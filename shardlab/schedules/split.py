@@ -100,15 +100,59 @@ class Split:
     return list(_eval(self.w_jaxpr.jaxpr, self.w_jaxpr.consts, [*read, *boundary]))
 
 
-def split(fn, args, n_input: int) -> Split:
+def _nbytes(v) -> int:
+  return v.aval.size * v.aval.dtype.itemsize
+
+
+def _shrink(eqns, b_eqns: set, w_eqns: set, dw_out, inputs: set, held: set) -> None:
+  """Move recomputation from W to B (in place) where that makes what B hands W smaller: an equation that does not
+  depend on the output gradient (`held`: a forward value remat recomputes, never weight-gradient work), whose
+  inputs B has, and whose outputs W still reads are fewer bytes than the inputs only it read of what W holds.
+  E.g. under remat the attention output that only the output projection's weight gradient reads is recomputed
+  in B from the probabilities B made, instead of handing W the probabilities (L x L per head). Nothing runs
+  twice: B and W still share the backward's equations."""
+  on_ct = set(held)                   # values that depend on the output gradient
+  for e in eqns:
+    if any(v in on_ct for v in e.invars if not isinstance(v, jcore.Literal)):
+      on_ct.update(e.outvars)
+  avail = {v for i in b_eqns for v in eqns[i].outvars}
+  wanted = {v for v in dw_out if not isinstance(v, jcore.Literal)}
+  changed = True
+  while changed:
+    changed = False
+    readers: dict = {}
+    for i in w_eqns:
+      for v in eqns[i].invars:
+        if not isinstance(v, jcore.Literal):
+          readers.setdefault(v, set()).add(i)
+    for i in sorted(w_eqns):
+      e = eqns[i]
+      ins = [v for v in e.invars if not isinstance(v, jcore.Literal)]
+      if any(v in on_ct for v in e.outvars) or any(v not in avail and v not in inputs for v in ins):
+        continue
+      gain = sum(_nbytes(v) for v in set(ins) if (v in avail or v in held) and readers.get(v) == {i}
+                 and v not in wanted)
+      cost = sum(_nbytes(v) for v in e.outvars if (readers.get(v, set()) - {i}) or v in wanted)
+      if cost < gain:
+        w_eqns.discard(i)
+        b_eqns.add(i)
+        avail.update(e.outvars)
+        changed = True
+        break
+
+
+def split(fn, args, n_input: int, held: int = 0) -> Split:
   """Cut the backward `fn(*args)` (flat arrays in, flat arrays out; its first `n_input` outputs the input
-  gradients, the rest the weight gradients; args may be jax.ShapeDtypeStructs) into B and W."""
+  gradients, the rest the weight gradients; args may be jax.ShapeDtypeStructs) into B and W. The last `held` args
+  are ones a waiting W would have to hold (a layer's output gradient), the others are kept anyway (residuals)."""
   closed = jax.make_jaxpr(fn)(*args)
   flat = jax.make_jaxpr(lambda *a: _eval(closed.jaxpr, closed.consts, a, inline=True))(*args)
   jx = flat.jaxpr
   dx_out, dw_out = jx.outvars[:n_input], jx.outvars[n_input:]
   b_eqns = _needs(jx.eqns, dx_out)
   w_eqns = _needs(jx.eqns, dw_out) - b_eqns
+  _shrink(jx.eqns, b_eqns, w_eqns, dw_out, {*jx.invars, *jx.constvars},
+          set(jx.invars[len(jx.invars) - held:]) if held else set())
   made_by_b = {v for i in b_eqns for v in jx.eqns[i].outvars}
   w_list = [e for i, e in enumerate(jx.eqns) if i in w_eqns]
   read = [v for e in w_list for v in e.invars if not isinstance(v, jcore.Literal)]
