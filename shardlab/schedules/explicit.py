@@ -217,7 +217,8 @@ class Stage:
       dx, dw = jax.tree.unflatten(treedef, list(a[:n]))(jax.tree.unflatten(y_tree, list(a[n:])))
       return [*jax.tree.leaves(dx), *w_tree.flatten_up_to(dw)]
     cts = jax.tree.leaves(y)
-    return {"cut": split(backward, [*leaves, *cts], len(cts), held=len(cts)), "w_tree": w_tree,
+    weights = [i for i, w in enumerate(self.meta["where_w"]) if w >= 0]
+    return {"cut": split(backward, [*leaves, *cts], len(cts), held=len(cts), weights=weights), "w_tree": w_tree,
             "cts": [jax.typeof(c) for c in cts]}
 
   def held(self, x, stacked, vary=()) -> list:

@@ -141,19 +141,52 @@ def _shrink(eqns, b_eqns: set, w_eqns: set, dw_out, inputs: set, held: set) -> N
         break
 
 
-def split(fn, args, n_input: int, held: int = 0) -> Split:
+def _pull(eqns, b_eqns: set, w_eqns: set, dw_out, inputs: set, weights: set) -> set:
+  """Equations of B that W runs again instead of being handed their result, where what they read is fewer
+  bytes than what they make, none is a matmul and none reads a weight W does not read already (W would gather
+  it): the all-gather of a sequence-parallel activation or output gradient (W re-gathers the shard it holds).
+  Returns their indices (they stay in B)."""
+  made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  pulled: set = set()
+  while True:
+    runs = w_eqns | pulled
+    w_made = {v for i in runs for v in eqns[i].outvars}
+    read = {v for i in runs for v in eqns[i].invars if not isinstance(v, jcore.Literal)}
+    read |= {v for v in dw_out if not isinstance(v, jcore.Literal)}
+    boundary = {v for v in read if v not in w_made and v not in inputs}
+    best = None
+    for v in sorted(boundary, key=lambda v: (-_nbytes(v), made[v])):
+      e = eqns[made[v]]
+      if e.primitive.name == "dot_general" or any(type(x).__name__ != "NamedAxisEffect" for x in e.effects):
+        continue       # (a collective's only effect names its mesh axis)
+      ins = {u for u in e.invars if not isinstance(u, jcore.Literal)}
+      if any(u in weights and u not in read for u in ins):
+        continue
+      new = {u for u in ins if u not in inputs and u not in boundary and u not in w_made}
+      if sum(map(_nbytes, new)) < sum(_nbytes(u) for u in e.outvars if u in boundary):
+        best = made[v]
+        break
+    if best is None:
+      return pulled
+    pulled.add(best)
+
+
+def split(fn, args, n_input: int, held: int = 0, weights=()) -> Split:
   """Cut the backward `fn(*args)` (flat arrays in, flat arrays out; its first `n_input` outputs the input
   gradients, the rest the weight gradients; args may be jax.ShapeDtypeStructs) into B and W. The last `held` args
-  are ones a waiting W would have to hold (a layer's output gradient), the others are kept anyway (residuals)."""
+  are ones a waiting W would have to hold (a layer's output gradient), the others are kept anyway (residuals)
+  or, those at the indices `weights`, gathered where read."""
   closed = jax.make_jaxpr(fn)(*args)
   flat = jax.make_jaxpr(lambda *a: _eval(closed.jaxpr, closed.consts, a, inline=True))(*args)
   jx = flat.jaxpr
   dx_out, dw_out = jx.outvars[:n_input], jx.outvars[n_input:]
   b_eqns = _needs(jx.eqns, dx_out)
   w_eqns = _needs(jx.eqns, dw_out) - b_eqns
-  _shrink(jx.eqns, b_eqns, w_eqns, dw_out, {*jx.invars, *jx.constvars},
-          set(jx.invars[len(jx.invars) - held:]) if held else set())
-  made_by_b = {v for i in b_eqns for v in jx.eqns[i].outvars}
+  inputs = {*jx.invars, *jx.constvars}
+  _shrink(jx.eqns, b_eqns, w_eqns, dw_out, inputs, set(jx.invars[len(jx.invars) - held:]) if held else set())
+  w_eqns |= _pull(jx.eqns, b_eqns, w_eqns, dw_out, inputs, {jx.invars[i] for i in weights})   # run in both
+  made_by_w = {v for i in w_eqns for v in jx.eqns[i].outvars}
+  made_by_b = {v for i in b_eqns for v in jx.eqns[i].outvars} - made_by_w
   w_list = [e for i, e in enumerate(jx.eqns) if i in w_eqns]
   read = [v for e in w_list for v in e.invars if not isinstance(v, jcore.Literal)]
   read += [v for v in dw_out if not isinstance(v, jcore.Literal)]
