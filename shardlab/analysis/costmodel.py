@@ -268,7 +268,9 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
   # cuDNN's kernel runs where the model's own attention does: no context split, or a strategy that attends with it
   own_kernel = cfg.mesh.context == 1 or memory_model.attention_kept(cfg).attention == cfg.model.attention
   if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product" and own_kernel:
-    residuals = None   # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records
+    # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records; what a waiting
+    # zero-bubble W holds has no attention probabilities in it (schedules/split.py), so it is kept
+    residuals = {"held": residuals["held"]} if residuals and "held" in residuals else None
   mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals,
                                                        memory_model.gemm_workspace_bytes(prog.text))}
   mem["compiled_by"] = prog.platform

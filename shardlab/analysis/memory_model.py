@@ -140,8 +140,9 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   tp, cp = parts(cfg)
   per_token = activation_elements_per_token(attention_kept(cfg, cp), s.remat) + _context_kept(cfg, cp)
   rep = 0 if tp.seq_sharded else _replicated_per_token(m, s.remat)
-  saved = residuals["saved"] if residuals else tokens * ((per_token - rep) // t + rep) * cb
-  unremat = residuals["unremat"] if residuals else saved
+  traced = "saved" in (residuals or {})
+  saved = residuals["saved"] if traced else tokens * ((per_token - rep) // t + rep) * cb
+  unremat = residuals["unremat"] if traced else saved
   if P > 1:     # the stage's buffers, as the executor allocates them from the table (pipeline_buffers)
     buf = pipeline_buffers(cfg)
     x = tokens * m.d_model // (t if t > 1 and tp.seq_sharded else 1) * (4 if m.kind == "ffn" else cb)
@@ -149,7 +150,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     held = (residuals or {}).get("held", unremat)   # a zero-bubble W's inputs per layer (Stage.held), traced
     acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * held
   else:
-    acts = m.n_layers * saved + unremat if residuals else m.n_layers * saved
+    acts = m.n_layers * saved + unremat if traced else m.n_layers * saved
   acts += moe_layer_bytes(cfg, tokens // (t if t > 1 and tp.seq_sharded else 1), cb)
   # the logits in the compute dtype and their float32 softmax (the FFN-only model has none: its loss is on
   # [B, L, D])
@@ -331,7 +332,8 @@ def compare(cfg, compiled: dict, residuals: dict | None = None, gemm_workspace: 
            "peak": (total, compiled["peak"])}
   if compiled.get("allocated"):
     parts["allocated"] = (total, compiled["allocated"]["total"])
-  return {"analytic": a, "activations_from": "traced residuals" if residuals else "per-token estimate",
+  traced = "saved" in (residuals or {})
+  return {"analytic": a, "activations_from": "traced residuals" if traced else "per-token estimate",
           "gemm_workspace": gemm_workspace, "compiled_over_analytic": compiled["peak"] / total if total else 0.0,
           "components": {k: {"analytic": an, "compiled": co, "error": an / co - 1 if co else None}
                          for k, (an, co) in parts.items()}}
