@@ -394,7 +394,7 @@ def given_pipeline(cfg, warnings: list[str]) -> dict:
   if not row["fits"]:
     kept.append(f"{human_bytes(row['memory_per_device_bytes'])} per device on a pipeline stage exceeds HBM "
                 f"({human_bytes(cfg.hardware.hbm_bytes)})")
-  return {"pipeline": row, "warnings": kept}
+  return {PIPELINE: row, "warnings": kept}
 
 
 def _pipeline_line(pp: dict, cfg) -> str:
@@ -509,9 +509,9 @@ def summary(result: dict, cfg) -> str:
                                      "below it)" if crit["this_mesh"] is not None else
                                      f"none: {crit['binding_axis']} binds at any batch"),
          f"  fits up to          {_tokens(result['batch_window']['max_global_batch_tokens'] * lay[DATA], L)}"]
-  if result.get("pipeline"):   # the stages' lines; the batch window is the closed forms' every-layer mesh's
+  if result.get(PIPELINE):   # the stages' lines; the batch window is the closed forms' every-layer mesh's
     out = ([out[0].replace(f"{lay['microbatches']} microbatch{'es' if lay['microbatches'] > 1 else ''}, ", "")]
-           + _stage_lines(result["pipeline"], result["hbm_bytes"]) + out[3:4])
+           + _stage_lines(result[PIPELINE], result["hbm_bytes"]) + out[3:4])
   out += [f"Warning: {x}" for x in result["warnings"]]
   out += ["Every number is a prediction of the closed forms (docs/planning.md); devices=N searches every layout "
           "of N devices; --json prints the JSON, json=PATH writes it."]
