@@ -264,7 +264,7 @@ def test_a_users_tp_contraction_trains_like_the_reference_and_is_priced(tp, monk
 PAIRS = [  # (id, mesh, schedule knobs, context strategy, pipeline)
     ("pipeline x context all_gather", {"pipeline": 2, "fsdp": 2, "context": 2}, {}, "all_gather", "1f1b"),
     ("pipeline x context ulysses", {"pipeline": 2, "fsdp": 2, "context": 2}, {}, "ulysses", "gpipe"),
-    ("pipeline x context x tensor", {"pipeline": 2, "context": 2, "tensor": 2}, {}, "ulysses", "1f1b"),
+    ("pipeline zb_h1 x context x tensor", {"pipeline": 2, "context": 2, "tensor": 2}, {}, "ulysses", "zb_h1"),
     ("pipeline x tensor allreduce", {"pipeline": 2, "fsdp": 2, "tensor": 2}, {"tp": "allreduce"}, None, "1f1b"),
     ("pipeline x data x context", {"pipeline": 2, "data": 2, "context": 2}, {}, "all_gather", "gpipe"),
     ("context all_gather x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {}, "all_gather", None),
