@@ -168,15 +168,18 @@ def test_check_slots_reads_the_one_trace_for_a_ppermute_inside_a_slot():
 
 
 @pytest.mark.slow
-def test_a_schedule_csv_from_torchtitan_trains_like_the_reference():
-  """pipeline.table=PATH.csv: torchtitan's 2-rank schedule (tests/assets: two stages per rank, I and W actions,
-  8 microbatches; the file fixes P, V and M) trains equal to the plain reference on p2xf2xt2."""
+@pytest.mark.parametrize("asset,shape,batch", [("torchtitan-2-rank.csv", P2F2T2, None),
+                                               ("torchtitan-4-rank.csv", {"pipeline": 4, "fsdp": 1, "tensor": 2}, 12)])
+def test_a_schedule_csv_from_torchtitan_trains_like_the_reference(asset, shape, batch):
+  """pipeline.table=PATH.csv: torchtitan's schedules (tests/assets: two stages per rank, I and W actions; 8
+  microbatches on 2 ranks, 6 on 4: the file fixes P, V and M) train equal to the plain reference, the 4-rank one
+  on a batch of 12 sequences (6 microbatches of 2)."""
   from pathlib import Path
-  path = str(Path(__file__).parent / "assets" / "torchtitan-2-rank.csv")
-  _, (loss, grads) = testing.compile_schedule(None, P2F2T2, MODEL, pipeline={"table": path})
-  ref_loss, ref_grads = reference_loss_and_grads(MODEL)
+  path = str(Path(__file__).parent / "assets" / asset)
+  _, (loss, grads) = testing.compile_schedule(None, shape, MODEL, pipeline={"table": path}, batch_size=batch)
+  ref_loss, ref_grads = reference_loss_and_grads(MODEL, batch)
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
-  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="torchtitan 2-rank csv: ")
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"torchtitan {asset}: ")
 
 
 @pytest.mark.parametrize("remat", ["full", "save_matmuls"])

@@ -1,13 +1,16 @@
 """A layer's backward cut in two, for zero-bubble pipelines (Qi et al. 2023, arXiv:2401.10241): B computes the
 input gradient and hands W what W needs; W computes the weight gradient from it and the layer's residuals. No
-work is done twice: no second backward chain, no recomputed forward.
+matmul runs twice: no second backward chain, no recomputed forward matmul.
 
 JAX's vjp gives one backward function for both gradients. `split` traces it once into a flat jaxpr (calls to
 jitted functions and remat blocks inlined, so that their equations can land on either side), keeps for B every
 equation the input gradient depends on, and gives W the rest of what the weight gradient depends on. What W reads
 of B's equations (each weight matmul's output gradient and, under remat, the recomputed activations) is B's extra
 output: the values a waiting W holds (`Split.boundary_avals`). A matmul's weight gradient x^T dy thus runs once,
-in W, from the x and dy that B left. Public JAX only (jax.extend.core): the jaxprs are cut, not rewritten.
+in W, from the x and dy that B left. Two refinements keep what W holds small (_shrink, _pull): recomputation
+only a weight gradient reads runs in B where its result is smaller than what it reads, and W re-runs a cheap
+producer (no matmul) of a large value instead of holding it, e.g. the all-gather of a sequence-parallel shard.
+Public JAX only (jax.extend): the jaxprs are cut, not rewritten.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def _bind(eqn, vals):
     if "varying manual axes" not in str(e):
       raise
     union = frozenset().union(*(C.varying_axes(v) for v in vals if hasattr(v, "shape")))
-    outs = eqn.primitive.bind(*(C.pvary(v, tuple(union), name="zeros") if hasattr(v, "shape") else v
+    outs = eqn.primitive.bind(*(C.pvary(v, tuple(union)) if hasattr(v, "shape") else v
                                 for v in vals), **params)
   return outs if eqn.primitive.multiple_results else [outs]
 

@@ -19,11 +19,17 @@ def tiny_config(model: dict | None = None, **schedule):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_batch():
-  """One batch of tokens[B, L+1] for the tiny model."""
+def tiny_batch(batch_size: int | None = None):
+  """One batch of tokens[B, L+1] for the tiny model (B: train.batch_size, 16, or `batch_size`)."""
   from shardlab.data import markov_batch
   cfg = tiny_config()
-  return markov_batch(0, 0, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size, cfg.data.branching)
+  return markov_batch(0, 0, batch_size or cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
+                      cfg.data.branching)
+
+
+def _with_batch(cfg, batch_size: int | None):
+  import dataclasses
+  return cfg if not batch_size else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
 
 
 def placed_batch(tokens_BL1, mesh, layout=None, order=None):
@@ -52,21 +58,21 @@ def abstract_batch(batch_size: int, seq_len: int, mesh, layout=None):
                  for shape, s in zip(shapes, batch_specs(layout or Layout(), mesh))))
 
 
-def reference_loss_and_grads(model: dict | None = None):
+def reference_loss_and_grads(model: dict | None = None, batch_size: int | None = None):
   """Loss and gradients of the unsharded reference on the tiny model (`model`: fields changed) and
-  `tiny_batch()`; cached. The reference has one attention (plain): model.attention and its block are ignored.
+  `tiny_batch(batch_size)`; cached. The reference has one attention (plain): model.attention and its block are ignored.
   Its layers run in the model's order, whatever schedule it is compared with."""
   model = {k: v for k, v in (model or {}).items() if k not in ("attention", "attention_block")}
-  return _reference_loss_and_grads(tuple(sorted(model.items())))
+  return _reference_loss_and_grads(tuple(sorted(model.items())), batch_size)
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_loss_and_grads(model_items: tuple):
+def _reference_loss_and_grads(model_items: tuple, batch_size: int | None = None):
   import jax
   from shardlab import params as PM, reference as R
-  cfg = tiny_config(dict(model_items))
+  cfg = _with_batch(tiny_config(dict(model_items)), batch_size)
   p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
-  b = tiny_batch()
+  b = tiny_batch(batch_size)
   with jax.numpy_dtype_promotion("strict"):
     return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg)))(p)
 
@@ -88,7 +94,7 @@ def _schedule_key(schedule, knobs) -> tuple:
 
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
                      context: str | None = None, load_balance: bool = False, pipeline: dict | None = None,
-                     expert: dict | None = None, stats: bool = False, **knobs):
+                     expert: dict | None = None, stats: bool = False, batch_size: int | None = None, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
@@ -99,22 +105,23 @@ def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None
   "microbatches": 4}; None: no pipeline): the parameters are stored in the run's order of layers and the
   gradients come back in the model's (as trainer.fit and its checkpoints do), so every schedule is compared with
   the plain `reference_loss_and_grads(model)`. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all); stats: a MoE model's
-  global router statistics third, (loss, grads, stats)."""
+  global router statistics third, (loss, grads, stats). batch_size: sequences in the batch (default 16; e.g. a
+  multiple of a CSV table's microbatches), then compared with `reference_loss_and_grads(model, batch_size)`."""
   items = tuple(named_shape(mesh_shape).items())     # data 1 is no axis: the 2D mesh (one compile)
   rules = None if layout is None else tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                                             for k, v in layout.items())
   return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
                            context, load_balance, tuple(sorted((pipeline or {}).items())),
-                           tuple(sorted((expert or {}).items())), stats)
+                           tuple(sorted((expert or {}).items())), stats, batch_size)
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False,
-                      pipe_items=(), expert_items=(), stats=False):
+                      pipe_items=(), expert_items=(), stats=False, batch_size=None):
   import jax
   import jax.numpy as jnp
   from shardlab import params as PM, schedules, train as T
-  cfg = tiny_config(dict(model_items), **dict(items))
+  cfg = _with_batch(tiny_config(dict(model_items), **dict(items)), batch_size)
   mesh = mesh_of(mesh_items)
   layout, decls, params = _tiny_model(mesh_items, model_items, rules)
   from shardlab.config import ContextConfig
@@ -131,7 +138,7 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   micro = getattr(sched, "microbatches_on", lambda shape: cfg.schedule.microbatches)(dict(mesh_items))
   PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, micro,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
-  b = placed_batch(tiny_batch(), mesh, layout, sched.data_order(dict(mesh_items)))
+  b = placed_batch(tiny_batch(batch_size), mesh, layout, sched.data_order(dict(mesh_items)))
   from shardlab.checkpoint import reorder_layers
   from shardlab.trainer import layer_order
   order = layer_order(sched, dict(mesh_items))    # the trainer's stored order of layers (an interleaved pipeline's)
