@@ -141,13 +141,17 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   per_token = activation_elements_per_token(attention_kept(cfg, cp), s.remat) + _context_kept(cfg, cp)
   rep = 0 if tp.seq_sharded else _replicated_per_token(m, s.remat)
   traced = "saved" in (residuals or {})
-  saved = residuals["saved"] if traced else tokens * ((per_token - rep) // t + rep) * cb
+  per_device = lambda per, rep: tokens * ((per - rep) // t + rep) * cb     # elements per token -> bytes per device
+  saved = residuals["saved"] if traced else per_device(per_token, rep)
   unremat = residuals["unremat"] if traced else saved
   if P > 1:     # the stage's buffers, as the executor allocates them from the table (pipeline_buffers)
     buf = pipeline_buffers(cfg)
     x = tokens * m.d_model // (t if t > 1 and tp.seq_sharded else 1) * (4 if m.kind == "ffn" else cb)
     k = m.n_layers // (P * cfg.pipeline.virtual_stages)
-    held = (residuals or {}).get("held", unremat)   # a zero-bubble W's inputs per layer (Stage.held), traced
+    # what a waiting zero-bubble W holds per layer (Stage.held, traced); untraced, the layer's whole set without
+    # remat bounds it (W reads matmul inputs and output gradients, each the size of an activation of that set)
+    whole = activation_elements_per_token(attention_kept(cfg, cp), "none") + _context_kept(cfg, cp)
+    held = (residuals or {}).get("held") or per_device(whole, 0 if tp.seq_sharded else _replicated_per_token(m, "none"))
     acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * held
   else:
     acts = m.n_layers * saved + unremat if traced else m.n_layers * saved
