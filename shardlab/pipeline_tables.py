@@ -319,7 +319,7 @@ def _allocate(intervals: dict) -> tuple[dict, int]:
 class Plan:
   """The static arrays the executor reads, per tick and stage, from a checked table: which slots run, on which
   microbatch and chunk, and which buffer slot each input is read from and each result written to. A buffer
-  slot index equal to the buffer's size is the trash slot (written, never read)."""
+  slot index equal to the buffer's slot count is an idle slot's (the executor's write of it writes nothing)."""
 
   FIELDS = ("f_on", "f_mb", "f_chunk", "f_first", "f_last", "f_in", "f_res", "f_dy",
             "b_on", "b_mb", "b_chunk", "b_first", "b_res", "b_dy", "b_w",
@@ -356,7 +356,7 @@ class Plan:
     arr = {f: np.zeros((T, P), np.int32) for f in self.FIELDS}
     for f in ("f_in", "f_res", "f_dy", "b_res", "b_dy", "b_w", "w_res", "w_w", "r_in", "r_dy"):
       arr[f][:] = self.slots[{"f_in": "in", "r_in": "in", "f_res": "res", "b_res": "res", "w_res": "res",
-                               "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]   # trash
+                               "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]   # idle
     for (s, a), t in at.items():
       v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
       if a.kind == "F":
@@ -384,13 +384,13 @@ class Plan:
     self.arrays = arr
 
   def buffers(self) -> dict:
-    """What a stage holds, in units, each buffer with its trash slot (the memory model's terms): `res`,
+    """What a stage holds, in units (the memory model's terms; a buffer no action uses still has one slot): `res`,
     microbatch-chunks of residuals; `x`, residual-stream blocks of one microbatch (every microbatch's embedding
     and its input gradient, the received activations and output gradients, the two sends); `w`, microbatch-
     chunks of per-layer output gradients kept for a split-off weight gradient."""
     n = self.slots
-    return {"res": n["res"] + 1, "x": 2 * self.M + 1 + n["in"] + 1 + n["dy"] + 1 + 2,
-            "w": n["w"] + 1 if self.split else 0}
+    one = lambda k: max(n[k], 1)
+    return {"res": one("res"), "x": 2 * self.M + one("in") + one("dy") + 2, "w": one("w") if self.split else 0}
 
   def sends(self) -> tuple[list, list]:
     """The ppermute pairs over `pipeline`: forward (s -> s+1) and backward (s -> s-1), around the ring when

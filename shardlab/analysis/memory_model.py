@@ -258,7 +258,7 @@ def microbatches(cfg) -> int:
 
 def pipeline_buffers(cfg) -> dict:
   """What a pipeline stage holds, in units, from the executor's own allocation of its table (schedules/
-  pipeline.py: Plan, each buffer with its trash slot): `res`, microbatch-chunks of residuals (each k layers'
+  pipeline.py: Plan): `res`, microbatch-chunks of residuals (each k layers'
   saved set); `x`, residual-stream blocks of one microbatch (every microbatch's embedding and its input
   gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of what
   each layer's B leaves for its split-off weight gradient W (zero-bubble; schedules/explicit.py: Stage.held)."""

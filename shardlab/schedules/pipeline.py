@@ -79,11 +79,15 @@ def check_slots(jaxpr) -> None:
 
 
 def _take(tree, i):
-  return jax.tree.map(lambda a: a[i], tree)
+  """Slot i of each buffer (an idle slot's index, past the last, reads the last: its value goes unused)."""
+  return jax.tree.map(lambda a: a[jnp.minimum(i, a.shape[0] - 1)], tree)
 
 
-def _set(tree, values, i):
-  return jax.tree.map(lambda a, v: a.at[i].set(v), tree, values)
+def _set(tree, values, i, n: int):
+  """`values` written to slot i of each buffer of n slots; i = n (what an idle slot writes) writes nothing:
+  the last slot's own value back, so that no buffer needs a slot to throw writes away."""
+  j = jnp.minimum(i, max(n - 1, 0))
+  return jax.tree.map(lambda a, v: a.at[j].set(jnp.where(i < n, v, a[j])), tree, values)
 
 
 class Pipeline:
@@ -203,7 +207,7 @@ class Pipeline:
       return jax.tree.map(lambda G, d: jax.lax.dynamic_update_slice_in_dim(
           G, jax.lax.dynamic_slice_in_dim(G, c * k, k, 0) + d, c * k, 0), g, dw)
 
-    # Buffers of static slots (Plan); slot index = size is the trash slot.
+    # Buffers of static slots (Plan); slot index = the slot count is an idle slot's: its write writes nothing.
     x_first = _take(x0, 0)
     x_aval = tree(jax.typeof, x_first)
     zeros = lambda avals, n=None, extra=(): tree(lambda a: _zeros(a, n, extra), avals)
@@ -215,16 +219,17 @@ class Pipeline:
     n_slots = plan.slots
     head = lambda y, w, b: MD.head_and_stats(ctx(w), m, y, b, n_tokens)   # (loss, a MoE model's statistics)
     loss_aval, stats_aval = _avals(head, x_first, hw, Batch(*_take(tuple(batches), 0)))
-    st = {"inb": zeros(x_aval, n_slots["in"] + 1), "dyb": zeros(x_aval, n_slots["dy"] + 1),
-          "res": [_zeros(a, n_slots["res"] + 1, (PIPELINE,)) for a in res_avals],
-          "fsend": zeros(x_aval), "bsend": zeros(x_aval), "dx0": zeros(x_aval, M + 1),
+    size = {k: max(n, 1) for k, n in n_slots.items()}   # (a buffer no action uses still takes the idle writes)
+    st = {"inb": zeros(x_aval, size["in"]), "dyb": zeros(x_aval, size["dy"]),
+          "res": [_zeros(a, size["res"], (PIPELINE,)) for a in res_avals],
+          "fsend": zeros(x_aval), "bsend": zeros(x_aval), "dx0": zeros(x_aval, M),
           "g": tree(C.zeros_like, layers), "gh": tree(C.zeros_like, hw),
           "loss": _zeros(loss_aval, extra=(PIPELINE,)), "stats": zeros(stats_aval, extra=(PIPELINE,))}
     if plan.split:    # what each layer's B leaves for its W (Stage.held)
-      st["wb"] = [_zeros(a, n_slots["w"] + 1, lead=(k,)) for a in stage.held(x_first, chunk(0), (PIPELINE,))]
+      st["wb"] = [_zeros(a, size["w"], lead=(k,)) for a in stage.held(x_first, chunk(0), (PIPELINE,))]
 
     # Each slot's conditional takes the slices it reads and returns what it makes; the buffers are read and
-    # written outside it (an idle slot returns zeros, written to the trash slot). A conditional that updated a
+    # written outside it (an idle slot returns zeros, and its write writes nothing, `_set`). A conditional that updated a
     # buffer in place would hold a second copy of it: XLA keeps the carry and the branch's result apart.
     zeros_like = lambda t: jax.tree.map(C.zeros_like, t)
 
@@ -256,12 +261,12 @@ class Pipeline:
       x = tree(lambda a, b: jnp.where(r["f_first"] == 1, a[r["f_mb"]], b[r["f_in"]]), x0, st["inb"])
       y, bufs = cond("F", M * V, r["f_on"], f_run, lambda x, c: (zeros_like(x), [_zeros(a) for a in res_avals]),
                      x, r["f_chunk"])
-      st = {**st, "res": _set(st["res"], bufs, r["f_res"]), "fsend": y}
+      st = {**st, "res": _set(st["res"], bufs, r["f_res"], n_slots["res"]), "fsend": y}
       # the head, after the last virtual stage's F: once per microbatch on the last stage
       dy, gh, loss, stats = cond("head", M, r["f_last"], head_run,
                                  lambda y, mb, gh, loss, stats: (zeros_like(y), gh, loss, stats),
                                  y, r["f_mb"], st["gh"], st["loss"], st["stats"])
-      st = {**st, "dyb": _set(st["dyb"], dy, r["f_dy"]), "gh": gh, "loss": loss, "stats": stats}
+      st = {**st, "dyb": _set(st["dyb"], dy, r["f_dy"], n_slots["dy"]), "gh": gh, "loss": loss, "stats": stats}
       res, dyin = _take(st["res"], r["b_res"]), _take(st["dyb"], r["b_dy"])
       if plan.split:
         idle_b = lambda res, dy, c, g: (zeros_like(dy), zeros_like(_take(st["wb"], 0)), g)
@@ -269,19 +274,20 @@ class Pipeline:
         idle_b = lambda res, dy, c, g: (zeros_like(dy), (), g)
       dx, dys, g = cond("B", M * V, r["b_on"], b_run, idle_b, res, dyin, r["b_chunk"], st["g"])
       first = jnp.where(r["b_first"] == 1, r["b_mb"], M)
-      st = {**st, "g": g, "bsend": dx, "dx0": _set(st["dx0"], dx, first)}
+      st = {**st, "g": g, "bsend": dx, "dx0": _set(st["dx0"], dx, first, M)}
       if plan.split:
-        st = {**st, "wb": _set(st["wb"], dys, r["b_w"])}
+        st = {**st, "wb": _set(st["wb"], dys, r["b_w"], n_slots["w"])}
         g = cond("W", M * V, r["w_on"], w_run, lambda res, dys, c, g: g,
                  _take(st["res"], r["w_res"]), _take(st["wb"], r["w_w"]), r["w_chunk"], st["g"])
         st = {**st, "g": g}
       got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
       got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
-      return {**st, "inb": _set(st["inb"], got_f, r["r_in"]), "dyb": _set(st["dyb"], got_b, r["r_dy"])}, None
+      return {**st, "inb": _set(st["inb"], got_f, r["r_in"], n_slots["in"]),
+              "dyb": _set(st["dyb"], got_b, r["r_dy"], n_slots["dy"])}, None
 
     st, _ = jax.lax.scan(tick, st, rows)
     loss = C.psum(st["loss"], PIPELINE, name="pipeline_loss")
-    g_hw = tree(jnp.add, st["gh"], embed_vjp(tree(lambda a: a[:M], st["dx0"]))[0])
+    g_hw = tree(jnp.add, st["gh"], embed_vjp(st["dx0"])[0])
     grads = dict(outer_vjp(g_hw)[0])
     grads["layers"] = layers_vjp(st["g"])[0] if step_gather else st["g"]
     if not m.moe:
