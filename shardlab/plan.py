@@ -6,7 +6,8 @@
 With devices=N (or search=true) every data x fsdp x tensor layout of N devices is evaluated at the remat policy and
 microbatch count that fit it fastest, and the first screen is a table of the best layouts (mesh, remat,
 microbatches, memory per device and fit, step time, MFU, binding axis and critical batch) and the best one's batch
-window; without, a summary of the configured mesh. `--json` prints the JSON instead (keys and formulas:
+window; without, a summary of the configured mesh (with mesh.pipeline > 1 and a schedule: that pipeline,
+planner.given_pipeline: its microbatches, bubble, the stage's memory and step). `--json` prints the JSON instead (keys and formulas:
 shardlab/analysis/planner.py; searching, its top level is the plan of the best layout), `json=PATH` writes it.
 Takes the same Hydra overrides as `python -m shardlab`; schedule.remat and schedule.microbatches written on the
 command line are kept, not searched. A bad override, a setting out of range or a mesh axis that does not divide
