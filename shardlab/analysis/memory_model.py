@@ -152,7 +152,8 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
     # remat bounds it (W reads matmul inputs and output gradients, each the size of an activation of that set)
     whole = activation_elements_per_token(attention_kept(cfg, cp), "none") + _context_kept(cfg, cp)
     held = (residuals or {}).get("held") or per_device(whole, 0 if tp.seq_sharded else _replicated_per_token(m, "none"))
-    acts = buf["res"] * k * saved + unremat + buf["x"] * x + buf["w"] * k * held
+    # + a B slot's own output: its k layers' held values, made beside the buffer they are then written into
+    acts = buf["res"] * k * saved + unremat + buf["x"] * x + (buf["w"] + 1 if buf["w"] else 0) * k * held
   else:
     acts = m.n_layers * saved + unremat if traced else m.n_layers * saved
   acts += moe_layer_bytes(cfg, tokens // (t if t > 1 and tp.seq_sharded else 1), cb)
