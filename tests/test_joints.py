@@ -266,6 +266,8 @@ PAIRS = [  # (id, mesh, schedule knobs, context strategy, pipeline)
     ("pipeline x context ulysses", {"pipeline": 2, "fsdp": 2, "context": 2}, {}, "ulysses", "gpipe"),
     ("pipeline zb_h1 x context x tensor", {"pipeline": 2, "context": 2, "tensor": 2}, {}, "ulysses", "zb_h1"),
     ("pipeline x tensor allreduce", {"pipeline": 2, "fsdp": 2, "tensor": 2}, {"tp": "allreduce"}, None, "1f1b"),
+    ("pipeline zb_h1 x context all_gather x tensor allreduce", {"pipeline": 2, "context": 2, "tensor": 2},
+     {"tp": "allreduce"}, "all_gather", "zb_h1"),
     ("pipeline x data x context", {"pipeline": 2, "data": 2, "context": 2}, {}, "all_gather", "gpipe"),
     ("context all_gather x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {}, "all_gather", None),
     ("context ring x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {"tp": "ring"}, "ring", None),

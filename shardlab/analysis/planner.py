@@ -49,7 +49,7 @@ from shardlab.analysis import memory_model as MM
 from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths, torus_axes
 from shardlab.analysis.memory_model import dtype_bytes, global_tokens
 from shardlab.analysis.pipeline_replay import replay
-from shardlab.pipeline_tables import (SCHEDULES, Plan, build, check_shape, chunks_per_stage, closed_form_bubble,
+from shardlab.pipeline_tables import (SCHEDULES, Plan, check_shape, chunks_per_stage, closed_form_bubble,
                                       in_flight, table_of)
 from shardlab.layout import from_config
 
@@ -568,14 +568,14 @@ _TABLES: dict = {}
 
 
 def pipeline_table(name: str, P: int, M: int, V: int, csv: str = "") -> dict[str, Any]:
-  """The named schedule's tick table (pipeline_tables.py: build; a torch-format CSV's: table_of) and what a stage
-  holds by it, cached:
+  """The schedule's tick table (pipeline_tables.py: table_of, a named schedule's or a torch-format CSV's) and what a
+  stage holds by it, cached:
   {"ticks", "split" (W split off), "in_flight" (the most microbatch-chunks of residuals a stage holds, on the
   stage that holds the most: max of pipeline.in_flight, until W when split), "x" and "w" (residual-stream
   blocks and per-layer output-gradient chunks the executor allocates: Plan.buffers)}."""
   key = (name, P, M, V, csv)
   if key not in _TABLES:
-    ticks = table_of(name, csv, P, M, V) if csv else build(name, P, M, V)
+    ticks = table_of(name, csv, P, M, V)
     split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
     units = Plan(ticks, M, V).buffers()
     _TABLES[key] = {"ticks": ticks, "split": split, "in_flight": max(in_flight(ticks, "W" if split else "B")),

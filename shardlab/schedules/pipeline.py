@@ -212,10 +212,10 @@ class Pipeline:
     x_aval = tree(jax.typeof, x_first)
     zeros = lambda avals, n=None, extra=(): tree(lambda a: _zeros(a, n, extra), avals)
     res_avals = jax.make_jaxpr(lambda x, w: stage.forward(x, w)[1][0])(x_first, chunk(0)).out_avals
+    held = stage.held(x_first, chunk(0), (PIPELINE,)) if plan.split else []   # what a layer's B leaves its W
     if sched.residuals is not None:   # one layer's residual bytes for one microbatch (the memory breakdown)
-      held = {"held": sum(a.size * a.dtype.itemsize for a in stage.held(x_first, chunk(0), (PIPELINE,)))
-              } if plan.split else {}
-      sched.residuals.append({**stage.residual_bytes(x_first, chunk(0)), **held})
+      sched.residuals.append({**stage.residual_bytes(x_first, chunk(0)),
+                              **({"held": sum(a.size * a.dtype.itemsize for a in held)} if plan.split else {})})
     n_slots = plan.slots
     head = lambda y, w, b: MD.head_and_stats(ctx(w), m, y, b, n_tokens)   # (loss, a MoE model's statistics)
     loss_aval, stats_aval = _avals(head, x_first, hw, Batch(*_take(tuple(batches), 0)))
@@ -225,12 +225,12 @@ class Pipeline:
           "fsend": zeros(x_aval), "bsend": zeros(x_aval), "dx0": zeros(x_aval, M),
           "g": tree(C.zeros_like, layers), "gh": tree(C.zeros_like, hw),
           "loss": _zeros(loss_aval, extra=(PIPELINE,)), "stats": zeros(stats_aval, extra=(PIPELINE,))}
-    if plan.split:    # what each layer's B leaves for its W (Stage.held)
-      st["wb"] = [_zeros(a, size["w"], lead=(k,)) for a in stage.held(x_first, chunk(0), (PIPELINE,))]
+    if plan.split:
+      st["wb"] = [_zeros(a, size["w"], lead=(k,)) for a in held]
 
     # Each slot's conditional takes the slices it reads and returns what it makes; the buffers are read and
-    # written outside it (an idle slot returns zeros, and its write writes nothing, `_set`). A conditional that updated a
-    # buffer in place would hold a second copy of it: XLA keeps the carry and the branch's result apart.
+    # written outside it (an idle slot returns zeros, and its write writes nothing, `_set`). A conditional that
+    # updated a buffer in place would hold a second copy of it: XLA keeps the carry and the branch's result apart.
     zeros_like = lambda t: jax.tree.map(C.zeros_like, t)
 
     def head_run(y, mb, gh, loss, stats):

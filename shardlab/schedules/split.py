@@ -33,7 +33,8 @@ def _bind(eqn, vals):
   """eqn's primitive on vals. A body traced with some inputs invariant (a remat block's, a vjp closure's) may
   be run with them varying over more mesh axes (read back from a buffer that varies over them): an equation
   whose inputs then disagree gets them all varying over the union (no communication, as JAX's own numpy
-  functions do), and a pvary of an axis already varying is the identity."""
+  functions do), and a pvary of an axis already varying is the identity. (The mismatch is recognised by the
+  message jax 0.10.2 raises for it; tests/test_pipeline.py's zero-bubble cases under remat fail if that changes.)"""
   params = eqn.primitive.get_bind_params(eqn.params)
   if eqn.primitive.name == "pvary":
     axes = tuple(a for a in params["axes"] if a not in C.varying_axes(vals[0]))

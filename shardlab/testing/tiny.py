@@ -28,8 +28,11 @@ def tiny_batch(batch_size: int | None = None):
 
 
 def _with_batch(cfg, batch_size: int | None):
+  """cfg with train.batch_size = batch_size (None: unchanged)."""
   import dataclasses
-  return cfg if not batch_size else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
+  if not batch_size:
+    return cfg
+  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size))
 
 
 def placed_batch(tokens_BL1, mesh, layout=None, order=None):
