@@ -158,9 +158,8 @@ class Layout:
         seen[a] = logical
 
 
-def from_config(cfg) -> Layout:
-  """The Layout of a config's `layout` group (LayoutConfig), or of a Config."""
-  cfg = getattr(cfg, "layout", cfg)
+def from_config(cfg: "LayoutConfig") -> Layout:
+  """The Layout of a config's `layout` group."""
   return Layout.of(dict(cfg.rules), cfg.name)
 
 

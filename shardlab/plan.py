@@ -56,6 +56,7 @@ import textwrap
 
 from shardlab.axes import CONTEXT, DATA, EXPERT, FSDP, PIPELINE, TENSOR
 from shardlab.analysis.confirm import confirm_batch_window, confirm_layouts
+from shardlab.composition import resolve
 from shardlab.outputs import human_bytes, human_seconds
 from shardlab.trainer import build
 
@@ -141,16 +142,14 @@ def fixed_schedule(overrides: list[str]) -> dict:
   return out
 
 
-def _layout_cfg(cfg, layout: dict):
-  """cfg at a searched layout: its mesh and its remat and microbatches (planner.answer's choice). A pipeline
-  layout: one stage's data x fsdp x tensor mesh with every layer at one microbatch (its pipeline, schedule and M
-  are in its row): the closed forms of `planner.plan` know no stages."""
-  from shardlab.analysis import planner
-  return planner.override(cfg, mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
-                                     "fsdp_ici_axes": layout["ici_axes"][FSDP],
-                                     "tensor_ici_axes": layout["ici_axes"][TENSOR]},
-                          schedule={"remat": layout["remat"],
-                                    "microbatches": 1 if PIPELINE in layout else layout["microbatches"]})
+def _at_layout(c, layout: dict):
+  """The composition c at a searched layout: its mesh and its remat and microbatches (planner.answer's choice).
+  A pipeline layout: one stage's data x fsdp x tensor mesh with every layer at one microbatch (its pipeline,
+  schedule and M are in its row): the closed forms of `planner.plan` know no stages."""
+  return c.replace(mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
+                         "fsdp_ici_axes": layout["ici_axes"][FSDP], "tensor_ici_axes": layout["ici_axes"][TENSOR]},
+                   schedule={"remat": layout["remat"],
+                             "microbatches": 1 if PIPELINE in layout else layout["microbatches"]})
 
 
 def run(argv: list[str]) -> dict:
@@ -172,22 +171,23 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
                        f"model (e.g. model=mixtral_8x7b) or drop expert_search")
     check_ranges(cfg, [r for r in RANGES if r[0].split(".")[0] not in ("checkpoint", "distributed", "profile")])
     validate_experts(cfg)
-    return {EXPERT: expert_answer(cfg, opts["devices"] or None)}, cfg, opts
+    return {EXPERT: expert_answer(resolve(cfg), opts["devices"] or None)}, cfg, opts
   validate_plan(cfg)   # the same ranges as a run, and every sharded dim divisible by its mesh axis
+  c = resolve(cfg)     # what the planner reads below: the composition, never the whole config
   chosen = None
   if not opts["search"]:
-    result = {**planner.plan(cfg), "layout": planner.this_layout(cfg)}
-    if cfg.mesh.sizes.get(PIPELINE, 1) > 1:
-      result.update(given_pipeline(cfg, result["warnings"]))
+    result = {**planner.plan(c), "layout": planner.this_layout(c)}
+    if c.mesh.sizes.get(PIPELINE, 1) > 1:
+      result.update(given_pipeline(c, result["warnings"]))
     if opts["confirm_batch"]:
-      result["batch_window"]["target"] = confirm_batch_window(cfg, build)
+      result["batch_window"]["target"] = confirm_batch_window(c, build)
   else:
     fixed = fixed_schedule(overrides)
-    ans = planner.answer(cfg, opts["devices"] or None, opts["torus"], fixed.get("remat"), fixed.get("microbatches"),
+    ans = planner.answer(c, opts["devices"] or None, opts["torus"], fixed.get("remat"), fixed.get("microbatches"),
                          pipeline=opts["pipeline_search"])
     layouts = ans.pop("layouts")
-    best_cfg = _layout_cfg(cfg, layouts[0])
-    result = {"answer": ans, **planner.plan(best_cfg)}
+    best = _at_layout(c, layouts[0])
+    result = {"answer": ans, **planner.plan(best)}
     if PIPELINE in layouts[0]:     # plan() knows no stages: its memory is every layer's, not the stage's
       result["warnings"] = [w for w in result["warnings"] if "exceeds HBM" not in w] + [
           f"the best layout is a pipeline of {layouts[0][PIPELINE]} stages ({layouts[0]['schedule']}): the top-level "
@@ -197,10 +197,10 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
     result["search"] = {k: ans[k] for k in ("devices", "considered", "qualifying")}
     result["layouts"] = layouts[:opts["top"]] if opts["top"] else layouts
     if opts["confirm_batch"]:
-      result["batch_window"]["target"] = confirm_batch_window(best_cfg, build)
+      result["batch_window"]["target"] = confirm_batch_window(best, build)
     if opts["confirm"]:
-      confirmed = [c for l in layouts[:opts["top"] or 3]
-                   for c in ([l] if PIPELINE in l else confirm_layouts([l], _layout_cfg(cfg, l), 1, build))]
+      confirmed = [r for l in layouts[:opts["top"] or 3]
+                   for r in ([l] if PIPELINE in l else confirm_layouts([l], _at_layout(c, l), 1, build))]
       result["layouts"] = confirmed + result["layouts"][len(confirmed):]
     chosen = flat[:opts["top"] or 3]
     if opts["plot_layouts"]:
@@ -211,18 +211,18 @@ def _run(argv: list[str]) -> tuple[dict, object, dict]:
                          f"the {result['search']['devices']} devices searched")
       chosen = [by_shape[s] for s in opts["plot_layouts"]]
   if opts["context_search"]:
-    result[CONTEXT] = context_answer(cfg, opts["devices"] or None)
+    result[CONTEXT] = context_answer(c, opts["devices"] or None)
   if opts["plot"]:
     from shardlab.analysis.plan_figure import efficiency_curve
-    result["plot"] = str(efficiency_curve(cfg, opts["plot"], chosen))
+    result["plot"] = str(efficiency_curve(c, opts["plot"], chosen))
   return result, cfg, opts
 
 
-def expert_answer(cfg, devices: int | None = None) -> dict:
+def expert_answer(c, devices: int | None = None) -> dict:
   """expert_cost.choose for summary.json-style output: MODEL PREDICTIONS."""
   from shardlab.analysis import expert_cost
-  got = expert_cost.choose(cfg, devices)
-  return {**got, "model": cfg.model.name, "note": "model predictions (analysis/expert_cost.py); activations left out "
+  got = expert_cost.choose(c, devices)
+  return {**got, "model": c.model.name, "note": "model predictions (analysis/expert_cost.py); activations left out "
           "of memory; tensor parallelism not searched"}
 
 
@@ -246,23 +246,23 @@ def expert_table(ans: dict) -> str:
   return "\n".join(out)
 
 
-def context_answer(cfg, devices: int | None = None) -> dict:
+def context_answer(c, devices: int | None = None) -> dict:
   """summary.json-style answer of context_cost.choose: the best strategy and degree, the reason, every candidate
   in brief (predicted step, attention, exposed context transfers, bytes over context, memory) and the excluded
   ones with why; `why_no_split` says, when no context split is chosen though some were costed, why none pays.
   MODEL PREDICTIONS."""
   from shardlab.analysis import context_cost as CC
-  got = CC.choose(cfg, devices)
+  got = CC.choose(c, devices)
   brief = lambda p: {"label": p["label"], "strategy": p["strategy"], CONTEXT: p[CONTEXT], FSDP: p[FSDP],
                      "load_balance": p["load_balance"], "t_step_s": p["t_step_s"],
                      "t_attention_s": p["t_attention_s"], "exposed_comm_s": p["exposed_comm_s"],
                      "context_bytes_per_layer": p["bytes_per_layer"], "memory_bytes": p["memory_bytes"]}
   cands = [brief(p) for p in got["candidates"]]
-  n = devices or cfg.mesh.n_devices
-  return {"devices": n, "tokens_per_sequence": cfg.model.seq_len,
+  n = devices or c.mesh.n_devices
+  return {"devices": n, "tokens_per_sequence": c.model.seq_len,
           "best": got["best"]["label"] if got["best"] else None,
-          "reason": context_reason(cands, cfg, n) if cands else got["reason"],
-          "why_no_split": why_no_split(cands, cfg),
+          "reason": context_reason(cands, c, n) if cands else got["reason"],
+          "why_no_split": why_no_split(cands, c),
           "candidates": cands, "excluded": got["excluded"],
           "note": "model predictions (analysis/context_cost.py); the ring's inner kernel timed as a fused flash "
                   "kernel (experiments/context/README.md, section 4: what shardlab's own compiles to)"}
@@ -293,34 +293,33 @@ def _versus(best: dict, other: dict, floor_s: float) -> str:
   return f"{b / a - 1:.0%} faster than {_said(other)}"
 
 
-def context_reason(cands: list[dict], cfg, devices: int) -> str:
+def context_reason(cands: list[dict], c, devices: int) -> str:
   """Why the first of `cands` (fastest predicted first): against the first of another degree or strategy, or
   why it is the only one. Replaces context_cost.reason's 'ms with no decimals' (a 55 ns step read '0 ms')."""
   best = cands[0]
   other = cands[1] if len(cands) > 1 else None       # labels are unique: another strategy or degree
   if other is None:
-    room = devices // cfg.mesh.tensor
-    why = (f"devices / mesh.tensor = {devices} / {cfg.mesh.tensor} = 1: no context degree above 1 to try (devices=N "
+    room = devices // c.mesh.tensor
+    why = (f"devices / mesh.tensor = {devices} / {c.mesh.tensor} = 1: no context degree above 1 to try (devices=N "
            "searches more)" if room == 1 else "every other strategy and degree is excluded (below)")
     return f"{_said(best)}; the only candidate: {why}"
-  floor_s = max(cfg.hardware.kernel_launch_s, 1e-6)
+  floor_s = max(c.hardware.kernel_launch_s, 1e-6)
   return (f"{_said(best)}, {_versus(best, other, floor_s)}; memory {human_bytes(best['memory_bytes'])} vs "
           f"{human_bytes(other['memory_bytes'])} per device")
 
 
-def why_no_split(cands: list[dict], cfg) -> str | None:
+def why_no_split(cands: list[dict], c) -> str | None:
   """When the best predicted candidate splits no sequence but some split was costed: one line on why none pays.
   A split keeps each device's tokens (the batch goes over fsdp, the sequence over context: C x fsdp is fixed), so
   it saves no attention work and only adds exposed communication; it buys room (a batch smaller than the devices,
   activations that do not fit), which this configuration does not need. None otherwise."""
-  splits = [c for c in cands if c[CONTEXT] > 1]
+  splits = [p for p in cands if p[CONTEXT] > 1]
   if not cands or cands[0][CONTEXT] > 1 or not splits:
     return None
-  from shardlab.analysis.planner import global_tokens
-  one, least = cands[0], min(splits, key=lambda c: c["exposed_comm_s"])
-  seqs = global_tokens(cfg) / cfg.model.seq_len
+  one, least = cands[0], min(splits, key=lambda p: p["exposed_comm_s"])
+  seqs = c.global_tokens / c.model.seq_len
   share = one["t_attention_s"] / one["t_step_s"] if one["t_step_s"] else 0.0
-  return (f"No context split pays for its communication at model.seq_len={cfg.model.seq_len}: attention is "
+  return (f"No context split pays for its communication at model.seq_len={c.model.seq_len}: attention is "
           f"{share:.0%} of the predicted step ({_secs(one['t_attention_s'])} of {_secs(one['t_step_s'])}), the "
           f"batch of {seqs:,.0f} sequences already divides over fsdp {one[FSDP]} and fits "
           f"({human_bytes(one['memory_bytes'])} per device); a split keeps each device's tokens, so it saves no "
@@ -375,26 +374,26 @@ def _cluster(hw, n: int) -> str:
   return f"{n} x {hw.name}{nodes}"
 
 
-def given_pipeline(cfg, warnings: list[str]) -> dict:
+def given_pipeline(c, warnings: list[str]) -> dict:
   """The plan's pipeline fields for a mesh with stages: {"pipeline": planner.given_pipeline's row} (the stage's
   memory replaces the closed forms' every-layer figure in the warnings), or a warning saying why it has none."""
   from shardlab.analysis import planner
-  P = cfg.mesh.sizes[PIPELINE]
+  P = c.mesh.sizes[PIPELINE]
   kept = [w for w in warnings if "exceeds HBM" not in w]    # the closed forms' every-layer memory: not a stage's
-  if cfg.pipeline.impl == "none" and not cfg.pipeline.table:
+  if not c.pipeline.staged:
     return {"warnings": kept + [f"mesh.pipeline={P} without a pipeline schedule: pick one with pipeline=NAME "
                                     "(e.g. pipeline=1f1b) or pipeline.table=PATH.csv"]}
-  row = planner.given_pipeline(cfg)
+  row = planner.given_pipeline(c)
   if row is None:
-    shards = cfg.mesh.data * cfg.mesh.fsdp
-    seqs = planner.global_tokens(cfg) / shards / cfg.model.seq_len
+    shards = c.mesh.data * c.mesh.fsdp
+    seqs = c.global_tokens / shards / c.model.seq_len
     return {"warnings": kept + [
         f"mesh.pipeline={P}: the global batch gives {seqs:.3g} sequences to each of the {shards} data x fsdp "
         f"shards, too few for the pipeline's microbatches (each whole sequences); raise train.batch_size or "
         f"train.global_batch_tokens"]}
   if not row["fits"]:
     kept.append(f"{human_bytes(row['memory_per_device_bytes'])} per device on a pipeline stage exceeds HBM "
-                f"({human_bytes(cfg.hardware.hbm_bytes)})")
+                f"({human_bytes(c.hardware.hbm_bytes)})")
   return {PIPELINE: row, "warnings": kept}
 
 
@@ -493,14 +492,13 @@ def _stage_lines(pp: dict, hbm: int) -> list[str]:
 def summary(result: dict, cfg) -> str:
   """One configured mesh on one screen: memory and fit, step time and MFU (the layout's roofline, as the search
   ranks it), the critical batch, the window."""
-  from shardlab.analysis import planner
   L, lay = cfg.model.seq_len, result["layout"]
   crit = lay["critical_batch_per_device"]
   micro = result["microbatches"]
   out = [f"{cfg.model.name} on {_cluster(cfg.hardware, cfg.mesh.n_devices)}, mesh {cfg.mesh.label} "
          f"(data {lay[DATA]} x fsdp {lay[FSDP]} x tensor {lay[TENSOR]}), remat {lay['remat']}, "
          f"{lay['microbatches']} microbatch{'es' if lay['microbatches'] > 1 else ''}, global batch "
-         f"{_tokens(planner.global_tokens(cfg), L)}:",
+         f"{_tokens(resolve(cfg).global_tokens, L)}:",
          f"  memory per device   {human_bytes(lay['memory_per_device_bytes'])} of {human_bytes(result['hbm_bytes'])}: "
          + ("fits" if lay["fits"] else "does NOT fit")
          + (f" (fits with schedule.microbatches={micro})" if not lay["fits"] and micro else ""),

@@ -509,7 +509,8 @@ def check_memory(cfg: Config) -> None:
   """Refuse a run whose analytic memory per device exceeds what a local device has (it would fail with
   RESOURCE_EXHAUSTED after compiling, or swap the host)."""
   from shardlab.analysis.memory_model import breakdown
-  b = breakdown(cfg)
+  from shardlab.composition import resolve
+  b = breakdown(resolve(cfg))
   have, where = device_memory()
   if have is None or b["total"] <= have:
     return

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from shardlab.config import Config
+from shardlab.config import ModelConfig, TrainConfig
 
 
 def _norm(x, s, eps):
@@ -57,9 +57,8 @@ def _moe(h, p, m, capacity=None):
   return y, balance, z
 
 
-def loss(params, tokens, targets, cfg: Config, capacity=None):
-  """The mean next-token loss (and a MoE model's router losses). capacity: see _moe."""
-  m = cfg.model
+def loss(params, tokens, targets, m: ModelConfig, capacity=None):
+  """The mean next-token loss of model `m` (and a MoE model's router losses). capacity: see _moe."""
   if m.kind == "ffn":
     from shardlab.data import token_code   # the task's fixed input and target codes, not model math
     x = token_code(tokens, m.d_model)
@@ -97,15 +96,15 @@ def loss(params, tokens, targets, cfg: Config, capacity=None):
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)) + router
 
 
-def optimizer(cfg: Config, params):
+def optimizer(t: TrainConfig, params):
+  """AdamW with the `train` group's settings, clipped by optax's own global norm."""
   from shardlab.train import lr_schedule
-  t = cfg.train
   mask = jax.tree_util.tree_map_with_path(lambda path, _: not path[-1].key.endswith("norm"), params)
   return optax.chain(optax.clip_by_global_norm(t.grad_clip),
                      optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=mask))
 
 
-def train_step(params, opt_state, batch, cfg: Config, opt):
-  l, g = jax.value_and_grad(loss)(params, batch[:, :-1], batch[:, 1:], cfg)
+def train_step(params, opt_state, batch, m: ModelConfig, opt):
+  l, g = jax.value_and_grad(loss)(params, batch[:, :-1], batch[:, 1:], m)
   updates, opt_state = opt.update(g, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, l, optax.tree.norm(g)

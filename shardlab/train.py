@@ -8,7 +8,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import collectives as C
-from shardlab.config import Config
+from shardlab.composition import Composition
 from shardlab.data import Batch
 from shardlab.params import is_param, specs
 
@@ -20,9 +20,9 @@ def lr_schedule(t):
                                             decay_steps=max(t.steps, t.warmup_steps + 1), end_value=0.1 * t.lr)
 
 
-def make_optimizer(cfg: Config, decls) -> optax.GradientTransformation:
-  """AdamW; clipping happens before it, on the sharded gradients (see `clip_by_global_norm`)."""
-  t = cfg.train
+def make_optimizer(t, decls) -> optax.GradientTransformation:
+  """AdamW with the `train` group's settings; clipping happens before it, on the sharded gradients (see
+  `clip_by_global_norm`)."""
   mask = jax.tree.map(lambda d: d.decay, decls, is_leaf=is_param)
   return optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=mask)
 
@@ -93,10 +93,10 @@ def router_metrics(m, stats, n_tokens: int) -> dict:
           "expert_load_max_over_mean": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)}
 
 
-def make_grad_fn(cfg: Config, schedule, decls, mesh, stats: bool = False):
+def make_grad_fn(c: Composition, schedule, decls, mesh, stats: bool = False):
   """(params, data.Batch) -> (loss, grads sharded like params), jitted; with `stats`, a MoE model's global router
   statistics third (model.loss_and_stats). For tests and analysis."""
-  n_tokens = cfg.train.batch_size * cfg.model.seq_len
+  n_tokens = c.train.batch_size * c.model.seq_len
   pspecs = specs(decls)
   fn = lambda p, b: schedule.loss_and_grads(p, b, n_tokens)[:3 if stats else 2]
   schedule.bind(mesh)
@@ -104,9 +104,9 @@ def make_grad_fn(cfg: Config, schedule, decls, mesh, stats: bool = False):
               schedule.shard_mapped)
 
 
-def make_train_step(cfg: Config, schedule, decls, opt, mesh):
+def make_train_step(c: Composition, schedule, decls, opt, mesh):
   """jit(shard_map(step)): (state, data.Batch) -> (state, {loss, grad_norm}). The state is donated."""
-  n_tokens = cfg.train.batch_size * cfg.model.seq_len
+  n_tokens = c.train.batch_size * c.model.seq_len
   sspecs = state_specs(opt, decls)
 
   shard_mapped = schedule.shard_mapped
@@ -116,10 +116,10 @@ def make_train_step(cfg: Config, schedule, decls, opt, mesh):
     params = state["params"]
     loss, grads, *stats = schedule.loss_and_grads(params, batch, n_tokens)
     norm = global_norm(grads, decls) if shard_mapped else optax.tree.norm(grads)
-    grads = clip_by_global_norm(grads, norm, cfg.train.grad_clip)
+    grads = clip_by_global_norm(grads, norm, c.train.grad_clip)
     updates, opt_state = opt.update(grads, state["opt"], params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, "grad_norm": norm, **(router_metrics(cfg.model, stats[0], n_tokens) if stats else {})}
+    metrics = {"loss": loss, "grad_norm": norm, **(router_metrics(c.model, stats[0], n_tokens) if stats else {})}
     return {"params": params, "opt": opt_state, "step": state["step"] + 1}, metrics
 
   return _jit(step, mesh, (sspecs, batch_specs(schedule.layout, mesh)), (sspecs, P()), shard_mapped, donate_argnums=0)

@@ -25,35 +25,37 @@ from shardlab.config import Config
 from shardlab.errors import ConfigError
 
 
-def build(cfg: Config, devices=None):
+def build(cfg, devices=None):
   """Everything a run needs before it has data: mesh, parameter declarations, schedule, optimizer and the
-  jitted step, plus the abstract (shape, dtype, sharding) state and batch it compiles for. `devices`: lay the
-  mesh over these (a target's, target.devices) instead of the local ones."""
+  jitted step, plus the abstract (shape, dtype, sharding) state and batch it compiles for. `cfg`: a Config, or
+  its composition (composition.resolve: what the planner's candidates are). `devices`: lay the mesh over these
+  (a target's, target.devices) instead of the local ones."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from shardlab import params as PM, schedules, train as T
+  from shardlab.composition import Composition, resolve
   from shardlab.data import Batch
-  from shardlab.layout import from_config
   from shardlab.mesh import make_mesh
   # The audit reads each collective's op_name: a program from a persistent compilation cache must carry its own
   # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
   jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
-  mesh = make_mesh(cfg.mesh.shape, devices=devices)
-  layout = from_config(cfg)
-  decls = PM.declare(cfg.model, cfg.mesh.tensor, layout, mesh.axis_names)
-  sched = schedules.build(cfg.schedule, cfg.model, T.DTYPES[cfg.precision.compute_dtype], layout, cfg.context,
-                          cfg.pipeline, cfg.expert)
-  opt = T.make_optimizer(cfg, decls)
-  step_fn = T.make_train_step(cfg, sched, decls, opt, mesh)
+  c = cfg if isinstance(cfg, Composition) else resolve(cfg)
+  mesh = make_mesh(c.mesh.shape, devices=devices)
+  layout = c.layout
+  decls = PM.declare(c.model, c.mesh.tensor, layout, mesh.axis_names)
+  sched = schedules.build(c.schedule, c.model, T.DTYPES[c.precision.compute_dtype], layout, c.context,
+                          c.pipeline, c.expert)
+  opt = T.make_optimizer(c.train, decls)
+  step_fn = T.make_train_step(c, sched, decls, opt, mesh)
   specs = T.state_specs(opt, decls)
-  shapes = jax.eval_shape(lambda: T.init_state_local(PM.init(jax.random.key(0), decls, cfg.model), opt))
+  shapes = jax.eval_shape(lambda: T.init_state_local(PM.init(jax.random.key(0), decls, c.model), opt))
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                                 shapes, specs)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), T.batch_specs(layout, mesh),
                            is_leaf=lambda x: isinstance(x, P))
-  B, L = cfg.train.batch_size, cfg.model.seq_len
+  B, L = c.train.batch_size, c.model.seq_len
   abstract_batch = Batch(*(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s)
                            for shape, s in zip(((B, L), (B, L), (L,)), shardings)))
   return dict(mesh=mesh, decls=decls, schedule=sched, opt=opt, step_fn=step_fn, abstract_state=abstract_state,
@@ -82,11 +84,13 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   from shardlab import target as TG
   from shardlab.analysis.costmodel import predict_run
   from shardlab.analysis.program import Program, analyze
+  from shardlab.composition import resolve
+  c = resolve(cfg)                # the step's composition, read once: the builds and the analysis take it
   on_target = cfg.compile_for == "target"
   b = compiled = None
   times = {}
   if not (on_target and cfg.dry_run):
-    b = build(cfg)
+    b = build(c)
     t0 = time.perf_counter()
     compiled = TG.compile_with(lower(b), cfg.xla.flags)
     times["local"] = time.perf_counter() - t0
@@ -94,7 +98,7 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   if on_target:
     topo = TG.topology(cfg.hardware, cfg.mesh.n_devices)   # (preflight.check found the extra and it valid)
     devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
-    a = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
+    a = build(c, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
     t0 = time.perf_counter()
     a["compiled"], buffers = TG.compile_reading_buffers(lower(a), cfg.xla.flags)
     times["target"] = time.perf_counter() - t0
@@ -105,7 +109,7 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   if not getattr(a["schedule"], "shard_mapped", True):   # the compiler places every collective (gspmd), by design
     analysis["audit"] = {**analysis["audit"], "placed_by": "compiler"}
   # prediction, memory, ledger, audit; a pipeline's table replayed with its compiled slots (pipeline.png)
-  analysis.update(predict_run(a["compiled"], a["mesh"], cfg, out_dir, analysis, a, prog))
+  analysis.update(predict_run(a["compiled"], a["mesh"], c, out_dir, analysis, a, prog))
   if on_target:
     analysis["target"] = TG.describe(devs, topo)
   analysis.update(compile_time_s=sum(times.values()), compile_times_s=times)

@@ -23,7 +23,7 @@ def check_layout(cfg: Config, sched=None) -> None:
   """The layout's rules (declared axes, each allowed to shard its dim, no collisions), every dim divisible by the
   axes it is sharded over (params.requirements: declarations x rules x mesh sizes), and, given the schedule,
   every rule one it can honour on this mesh."""
-  layout, shape = from_config(cfg), cfg.mesh.shape
+  layout, shape = from_config(cfg.layout), cfg.mesh.shape
   layout.check(tuple(shape))
   ops = None if sched is None else sched.ops
   micro, setting = microbatches(cfg, sched)
@@ -147,7 +147,7 @@ def validate_plan(cfg: Config) -> None:
                       f"of experts with expert_search=true (dispatcher, expert-parallel degree and capacity)")
   if m.kind == "transformer" and not m.head_size:
     _divides("model.d_model", m.d_model, "model.n_heads", m.n_heads, "head_dim = d_model / n_heads")
-  layout = from_config(cfg)
+  layout = from_config(cfg.layout)
   layout.check(tuple(mesh.shape))
   check_divisible(m, layout, mesh.shape)
 
@@ -184,13 +184,13 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   else:
     _validate_attention(cfg)
   validate_experts(cfg)
-  from_config(cfg).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
-  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg), cfg.context,
+  from_config(cfg.layout).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
+  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg.layout), cfg.context,
                           cfg.pipeline, cfg.expert)  # its knobs
   check_layout(cfg, sched)
   ep = getattr(sched, "ep", None)
   if m.moe and cfg.expert.chunks > 1:
-    layout, shape = from_config(cfg), mesh.shape
+    layout, shape = from_config(cfg.layout), mesh.shape
     size = lambda axes: math.prod(shape[a] for a in axes)
     names = tuple(shape)
     tokens = (t.batch_size // size(layout.batch_axes(names)) // microbatches(cfg, sched)[0]

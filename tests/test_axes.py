@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import batch, tiny_config
+from shardlab.composition import resolve
 from shardlab import axes as X, params as PM, reference as R, schedules, testing, train as T
 from shardlab.layout import DEFAULT_RULES, Layout
 from shardlab.mesh import ConfigError
@@ -28,16 +29,16 @@ def test_a_declared_toy_axis_trains_a_step_as_the_reference():
   mesh = testing.mesh_of({"replica": 2, X.FSDP: 2, X.TENSOR: 2})
   assert mesh.axis_names == ("replica", X.FSDP, X.TENSOR) and testing.mesh_id(mesh) == "r2xf2xt2"
   decls = PM.declare(cfg.model, 2, TOY_LAYOUT, mesh.axis_names)
-  opt = T.make_optimizer(cfg, decls)
+  opt = T.make_optimizer(cfg.train, decls)
   state = T.init_state(PM.init_sharded(0, decls, cfg.model, mesh), opt, decls, mesh)
   sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, TOY_LAYOUT)
-  step = T.make_train_step(cfg, sched, decls, opt, mesh)
+  step = T.make_train_step(resolve(cfg), sched, decls, opt, mesh)
   b = testing.placed_batch(batch(), mesh, TOY_LAYOUT)
   lowered = step.lower(state, b)
   state, met = lowered.compile()(state, b)
   p0 = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
-  ropt = R.optimizer(cfg, p0)
-  p1, _, rloss, rnorm = jax.jit(lambda p, o, b: R.train_step(p, o, b, cfg, ropt))(p0, ropt.init(p0), batch())
+  ropt = R.optimizer(cfg.train, p0)
+  p1, _, rloss, rnorm = jax.jit(lambda p, o, b: R.train_step(p, o, b, cfg.model, ropt))(p0, ropt.init(p0), batch())
   np.testing.assert_allclose(float(met["loss"]), float(rloss), rtol=1e-6)
   np.testing.assert_allclose(float(met["grad_norm"]), float(rnorm), rtol=1e-5)
   assert_trees_close(state["params"], p1, rtol=1e-6, atol=1e-6, label="toy axis, params after one step: ")

@@ -173,10 +173,11 @@ def test_ring_skips_the_sub_blocks_the_causal_mask_hides():
 
 def _config(*overrides):
   from hydra import compose, initialize_config_dir
+  from shardlab.composition import resolve
   from shardlab.config import CONF_DIR, register_configs, to_config
   register_configs()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-    return to_config(compose("config", overrides=list(overrides)))
+    return resolve(to_config(compose("config", overrides=list(overrides))))
 
 
 def test_causal_work_contiguous_is_about_twice_the_average_and_zigzag_is_even():
@@ -219,7 +220,7 @@ def test_activations_per_device_fall_as_one_over_context():
           "mesh.tensor=1", "precision=bf16", "model.attention=dot_product", "context=ulysses"]
   one, four = (MM.breakdown(_config(*base, f"mesh.context={c}")) for c in (1, 4))
   assert one["activations"] == 4 * four["activations"]
-  assert one["master_params"] == four["master_params"] and MM.local_tokens(_config(*base, "mesh.context=4")) == 8192
+  assert one["master_params"] == four["master_params"] and _config(*base, "mesh.context=4").local_tokens == 8192
 
 
 def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():

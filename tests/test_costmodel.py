@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import compiled_grads, load_preset, mesh_of, tiny_config
+from shardlab.composition import resolve
 from shardlab.hardware import HardwareConfig
 
 H100 = HardwareConfig()   # the h100 preset's numbers (conf/hardware/h100.yaml)
@@ -130,7 +131,7 @@ def test_run_writes_prediction_timeline_and_memory(tmp_path):
   from shardlab.analysis import costmodel, program
   compiled = compiled_grads((2, 4), knobs("fsdp_prefetch"))[0]
   cfg = tiny_config(**dict(knobs("fsdp_prefetch")))
-  got = costmodel.predict_run(compiled, mesh_of(2, 4), cfg, tmp_path, {"memory": program.memory(compiled)})
+  got = costmodel.predict_run(compiled, mesh_of(2, 4), resolve(cfg), tmp_path, {"memory": program.memory(compiled)})
   assert got["prediction"]["hardware"] == "h100" and got["prediction"]["t_overlapped_s"] > 0
   assert got["memory"]["analytic"]["total"] > 0 and got["memory"]["compiled_over_analytic"] > 0
   assert got["ledger"]["compiled"]["all-gather"]["fsdp"]["f32"]["forward_bytes"] > 0
@@ -152,7 +153,7 @@ def test_memory_breakdown_by_hand():
   D, F, H, K, V, NL = m.d_model, m.d_ff, m.n_heads, m.head_dim, m.vocab_size, m.n_layers
   mats = D * 3 * H * K + H * K * D + D * 2 * F + F * D
   local = NL * (2 * D // X + mats // (X * Y)) + 2 * V * D // (X * Y) + D // X
-  got = breakdown(cfg)
+  got = breakdown(resolve(cfg))
   assert (got["master_params"], got["grads"], got["optimizer"]) == (4 * local, 4 * local, 8 * local)
   assert got["gathered_weights"] == 4 * (2 * (2 * D + mats // Y) + 2 * V * D // Y + D)
   assert got["layer_gradient"] == 4 * (2 * D + mats // Y)          # one layer's W[D, N_tp] gradient, fp32

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import MESHES, compiled_grads, load_preset, preset_names, reference_loss_and_grads, tiny_config
+from shardlab.composition import resolve
 from shardlab.testing import assert_trees_close, placed_batch
 
 # float32 sums in a different order on each mesh: ~1e-7 relative per op, a few e-6 after a backward pass.
@@ -109,14 +110,14 @@ def test_one_optimizer_step_matches_reference():
   cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, adam_eps=1e-4, lr=3e-3))
   mesh = mesh_of(2, 4)
   decls = PM.declare(cfg.model)
-  opt = T.make_optimizer(cfg, decls)
+  opt = T.make_optimizer(cfg.train, decls)
   state = T.init_state(PM.init_sharded(0, decls, cfg.model, mesh), opt, decls, mesh)
-  step = T.make_train_step(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, opt, mesh)
+  step = T.make_train_step(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, opt, mesh)
   b = batch()
   state, met = step(state, placed_batch(b, mesh))
   p0 = PM.init(jax.random.key(0), decls, cfg.model)
-  ropt = R.optimizer(cfg, p0)
-  p1, _, rloss, rnorm = jax.jit(lambda p, o, b: R.train_step(p, o, b, cfg, ropt))(p0, ropt.init(p0), b)
+  ropt = R.optimizer(cfg.train, p0)
+  p1, _, rloss, rnorm = jax.jit(lambda p, o, b: R.train_step(p, o, b, cfg.model, ropt))(p0, ropt.init(p0), b)
   np.testing.assert_allclose(float(met["loss"]), float(rloss), rtol=1e-6)
   np.testing.assert_allclose(float(met["grad_norm"]), float(rnorm), rtol=1e-5)
   assert_trees_close(state["params"], p1, rtol=1e-6, atol=1e-6, label="params after one step: ")
@@ -144,7 +145,7 @@ def test_bfloat16_compute_trains_the_same_model_and_gathers_half_the_bytes():
   decls = PM.declare(cfg.model)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
   b = placed_batch(batch(), mesh)
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.bfloat16), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.bfloat16), decls, mesh)
   loss, grads = fn(params, b)
   ref_loss, ref_grads = reference_loss_and_grads()
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-2)
@@ -171,7 +172,7 @@ def test_layout_rule_change_changes_the_sharding_and_still_matches_reference():
   layout = Layout.of({**DEFAULT_RULES, "embed": None})
   decls = PM.declare(cfg.model, layout=layout, axis_names=mesh.axis_names)
   assert decls["layers"]["wi"].spec() == P(None, None, None, "tensor")
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32, layout), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.float32, layout), decls, mesh)
   params = PM.init_sharded(0, decls, cfg.model, mesh)
   compiled = fn.lower(params, placed_batch(batch(), mesh)).compile()
   loss, grads = compiled(params, placed_batch(batch(), mesh))
@@ -184,7 +185,7 @@ def test_layout_rule_change_changes_the_sharding_and_still_matches_reference():
   bad = Layout.of({**DEFAULT_RULES, "mlp": None})
   with pytest.raises(ConfigError, match=r"^layout rule mlp -> none \(replicated\): the ExplicitSchedule schedule "
                                         r"cannot honour it on this mesh; it takes tensor$"):
-    T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32, bad), decls, mesh)
+    T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.float32, bad), decls, mesh)
   with pytest.raises(ConfigError, match=r"^layout rules vocab -> tensor and embed -> tensor collide in embed "):
     PM.declare(cfg.model, layout=Layout.of({**DEFAULT_RULES, "embed": "tensor"}), axis_names=mesh.axis_names)
   with pytest.raises(ConfigError, match=r"^layout rule embed -> tensor: the tensor axis does not shard embed"):

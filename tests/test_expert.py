@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import reference_loss_and_grads
+from shardlab.composition import resolve
 from shardlab import testing
 from shardlab.testing import assert_trees_close
 
@@ -110,7 +111,7 @@ def test_capacity_drops_as_the_same_rule_applied_to_the_reference():
   b = testing.tiny_batch()
   with jax.numpy_dtype_promotion("strict"):
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(
-        lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg, capacity=(8, 16))))(p)
+        lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg.model, capacity=(8, 16))))(p)
   assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="capacity 1.0: ")
   assert abs(float(ref_loss) - float(reference_loss_and_grads(MOE)[0])) > 1e-6   # something was dropped
@@ -197,7 +198,7 @@ def test_each_dispatchers_own_byte_count_equals_the_traced_program(dispatcher, p
   decls = PM.declare(cfg.model, 1 if two else 2, layout, mesh.axis_names)
   sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, layout, None, None,
                           ExpertConfig(name=dispatcher, impl=dispatcher))
-  fn = T.make_grad_fn(cfg, sched, decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), sched, decls, mesh)
   sched.ep.platform = platform                    # what bind read off the mesh's devices, for the trace alone
   from jax.sharding import NamedSharding
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
@@ -245,10 +246,11 @@ def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
   from conftest import compose
   from shardlab import plan
   from shardlab.analysis import expert_cost
+  from shardlab.composition import resolve
   from shardlab.config import to_config
   from shardlab.schedules.expert import DISPATCHERS, Route
   cfg = to_config(compose("model=mixtral_8x7b", "hardware=h100_multinode", "precision=bf16", "train.batch_size=128"))
-  ans = expert_cost.choose(cfg, 64)
+  ans = expert_cost.choose(resolve(cfg), 64)
   cands = ans["candidates"]
   assert [c["t_step_s"] for c in cands] == sorted(c["t_step_s"] for c in cands)
   assert (cands[0]["dispatcher"], cands[0]["expert"]) == ("all_to_all", 8) and ans["reason"].startswith(cands[0]["label"])
@@ -262,8 +264,8 @@ def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
       assert c["dispatch_bytes_per_layer"] == d.expected_bytes(r), c["label"]
   by = {c["label"]: c for c in cands}
   assert by["all_gather, EP 8"]["t_experts_s"] > 5 * by["all_to_all cf 1.25, EP 8"]["t_experts_s"]   # dense groups
-  tpu = expert_cost.choose(to_config(compose("model=mixtral_8x7b", "hardware=tpu_v5p", "precision=bf16",
-                                             "train.batch_size=128")), 64)
+  tpu = expert_cost.choose(resolve(to_config(compose("model=mixtral_8x7b", "hardware=tpu_v5p", "precision=bf16",
+                                                     "train.batch_size=128"))), 64)
   by = {c["label"]: c for c in tpu["candidates"]}
   assert by["all_gather, EP 8"]["t_experts_s"] < by["all_to_all cf 1.25, EP 8"]["t_experts_s"]
   assert plan.main(["model=tiny_moe", "expert_search=true", "devices=8"]) == 0

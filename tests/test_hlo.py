@@ -5,6 +5,7 @@ import re
 import pytest
 
 from conftest import compiled_grads, load_preset, preset_names
+from shardlab.composition import resolve
 from shardlab.testing import placed_batch
 
 PLACED_TO_HLO = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "psum": "all-reduce",
@@ -37,7 +38,7 @@ def test_hlo_collectives_are_the_placed_ones(preset):
   cfg = tiny_config(**knobs)
   decls = PM.declare(cfg.model)
   mesh = mesh_of(2, 4)
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
   placed = placed_kinds(str(jax.make_jaxpr(fn)(PM.init_sharded(0, decls, cfg.model, mesh), placed_batch(batch(), mesh))))
   found = hlo_kinds(compiled)
   assert found, "no collectives at all in a 2x4 program"

@@ -226,11 +226,12 @@ def test_a_users_context_strategy_is_priced_like_the_one_it_copies(user, builtin
   """The planner's context prediction and the memory breakdown of a user's strategy are the built-in's, number
   for number (llama3_8b at 32K tokens on 8 H100s, context 4); one without cost terms is one line."""
   from shardlab.analysis import context_cost as CC, memory_model as MM
+  from shardlab.composition import resolve
   from shardlab.config import to_config
   from shardlab.mesh import ConfigError
   monkeypatch.syspath_prepend(TESTS)
-  cfg = to_config(compose("model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.fsdp=8",
-                          "mesh.tensor=1", "precision=bf16", "model.attention=plain", "hardware=h100"))
+  cfg = resolve(to_config(compose("model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.fsdp=8",
+                                  "mesh.tensor=1", "precision=bf16", "model.attention=plain", "hardware=h100")))
   ours, theirs = (CC.predict(CC.with_context(cfg, 4, s, fsdp=2)) for s in (user, builtin))
   assert {**ours, "strategy": None} == {**theirs, "strategy": None} and ours["strategy"] == user
   at = lambda s: CC.with_context(cfg, 4, s, fsdp=2)
@@ -247,6 +248,7 @@ def test_a_users_tp_contraction_trains_like_the_reference_and_is_priced(tp, monk
   every gradient against the plain reference; the memory breakdown the all-gather contraction's."""
   from shardlab import testing
   from shardlab.analysis import memory_model as MM
+  from shardlab.composition import resolve
   from shardlab.config import to_config
   from shardlab.testing import assert_trees_close
   from conftest import reference_loss_and_grads
@@ -255,8 +257,8 @@ def test_a_users_tp_contraction_trains_like_the_reference_and_is_priced(tp, monk
   ref_loss, ref_grads = reference_loss_and_grads()
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"{tp}: ")
-  assert MM.breakdown(to_config(compose("mesh=2x4", f"schedule.tp={tp}"))) == \
-      MM.breakdown(to_config(compose("mesh=2x4", "schedule.tp=allgather")))
+  assert MM.breakdown(resolve(to_config(compose("mesh=2x4", f"schedule.tp={tp}")))) == \
+      MM.breakdown(resolve(to_config(compose("mesh=2x4", "schedule.tp=allgather"))))
 
 
 # Every pair of parts that can run together, on 8 devices, against the plain reference (loss and every gradient,

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from conftest import MESHES, compiled_grads, load_preset, mesh_of, preset_names, tiny_config
+from shardlab.composition import resolve
 from shardlab.testing import abstract_batch
 
 FAMILIES = ["baseline", "collective_matmul", "collective_matmul_bidi", "megatron_allreduce", "keep_gathered",
@@ -31,7 +32,7 @@ def grad_fn_and_args(mesh_shape: tuple, knobs: tuple, model: tuple = ()):
   from shardlab import params as PM, schedules, train as T
   cfg = tiny_config(dict(model), **dict(knobs))
   mesh, decls = mesh_of(*mesh_shape), PM.declare(cfg.model)
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
   tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)

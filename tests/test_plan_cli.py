@@ -8,6 +8,7 @@ import json
 import pytest
 
 from shardlab.analysis import planner
+from shardlab.composition import resolve
 from shardlab.plan import compose, main
 
 pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
@@ -61,7 +62,7 @@ def test_remat_and_microbatches_are_chosen_where_memory_needs_them(capsys):
   recomputation, then the fewest microbatches (a layout nothing fits at its least memory): checked against every
   combination."""
   argv = [*TINY, "hardware.hbm_bytes=1200000", "model.seq_len=128", "train.batch_size=32"]
-  cfg = compose([a for a in argv if not a.startswith("devices=")])
+  cfg = resolve(compose([a for a in argv if not a.startswith("devices=")]))
   _, out = _plan(capsys, argv)
   assert {l["remat"] for l in out["layouts"]} - {"none"}, "the budget must need recomputation somewhere"
   for l in out["layouts"]:
@@ -69,7 +70,7 @@ def test_remat_and_microbatches_are_chosen_where_memory_needs_them(capsys):
     local = 32 // (l["data"] * l["fsdp"])
     for remat in planner.REMAT_BY_RECOMPUTE:
       for k in [d for d in range(1, local + 1) if local % d == 0]:
-        c = planner.override(cfg, schedule={"remat": remat, "microbatches": k})
+        c = cfg.replace(schedule={"remat": remat, "microbatches": k})
         e = planner.evaluate_layout(c, l["data"], l["fsdp"], l["tensor"], l["axis_bandwidth"], l["ici_axes"])
         if e["fits"] and (best is None or _order(e) < _order(best)):
           best = e
@@ -215,7 +216,7 @@ def test_a_given_pipeline_is_priced_as_one(capsys):
   pp = out["pipeline"]
   assert (pp["pipeline"], pp["schedule"], pp["virtual_stages"]) == (2, "interleaved", 2)
   assert pp["microbatches"] % 2 == 0 and pp["bubble"] > 0 and pp["bubble_closed_form"] > 0
-  assert pp == planner.given_pipeline(compose([*base, "train.global_batch_tokens=6291456"]))
+  assert pp == planner.given_pipeline(resolve(compose([*base, "train.global_batch_tokens=6291456"])))
   lines = text.splitlines()
   assert "microbatch," not in lines[0]          # schedule.microbatches: not what a pipeline runs
   assert lines[1].startswith("  pipeline            2 stages of 40 layers, interleaved, 2 chunks per stage, "

@@ -19,6 +19,7 @@ import pytest
 
 from shardlab.analysis import links, planner
 from shardlab.analysis import memory_model as MM
+from shardlab.composition import resolve
 from shardlab.config import CONF_DIR, Config, MeshConfig, ModelConfig, PrecisionConfig, ScheduleConfig, TrainConfig
 from shardlab.hardware import HardwareConfig
 from shardlab.plan import compose
@@ -149,17 +150,17 @@ def test_replicated_kv_heads_are_gathered_whole():
   kv = 2 * m.d_model * 8 * 128
   assert planner.block_shard_params(m, 8) == planner.layer_params(m) / 8
   assert planner.block_shard_params(m, 16) == (planner.layer_params(m) - kv) / 16 + kv
-  cfg = Config(model=m, mesh=MeshConfig(fsdp=4, tensor=16), precision=BF16, hardware=H100,
-               schedule=ScheduleConfig(gather_dtype="compute"), train=TrainConfig(global_batch_tokens=4 * 8192))
+  cfg = resolve(Config(model=m, mesh=MeshConfig(fsdp=4, tensor=16), precision=BF16, hardware=H100,
+               schedule=ScheduleConfig(gather_dtype="compute"), train=TrainConfig(global_batch_tokens=4 * 8192)))
   c = planner.block_costs(cfg, H100.ici_bandwidth, H100.ici_bandwidth)
   assert close(c.fsdp, 2 * planner.block_shard_params(m, 16) * 3 / 4 / H100.ici_bandwidth)
 
 
 def _llama2_13b_q3(fsdp: int, tensor: int, fsdp_axes: int) -> Config:
   # Q3: "32k sequence length and a total batch size of 3M tokens on a TPUv5p 16x16x16 slice", bf16, 40% MFU.
-  return Config(mesh=MeshConfig(fsdp=fsdp, tensor=tensor, fsdp_ici_axes=fsdp_axes, tensor_ici_axes=1),
+  return resolve(Config(mesh=MeshConfig(fsdp=fsdp, tensor=tensor, fsdp_ici_axes=fsdp_axes, tensor_ici_axes=1),
                 model=LLAMA2_13B, precision=BF16, schedule=ScheduleConfig(gather_dtype="compute"),
-                train=TrainConfig(global_batch_tokens=3_000_000, mfu=0.4), hardware=V5P)
+                train=TrainConfig(global_batch_tokens=3_000_000, mfu=0.4), hardware=V5P))
 
 
 def test_llama2_13b_q3_mixed_fsdp_tp():
@@ -188,9 +189,9 @@ def test_layer_times_agree_with_closed_forms():
   ffn = ModelConfig(name="ffn", kind="ffn", d_model=8192, d_ff=32_768, n_layers=4, seq_len=4096)
 
   def bound(x, y, per_device):
-    cfg = Config(mesh=MeshConfig(fsdp=x, tensor=y, fsdp_ici_axes=2 if y > 1 else 1), model=ffn, precision=BF16,
+    cfg = resolve(Config(mesh=MeshConfig(fsdp=x, tensor=y, fsdp_ici_axes=2 if y > 1 else 1), model=ffn, precision=BF16,
                  schedule=ScheduleConfig(gather_dtype="compute"), hardware=V5P,
-                 train=TrainConfig(global_batch_tokens=per_device * x * y))
+                 train=TrainConfig(global_batch_tokens=per_device * x * y)))
     return planner.plan(cfg)["compute_bound"]
   assert bound(64, 1, 2600) and not bound(64, 1, 2400)
   # FSDP + TP on 8 x 8 with M_X = 2 (overlapped form, B/N > 99): bound at 200 tokens per chip, not at 50.
@@ -202,8 +203,8 @@ def test_layer_times_agree_with_closed_forms():
 def test_memory_zero3_divides_state_not_activations():
   # 16 B/param of fp32 state over all N devices; activations follow the local batch B / X, not FSDP.
   def mem(fsdp, tokens):
-    return MM.breakdown(Config(mesh=MeshConfig(fsdp=fsdp, tensor=2), model=LLAMA2_13B, precision=BF16,
-                                            train=TrainConfig(global_batch_tokens=tokens)))
+    return MM.breakdown(resolve(Config(mesh=MeshConfig(fsdp=fsdp, tensor=2), model=LLAMA2_13B, precision=BF16,
+                                            train=TrainConfig(global_batch_tokens=tokens))))
   a, b = mem(64, 64 * 4096), mem(128, 128 * 4096)
   p = planner.param_count(LLAMA2_13B)
   # exact local shards: the norm scales [D] are replicated over tensor (a few KB beyond 16 P / N)
@@ -220,7 +221,7 @@ def test_memory_zero3_divides_state_not_activations():
 @pytest.mark.parametrize("hw", sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml")))
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
 def test_every_preset_plans(hw, model):
-  out = planner.plan(compose([f"hardware={hw}", f"model={model}"]))
+  out = planner.plan(resolve(compose([f"hardware={hw}", f"model={model}"])))
   assert all(k in out for k in CONTRACT) and out["n_params"] > 0 and out["step_time_s"] > 0
 
 
@@ -248,9 +249,9 @@ def test_cli_bad_override_exits_2_with_one_line(bad):
 # ------------------------------------------------------------------------------ batch window and critical batch
 
 def _cfg(model, hw, x, y, tokens, **kw):
-  return Config(mesh=MeshConfig(fsdp=x, tensor=y, **kw.pop("mesh", {})), model=model, precision=BF16,
+  return resolve(Config(mesh=MeshConfig(fsdp=x, tensor=y, **kw.pop("mesh", {})), model=model, precision=BF16,
                 schedule=ScheduleConfig(gather_dtype="compute", **kw.pop("schedule", {})), hardware=hw,
-                train=TrainConfig(global_batch_tokens=tokens, mfu=0.4))
+                train=TrainConfig(global_batch_tokens=tokens, mfu=0.4)))
 
 
 def test_batch_window_is_the_memory_boundary():
@@ -263,7 +264,7 @@ def test_batch_window_is_the_memory_boundary():
     assert seqs >= mb and seqs % mb == 0
 
     def total(s):
-      return MM.breakdown(planner.override(cfg, train={"global_batch_tokens": s * 64 * 4096}))["total"]
+      return MM.breakdown(cfg.replace(train={"global_batch_tokens": s * 64 * 4096}))["total"]
     assert total(seqs) <= V5P.hbm_bytes < total(seqs + mb)
     assert w["max_batch_per_device_tokens"] == seqs * 4096 / 4
     assert seqs * 4096 / 4 <= w["max_batch_per_device_tokens_unrounded"] < (seqs + mb) * 4096 / 4
@@ -276,12 +277,12 @@ def test_microbatches_fit_the_global_batch():
   cfg = _cfg(LLAMA2_13B, V5P, 64, 4, 16 * 64 * 4096)
   k = planner.microbatches_to_fit(cfg)
   assert k is not None and k > 1 and 16 % k == 0
-  mem = lambda mb: MM.breakdown(planner.override(cfg, schedule={"microbatches": mb}))["total"]
+  mem = lambda mb: MM.breakdown(cfg.replace(schedule={"microbatches": mb}))["total"]
   smaller = max(d for d in range(1, k) if 16 % d == 0)
   assert mem(k) <= V5P.hbm_bytes < mem(smaller)
   assert planner.plan(cfg)["microbatches"] == k and not planner.plan(cfg)["fits_in_hbm"]
   # The gradient accumulator of microbatching is counted: one more sharded copy of the fp32 gradients.
-  one, two = (MM.breakdown(planner.override(cfg, schedule={"microbatches": mb})) for mb in (1, 2))
+  one, two = (MM.breakdown(cfg.replace(schedule={"microbatches": mb})) for mb in (1, 2))
   assert two["grads"] == pytest.approx(2 * one["grads"])
 
 
@@ -299,14 +300,14 @@ def test_calibrated_batch_window_against_cpu_compiles():
   from shardlab.run import build
 
   def compiled(seqs):      # sequences per fsdp shard -> compiled memory per device
-    cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), train=TrainConfig(batch_size=4 * seqs))
+    cfg = resolve(Config(mesh=MeshConfig(fsdp=4, tensor=2), train=TrainConfig(batch_size=4 * seqs)))
     b = build(cfg)
     return cfg, memory(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile())
 
   def peak(seqs):
     return compiled(seqs)[1]["peak"]
 
-  cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2))
+  cfg = resolve(Config(mesh=MeshConfig(fsdp=4, tensor=2)))
   one = compiled(1)
   state = MM.compare(*one)["components"]["state"]
   assert state["analytic"] == pytest.approx(state["compiled"], rel=0.01)
@@ -316,7 +317,7 @@ def test_calibrated_batch_window_against_cpu_compiles():
   analytic_fixed, analytic_per_seq = planner.memory_affine(cfg)
   assert fixed <= analytic_fixed <= 1.5 * fixed
   budget = fixed + 6.5 * slope                       # between 6 and 7 sequences per shard on the line
-  w = planner.calibrated_batch_window(planner.override(cfg, hardware={"hbm_bytes": budget}), measured)
+  w = planner.calibrated_batch_window(cfg.replace(hardware={"hbm_bytes": budget}), measured)
   seqs = w["max_sequences_per_fsdp_shard"]
   assert seqs == 6 and w["max_batch_per_device_tokens"] == 6 * cfg.model.seq_len / 2
   assert peak(seqs) <= budget < peak(seqs + 1)
@@ -353,9 +354,9 @@ def _book_exercise(seq_len=32_768):
   # training.md Q3: LLaMA-2 13B, "32k sequence length and a total batch size of 3M tokens on a TPUv5p 16x16x16
   # slice", bf16 weights (gathered and reduced in bf16), 40% MFU. Activations: remat=full (the book
   # checkpoints only after the big matmuls).
-  return Config(mesh=MeshConfig(fsdp=1024, tensor=4), model=dataclasses.replace(LLAMA2_13B, seq_len=seq_len),
+  return resolve(Config(mesh=MeshConfig(fsdp=1024, tensor=4), model=dataclasses.replace(LLAMA2_13B, seq_len=seq_len),
                 precision=BF16, schedule=ScheduleConfig(gather_dtype="compute", remat="full"), hardware=V5P,
-                train=TrainConfig(global_batch_tokens=3_000_000, mfu=0.4))
+                train=TrainConfig(global_batch_tokens=3_000_000, mfu=0.4)))
 
 
 def test_torus_placement_and_gpu_switch_bandwidths():
@@ -410,7 +411,7 @@ def test_hsdp_replicates_state_over_data_and_reduces_gradients_over_it():
   layouts = {(l["data"], l["fsdp"], l["tensor"]): l for l in planner.search(cfg)}
   p = planner.param_count(LLAMA2_13B)
   for d, f, t in [(4, 256, 4), (1, 1024, 4)]:
-    mem = MM.breakdown(planner.override(cfg, mesh={"fsdp": f, "tensor": t},
+    mem = MM.breakdown(cfg.replace(mesh={"fsdp": f, "tensor": t},
                                                   train={"global_batch_tokens": 3e6 / d}))
     assert close(mem["master_params"] + mem["grads"] + mem["optimizer"], 16 * p / (f * t))
     assert layouts[(d, f, t)]["memory_per_device_bytes"] == pytest.approx(mem["total"])
@@ -453,8 +454,8 @@ def test_plan_of_an_hsdp_mesh_costs_the_gradient_allreduce_over_data():
   """mesh.data=8 x fsdp 8 over 8 nodes of 8 H100: the FSDP x TP fields describe one node's replica (a 1/8 of the
   global batch on its 8 GPUs); `hsdp` adds the data axis on the nodes' NICs (50 GB/s per GPU, gpus.md): a
   block's gradient AllReduce of its W[D_X, F] shard, 2 V/X (n-1)/n over n = 8 replicas, against 2x the math."""
-  cfg = compose(["model=llama2_7b", "hardware=h100", "mesh.data=8", "mesh.fsdp=8", "mesh.tensor=1",
-                 "train.global_batch_tokens=4194304"])
+  cfg = resolve(compose(["model=llama2_7b", "hardware=h100", "mesh.data=8", "mesh.fsdp=8", "mesh.tensor=1",
+                 "train.global_batch_tokens=4194304"]))
   out = planner.plan(cfg)
   h = out["hsdp"]
   assert out["mesh_data"] == 8 and out["batch_per_device_tokens"] == 4194304 / 64 == h["batch_per_device_tokens"]
@@ -487,7 +488,7 @@ PP70 = ["model=llama3_70b", "hardware=h100_multinode", "precision=bf16", "train.
 def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
   from shardlab.axes import PIPELINE
   from shardlab.pipeline_tables import SCHEDULES
-  cfg = compose(PP70)
+  cfg = resolve(compose(PP70))
   plain = planner.answer(cfg, 32)
   assert all(PIPELINE not in l for l in plain["layouts"])          # off by default: rows as before
   ans = planner.answer(cfg, 32, pipeline=True)
@@ -512,7 +513,7 @@ def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
 def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():
   """At M = 4P, gpipe keeps every microbatch's residuals until its backward, 1f1b at most P on stage 0: same
   training state, less activation memory; both state terms are the stage's 80 / P layers' share."""
-  cfg = planner.override(compose(PP70), schedule={"remat": "full"})
+  cfg = resolve(compose(PP70)).replace(schedule={"remat": "full"})
   P, M = 4, 16
   place = next(p for p in planner.placements(cfg, 32, pipeline=P) if p[:3] == (1, 4, 2))
   g = planner.evaluate_pipeline(cfg, place, P, "gpipe", M)
@@ -521,11 +522,11 @@ def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():
   assert f["activations_per_device_bytes"] < g["activations_per_device_bytes"]
   assert f["memory_per_device_bytes"] < g["memory_per_device_bytes"]
   mem = planner.pipeline_memory(cfg, 1, 4, 2, P, "gpipe", M)
-  stage = MM.breakdown(planner.override(cfg, model={"n_layers": 20}, mesh={"fsdp": 4, "tensor": 2},
+  stage = MM.breakdown(cfg.replace(model={"n_layers": 20}, mesh={"fsdp": 4, "tensor": 2},
                                                      schedule={"microbatches": 1}))
   assert mem["optimizer"] == stage["optimizer"] and mem["master_params"] == stage["master_params"]
   # the pipeline axis is the outermost: on nodes of 8, 4 stages of 8 GPUs cross nodes (the NICs), the others not
-  h100 = planner.override(cfg, hardware=dataclasses.asdict(compose(["hardware=h100"]).hardware))
+  h100 = cfg.replace(hardware=dataclasses.asdict(compose(["hardware=h100"]).hardware))
   bws = next(p for p in planner.placements(h100, 32, pipeline=P) if p[:3] == (1, 4, 2))[3]
   assert bws["pipeline"] == 50e9 and bws["tensor"] == bws["fsdp"] == 450e9
 
@@ -533,7 +534,7 @@ def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():
 def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
   from shardlab.analysis.pipeline_replay import replay
   from shardlab.pipeline_tables import build, closed_form_bubble
-  cfg = compose(PP70)
+  cfg = resolve(compose(PP70))
   P, M = 4, 8
   place = next(p for p in planner.placements(cfg, 32, pipeline=P) if p[:3] == (1, 2, 4))
   row = planner.evaluate_pipeline(cfg, place, P, "gpipe", M)
@@ -555,12 +556,12 @@ def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
 
 
 def test_pipeline_shapes_need_layers_divisible_and_interleaved_groups_of_p():
-  cfg = planner.override(compose(["model=tiny"]), model={"n_layers": 8})
+  cfg = resolve(compose(["model=tiny"])).replace(model={"n_layers": 8})
   shapes = {(P, name): counts for P, name, V, counts in planner.pipeline_shapes(cfg, 16)}
   assert {P for P, _ in shapes} == {2, 4, 8}                       # 16 does not divide 8 layers
   assert (8, "interleaved") not in shapes and (4, "interleaved") in shapes   # 8 % (P x V=2)
   assert shapes[(4, "gpipe")] == [4, 8, 16, 32]
   fixed = {(P, name) for P, name, V, counts in planner.pipeline_shapes(cfg, 16, microbatches=6)}
   assert (2, "interleaved") in fixed and (4, "interleaved") not in fixed and (4, "gpipe") in fixed
-  ans = planner.answer(planner.override(cfg, train={"batch_size": 64}), 16, pipeline=True)
+  ans = planner.answer(cfg.replace(train={"batch_size": 64}), 16, pipeline=True)
   assert all(l["microbatches"] % l["pipeline"] == 0 for l in ans["layouts"] if l.get("schedule") == "interleaved")

@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import compiled_grads, load_preset, mesh_of, preset_names
+from shardlab.composition import resolve
 from shardlab.analysis import hlo
 from shardlab.analysis.program import memory
 from shardlab.testing import abstract_batch
@@ -61,7 +62,7 @@ def _temp_bytes(**knobs):
   p = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                    decls, is_leaf=PM.is_param)
   b = abstract_batch(8, 16, mesh)
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, m, jnp.float32), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, m, jnp.float32), decls, mesh)
   return memory(fn.lower(p, b).compile())["temp"]
 
 

@@ -168,3 +168,35 @@ def test_pipeline_tables_are_pure_python_and_the_analysis_imports_no_executor():
   code = "import sys, shardlab.pipeline_tables, shardlab.analysis.pipeline_replay; print('jax' in sys.modules)"
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+# The entry points: where a run, a plan, a sweep or a test starts, read the whole config and resolve it once
+# (shardlab/composition.py). The test kit (shardlab/testing/) is one: it composes a config from knobs, as the CLI does.
+ENTRY = {"shardlab.run", "shardlab.trainer", "shardlab.plan", "shardlab.calibrate", "shardlab.preflight",
+         "shardlab.validate", "shardlab.sweep", "shardlab.report", "shardlab.outputs", "shardlab.config",
+         "shardlab.composition", "shardlab.__main__", "shardlab.pipeline", "shardlab.pytest_plugin"}
+
+
+def test_nothing_below_the_entry_points_takes_the_whole_config():
+  """Below the entry points (ENTRY and the test kit) no module imports the whole config's class (`Config`),
+  resolves or composes a config, or has a parameter named `cfg` that is not annotated with one group's class
+  (ScheduleConfig, ContextConfig, ...): the analysis, the planner and the step take the composition
+  (shardlab/composition.py), each part its own group. By hand: grep -rn "def .*\\bcfg\\b" shardlab/analysis"""
+  import ast
+  graph, trees = _imports()
+  found = []
+  for m, tree in trees.items():
+    if m in ENTRY or m.startswith("shardlab.testing"):
+      continue
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module == "shardlab.config":
+        found += [f"{m} imports Config" for a in node.names if a.name == "Config"]
+        found += [f"{m} imports {a.name}" for a in node.names if a.name in ("to_config", "compose")]
+      if isinstance(node, ast.ImportFrom) and node.module == "shardlab.composition":
+        found += [f"{m} imports resolve" for a in node.names if a.name == "resolve"]
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for a in node.args.args + node.args.kwonlyargs:
+          ann = ast.unparse(a.annotation).strip("'\"").split("|")[0].strip() if a.annotation else ""
+          if a.arg == "cfg" and not (ann.endswith("Config") and ann != "Config"):
+            found.append(f"{m}.{node.name}({a.arg}: {ann or 'unannotated'})")
+  assert not found, found

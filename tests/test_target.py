@@ -14,6 +14,7 @@ pytest.importorskip("jax_cuda12_plugin", reason="target compilation needs the cu
 from conftest import load_preset, preset_names, tiny_config  # noqa: E402
 from shardlab.testing import abstract_batch  # noqa: E402
 from shardlab.axes import FSDP  # noqa: E402
+from shardlab.composition import resolve  # noqa: E402
 from shardlab.trainer import build  # noqa: E402
 from shardlab.analysis.confirm import confirm_layouts  # noqa: E402
 
@@ -43,7 +44,7 @@ def target_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
   cfg = tiny_config(**dict(knobs))
   mesh = make_mesh(*mesh_shape, TG.mesh_devices(TG.devices(h100(), 8), mesh_shape))
   decls = PM.declare(cfg.model)
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, getattr(jnp, compute)), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, getattr(jnp, compute)), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
   tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
@@ -286,11 +287,12 @@ def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tm
 
 def small_target(schedule: str, mesh: dict | None = None, pipeline: dict | None = None,
                  context: dict | None = None, **model):
-  """A small bf16 transformer's train step compiled for 4x2 H100 (Config built directly, no Hydra): the config,
-  the compiled step and one layer's traced residual bytes. `mesh`, `pipeline`, `context`: MeshConfig,
+  """A small bf16 transformer's train step compiled for 4x2 H100 (Config built directly, no Hydra): its
+  composition, the compiled step and one layer's traced residual bytes. `mesh`, `pipeline`, `context`: MeshConfig,
   PipelineConfig and ContextConfig settings instead of fsdp=4 x tensor=2, none and all_gather."""
   from conftest import load_preset
   from shardlab import target as TG
+  from shardlab.composition import resolve
   from shardlab.config import (Config, ContextConfig, MeshConfig, ModelConfig, PipelineConfig, PrecisionConfig,
                                ScheduleConfig, TrainConfig)
   from shardlab.run import build, lower
@@ -303,7 +305,7 @@ def small_target(schedule: str, mesh: dict | None = None, pipeline: dict | None 
                train=TrainConfig(batch_size=16), precision=PrecisionConfig(param_dtype="float32", compute_dtype="bfloat16"),
                hardware=h100())
   b = build(cfg, TG.mesh_devices(TG.devices(h100(), 8), tuple(cfg.mesh.shape.values())))
-  return cfg, TG.compile_(lower(b)), b["layer_residuals"]
+  return resolve(cfg), TG.compile_(lower(b)), b["layer_residuals"]
 
 
 @pytest.mark.parametrize("schedule", ["baseline", "megatron_allreduce", "collective_matmul", "prefetch_ring"])
@@ -342,9 +344,7 @@ def test_ffn_target_memory_explained_by_the_analytic_breakdown(schedule):
   assert abs(parts["state"]["error"]) < 1e-3, parts
   assert abs(parts["working"]["error"]) < 0.10 and abs(parts["peak"]["error"]) < 0.10, parts
   # The ring's partial weight gradients are what closes the gap: without them the working memory is >10% short.
-  import dataclasses
-  plain = memory_model.breakdown(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, tp="allgather")),
-                                 residuals)
+  plain = memory_model.breakdown(cfg.replace(schedule={"tp": "allgather"}), residuals)
   short = (plain["total"] - plain["master_params"] - plain["optimizer"]) / parts["working"]["compiled"] - 1
   if schedule == "collective_matmul_bidi":
     assert short < -0.10, (short, parts)
@@ -453,12 +453,13 @@ def test_plan_top_k_compiles_hsdp_and_says_why_a_layout_is_not_compiled(monkeypa
   and exit 2 before anything compiles."""
   import importlib.util
   from shardlab.analysis import planner
+  from shardlab.composition import resolve
   from shardlab.plan import compose, main
-  cfg = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2"])
+  cfg = resolve(compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2"]))
   hsdp = next(l for l in planner.search(cfg) if (l["data"], l["fsdp"], l["tensor"]) == (2, 2, 2))
   out = confirm_layouts([hsdp], cfg, 1, build)[0]["target"]
   assert out["compiled"] is True and out["memory_compiled_bytes"] > 0, out
-  small = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "train.batch_size=4"])
+  small = resolve(compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "train.batch_size=4"]))
   odd = next(l for l in planner.search(small) if (l["data"], l["fsdp"], l["tensor"]) == (2, 4, 1))
   out = confirm_layouts([odd], small, 1, build)[0]["target"]
   assert out == {"compiled": False, "why": out["why"]} and "not a whole number" in out["why"]
@@ -474,8 +475,9 @@ def test_batch_window_confirmed_by_compiling_for_the_target():
   2.7 MB budget. The analytic window (planner.batch_window) is reported beside it and its batch compiled; this
   test does not require the two to agree (the closed-form activation count is not the compiler's)."""
   from shardlab.analysis.confirm import confirm_batch_window
+  from shardlab.composition import resolve
   from shardlab.plan import compose
-  cfg = compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "hardware.hbm_bytes=2700000"])
+  cfg = resolve(compose(["model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2", "hardware.hbm_bytes=2700000"]))
   w = confirm_batch_window(cfg, build)
   s, peaks = w["max_sequences_per_fsdp_shard"], w["peaks"]
   assert w["confirmed"] and s >= 2 and w["target"]["platform"] == "gpu"

@@ -204,7 +204,7 @@ def test_a_schedule_with_the_protocols_four_argument_constructor_builds(tmp_path
   from shardlab.validate import validate
   monkeypatch.syspath_prepend(_write_files(tmp_path))
   cfg = to_config(compose("schedule.impl=uc_parts:FourArgs"))
-  sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, from_config(cfg), cfg.context, cfg.pipeline)
+  sched = schedules.build(cfg.schedule, cfg.model, jnp.float32, from_config(cfg.layout), cfg.context, cfg.pipeline)
   assert type(sched).__name__ == "FourArgs" and sched.pipe.impl == "none"
   validate(cfg, 8)
 

@@ -31,8 +31,10 @@ DEGREES = (1, 2, 4)
 def compile_memory(overrides: list[str]) -> dict:
   """Target-compile the step for `overrides`: the compiler's memory beside the analytic breakdown (module doc)."""
   from shardlab.analysis import memory_model as MM
+  from shardlab.composition import resolve
   cfg, compiled, secs = _compile(overrides)
-  return {"devices": cfg.mesh.n_devices, "compile_s": secs, "local_tokens": MM.local_tokens(cfg),
+  cfg = resolve(cfg)
+  return {"devices": cfg.mesh.n_devices, "compile_s": secs, "local_tokens": cfg.local_tokens,
           "compiled": {k: compiled[k] for k in ("argument", "output", "temp", "peak")},
           "analytic": MM.breakdown(cfg),   # per-token estimate: cuDNN's attention keeps its own set (costmodel)
           "components": MM.compare(cfg, compiled, gemm_workspace=compiled["gemm_workspace"])["components"]}

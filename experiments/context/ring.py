@@ -43,11 +43,12 @@ def dry_run(overrides: list[str]) -> tuple[dict, str]:
 def analytic(overrides: list[str]) -> dict:
   from hydra import compose, initialize_config_dir
   from shardlab.analysis import context_cost as CC
+  from shardlab.composition import resolve
   from shardlab.config import CONF_DIR, register_configs, to_config
   register_configs()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     cfg = to_config(compose("config", overrides=[o for o in overrides if not o.startswith("+xla")]))
-  p = CC.predict(cfg)
+  p = CC.predict(resolve(cfg))
   return {k: p[k] for k in ("t_step_s", "t_matmul_s", "t_attention_s", "exposed_comm_s")}
 
 

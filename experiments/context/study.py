@@ -27,10 +27,11 @@ CASES = [(32768, 8), (65536, 16), (131072, 32), (131072, 8)]   # (tokens per seq
 
 def config(overrides: list[str]):
   from hydra import compose, initialize_config_dir
+  from shardlab.composition import resolve
   from shardlab.config import CONF_DIR, register_configs, to_config
   register_configs()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-    return to_config(compose("config", overrides=overrides))
+    return resolve(to_config(compose("config", overrides=overrides)))
 
 
 def balance_at_8() -> list[dict]:
@@ -47,8 +48,7 @@ def choose(cfg, n: int, degrees: tuple, skips) -> dict:
   """context_cost.choose over the three strategies, each with the attention it runs: Ulysses and the ring the
   model's own (cuDNN's, model.attention=dot_product), all_gather the plain one (model.attention=plain: what the run
   needs for it; with dot_product it refuses, and so does the planner)."""
-  from dataclasses import replace
-  plain = replace(cfg, model=replace(cfg.model, attention="plain"))
+  plain = cfg.replace(model={"attention": "plain"})
   a = CC.choose(cfg, devices=n, degrees=degrees, skips_masked=skips, strategies=("ulysses", "ring"))
   b = CC.choose(plain, devices=n, degrees=degrees, skips_masked=skips, strategies=("all_gather",))
   cands = sorted(a["candidates"] + b["candidates"], key=lambda p: p["t_step_s"])

@@ -29,6 +29,7 @@ def loop_collectives(model: dict, flags: dict, preset: str = "fsdp_prefetch", ch
   from shardlab import params as PM, schedules, target as TG, train as T
   from shardlab.analysis.predict import hardware_preset
   from shardlab.analysis.program import Program
+  from shardlab.composition import resolve
   from shardlab.mesh import make_mesh
   from shardlab.testing import abstract_batch, tiny_config
   knobs = {k: v for k, v in yaml.safe_load((ROOT / f"conf/schedule/{preset}.yaml").read_text()).items()
@@ -37,7 +38,7 @@ def loop_collectives(model: dict, flags: dict, preset: str = "fsdp_prefetch", ch
   cfg = tiny_config(model=model, **knobs)
   mesh = make_mesh(8, 1, TG.mesh_devices(TG.devices(hardware_preset("h100"), 8), (8, 1)))
   decls = PM.declare(cfg.model)
-  fn = T.make_grad_fn(cfg, schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
+  fn = T.make_grad_fn(resolve(cfg), schedules.build(cfg.schedule, cfg.model, jnp.float32), decls, mesh)
   params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.float32, sharding=NamedSharding(mesh, d.spec())),
                         decls, is_leaf=PM.is_param)
   tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)

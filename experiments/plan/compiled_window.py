@@ -17,6 +17,7 @@ set_cpu_devices(8)
 
 from shardlab.analysis import planner  # noqa: E402
 from shardlab.analysis.program import memory  # noqa: E402
+from shardlab.composition import resolve  # noqa: E402
 from shardlab.config import Config, MeshConfig, ScheduleConfig, TrainConfig  # noqa: E402
 from shardlab.run import build  # noqa: E402
 
@@ -28,16 +29,16 @@ def main() -> None:
         "| per sequence KiB: analytic / compiled (ratio) | budget MiB | max seqs per shard in it: analytic / "
         "compiled |\n|---|---|---|---|---|---|")
   for remat in ("none", "full"):
-    cfg = Config(mesh=MeshConfig(fsdp=4, tensor=2), schedule=ScheduleConfig(remat=remat))
+    cfg = resolve(Config(mesh=MeshConfig(fsdp=4, tensor=2), schedule=ScheduleConfig(remat=remat)))
     peaks = {}
     for s in SEQS:
-      c = planner.override(cfg, train={"batch_size": 4 * s})
+      c = cfg.replace(train={"batch_size": 4 * s})
       b = build(c)
       peaks[s] = memory(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]).compile())["peak"]
     fixed_a, per_a = planner.memory_affine(cfg)
     slope = (peaks[8] - peaks[1]) / 7
     fixed_c = peaks[1] - slope
-    budget = planner.override(cfg, hardware={"hbm_bytes": fixed_c + 16.5 * slope})   # 16 seqs on the compile's line
+    budget = cfg.replace(hardware={"hbm_bytes": fixed_c + 16.5 * slope})   # 16 seqs on the compile's line
     win_a = planner.batch_window(budget)["max_sequences_per_fsdp_shard"]
     win_c = planner.calibrated_batch_window(budget, peaks)["max_sequences_per_fsdp_shard"]
     mib = lambda v: f"{v / 2**20:.2f}"

@@ -32,6 +32,7 @@ def compare(overrides: list[str]) -> dict:
   from shardlab import target as TG
   from shardlab.analysis import memory_model as MM
   from shardlab.analysis.program import memory
+  from shardlab.composition import resolve
   from shardlab.config import register_configs, to_config
   from shardlab.run import CONF_DIR, build, lower
   register_configs()
@@ -40,7 +41,7 @@ def compare(overrides: list[str]) -> dict:
   devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
   b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   c = TG.compile_(lower(b), cfg.xla.flags)
-  return MM.compare(cfg, memory(c), b["layer_residuals"], MM.gemm_workspace_bytes(c.as_text()))["components"]
+  return MM.compare(resolve(cfg), memory(c), b["layer_residuals"], MM.gemm_workspace_bytes(c.as_text()))["components"]
 
 
 def main() -> None:

@@ -13,63 +13,64 @@ from typing import Any
 
 from shardlab.analysis import costmodel
 from shardlab.axes import DATA, FSDP, TENSOR
+from shardlab.composition import Composition
 
 
-def start_jax(cfg) -> None:
-  """Keep JAX on the CPU (fake devices) in a process that has not started it yet, so that an installed target
-  plugin neither initializes nor logs; a no-op when JAX already runs (a test, a second call)."""
+def start_jax() -> None:
+  """Keep JAX on the CPU (one device: the target's devices come from its topology) in a process that has not
+  started it yet, so that an installed target plugin neither initializes nor logs; a no-op when JAX already runs
+  (a test, a second call)."""
   from shardlab.mesh import set_cpu_devices
   from shardlab.errors import ConfigError
   try:
-    set_cpu_devices(max(1, getattr(cfg, "cpu_devices", 1)))
+    set_cpu_devices(1)
   except ConfigError:
     pass
 
 
-def compile_on_target(cfg, build) -> dict[str, Any]:
-  """Compile cfg's train step (cfg.mesh.fsdp x cfg.mesh.tensor, train.batch_size sequences) for cfg.hardware's
+def compile_on_target(c: Composition, build) -> dict[str, Any]:
+  """Compile c's train step (c.mesh.fsdp x c.mesh.tensor, train.batch_size sequences) for c.hardware's
   target. Returns `memory` (the target compiler's memory_analysis per device: argument, output, temp, alias,
   peak; `allocated`, its buffer assignment), `memory_analytic` (memory_model.breakdown of the same config), `fits` and `headroom_bytes` against
   hardware.hbm_bytes, `prediction` (the calibrated replay: t_overlapped_s, mfu, ...), `target` and
-  `compile_time_s`. Raises ConfigError when the extra or the topology is missing. `build(cfg, devices)`: the
+  `compile_time_s`. Raises ConfigError when the extra or the topology is missing. `build(c, devices)`: the
   application's step builder (shardlab.trainer.build), passed in so that analysis/ imports nothing above it."""
   from shardlab import params as PM, target as TG
   from shardlab.analysis import memory_model
   from shardlab.analysis.links import link_axes
   from shardlab.analysis.program import Program
-  hw, n = cfg.hardware, cfg.mesh.n_devices
+  hw, n = c.hardware, c.mesh.n_devices
   topo = TG.check(hw, n)
-  start_jax(cfg)
+  start_jax()
   devs = TG.devices(hw, n)
-  b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
+  b = build(c, TG.mesh_devices(devs, tuple(c.mesh.shape.values())))
   t0 = time.perf_counter()
   compiled, buffers = TG.compile_reading_buffers(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]))
   seconds = time.perf_counter() - t0
   prog = Program.of(compiled, b["mesh"], buffers)
   mem = prog.memory()
-  flops = 6 * PM.count(b["decls"]) * cfg.train.batch_size * cfg.model.seq_len / n
-  pred, _ = costmodel.predict(prog, b["mesh"], hw, link_axes(cfg), flops)
+  flops = 6 * PM.count(b["decls"]) * c.train.batch_size * c.model.seq_len / n
+  pred, _ = costmodel.predict(prog, b["mesh"], hw, link_axes(c), flops)
   need = costmodel.needed_bytes(mem)
-  return {"memory": mem, "memory_analytic": memory_model.breakdown(cfg), "fits": need <= hw.hbm_bytes,
+  return {"memory": mem, "memory_analytic": memory_model.breakdown(c), "fits": need <= hw.hbm_bytes,
           "headroom_bytes": hw.hbm_bytes - need, "prediction": pred, "target": TG.describe(devs, topo),
           "compile_time_s": seconds}
 
 
-def layout_config(cfg, layout: dict) -> tuple[Any, str | None]:
-  """(the Config that runs `layout` at the configured global batch, None) or (None, why it cannot be built):
+def layout_config(c: Composition, layout: dict) -> tuple[Composition | None, str | None]:
+  """(the composition that runs `layout` at the configured global batch, None) or (None, why it cannot be built):
   shardlab's train step shards whole sequences over data x fsdp and needs every sharded dim divisible by its mesh
   axis."""
-  from shardlab.analysis import planner
-  m = cfg.model
+  m = c.model
   sharding = [r for r in layout["rejected_because"] if r.startswith("sharding:")]
   if sharding:
     return None, sharding[0]
-  seqs = planner.global_tokens(cfg) / m.seq_len
+  seqs = c.global_tokens / m.seq_len
   shards = layout[DATA] * layout[FSDP]
   if seqs != int(seqs) or int(seqs) % shards:
     return None, (f"the global batch is {seqs:.3g} sequences of {m.seq_len} tokens: not a whole number per batch "
                   f"shard of data x fsdp = {shards} (shardlab shards whole sequences)")
-  sub = planner.override(cfg, mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
+  sub = c.replace(mesh={DATA: layout[DATA], FSDP: layout[FSDP], TENSOR: layout[TENSOR],
                                     "fsdp_ici_axes": layout["ici_axes"][FSDP],
                                     "tensor_ici_axes": layout["ici_axes"][TENSOR],
                                     "data_ici_axes": layout["ici_axes"][DATA]},
@@ -77,7 +78,7 @@ def layout_config(cfg, layout: dict) -> tuple[Any, str | None]:
   return sub, None
 
 
-def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[dict[str, Any]]:
+def confirm_layouts(layouts: list[dict[str, Any]], c: Composition, k: int, build) -> list[dict[str, Any]]:
   """The best k layouts, each with `target`: the compiled memory and calibrated step time beside the closed
   forms (`memory_closed_form_bytes` = the layout's memory_per_device_bytes, `step_time_closed_form_s` = its
   step_time_s), or `compiled: false` and `why` for a layout the train step cannot express. A layout that fails
@@ -85,10 +86,10 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[d
   from shardlab import target as TG
   if layouts:                             # the extra and the preset, before anything compiles
     l = layouts[0]
-    TG.check(cfg.hardware, l[DATA] * l[FSDP] * l[TENSOR])
+    TG.check(c.hardware, l[DATA] * l[FSDP] * l[TENSOR])
   out = []
   for layout in layouts[:k]:
-    sub, why = layout_config(cfg, layout)
+    sub, why = layout_config(c, layout)
     if sub is None:
       out.append({**layout, "target": {"compiled": False, "why": why}})
       continue
@@ -99,7 +100,7 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[d
       continue
     pred = r["prediction"]
     out.append({**layout, "target": {
-        "compiled": True, "hardware": cfg.hardware.name, **r["target"],
+        "compiled": True, "hardware": c.hardware.name, **r["target"],
         "memory_compiled_bytes": costmodel.needed_bytes(r["memory"]), "memory_compiled": r["memory"],
         "memory_analytic_bytes": r["memory_analytic"]["total"],
         "memory_closed_form_bytes": layout["memory_per_device_bytes"],
@@ -109,8 +110,8 @@ def confirm_layouts(layouts: list[dict[str, Any]], cfg, k: int, build) -> list[d
   return out
 
 
-def confirm_batch_window(cfg, build, samples: tuple[int, int] = (1, 4)) -> dict[str, Any]:
-  """The largest batch of cfg's mesh that fits hardware.hbm_bytes by the target compiler's memory report, found
+def confirm_batch_window(c: Composition, build, samples: tuple[int, int] = (1, 4)) -> dict[str, Any]:
+  """The largest batch of c's mesh that fits hardware.hbm_bytes by the target compiler's memory report, found
   by compiling (nothing runs): compile the train step at `samples` sequences per fsdp shard, take the line
   through the two peaks (fixed bytes plus bytes per sequence) as the first guess
   (planner.calibrated_batch_window), then compile there and step by one microbatch's worth of sequences until
@@ -118,17 +119,17 @@ def confirm_batch_window(cfg, build, samples: tuple[int, int] = (1, 4)) -> dict[
   `peaks`, by sequences per shard). Beside it the analytic window (planner.batch_window) and the target's peak
   at the analytic maximum: how far the closed-form memory is from the compiler's."""
   from shardlab.analysis import planner
-  x, mb, hbm = cfg.mesh.data * cfg.mesh.fsdp, max(1, cfg.schedule.microbatches), cfg.hardware.hbm_bytes   # batch shards
+  x, mb, hbm = c.mesh.data * c.mesh.fsdp, max(1, c.schedule.microbatches), c.hardware.hbm_bytes   # batch shards
   cache: dict[int, dict] = {}
 
   def peak(seqs: int) -> float:            # seqs per fsdp shard -> the target's compiled peak bytes per device
     if seqs not in cache:
-      cache[seqs] = compile_on_target(planner.override(cfg, train={"batch_size": seqs * x, "global_batch_tokens": 0}),
+      cache[seqs] = compile_on_target(c.replace(train={"batch_size": seqs * x, "global_batch_tokens": 0}),
                                       build)
     return costmodel.needed_bytes(cache[seqs]["memory"])
 
   samples = tuple(max(mb, s - s % mb) for s in samples)
-  line = planner.calibrated_batch_window(cfg, {s: peak(s) for s in samples})
+  line = planner.calibrated_batch_window(c, {s: peak(s) for s in samples})
   seqs = max(mb, line["max_sequences_per_fsdp_shard"])
   while seqs > mb and peak(seqs) > hbm:
     seqs -= mb
@@ -136,11 +137,11 @@ def confirm_batch_window(cfg, build, samples: tuple[int, int] = (1, 4)) -> dict[
     seqs += mb
   fits = peak(seqs) <= hbm
   seqs = seqs if fits else 0
-  analytic = planner.batch_window(cfg)
+  analytic = planner.batch_window(c)
   a_seqs = analytic["max_sequences_per_fsdp_shard"]
   a_peak = peak(a_seqs) if a_seqs > 0 else None
   return {"max_sequences_per_fsdp_shard": seqs,
-          "max_batch_per_device_tokens": seqs * cfg.model.seq_len / cfg.mesh.tensor, "confirmed": fits,
+          "max_batch_per_device_tokens": seqs * c.model.seq_len / c.mesh.tensor, "confirmed": fits,
           "peaks": {s: costmodel.needed_bytes(r["memory"]) for s, r in sorted(cache.items())},
           "line": {"fixed_bytes": line["fixed_bytes"], "bytes_per_local_sequence": line["bytes_per_local_sequence"],
                    "max_sequences_per_fsdp_shard": line["max_sequences_per_fsdp_shard"]},

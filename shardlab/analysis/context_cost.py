@@ -30,15 +30,14 @@ from __future__ import annotations
 
 from shardlab import axes as AX
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from shardlab.analysis import planner as PL
 from shardlab.analysis.links import mesh_links, transfer_seconds
-from shardlab.axes import CONTEXT, FSDP, TENSOR
+from shardlab.axes import CONTEXT, FSDP
 from shardlab.config import ContextConfig, ModelConfig
-from shardlab.layout import Layout, from_config
+from shardlab.composition import Composition
+from shardlab.layout import Layout
 from shardlab.errors import ConfigError
 from shardlab.schedules import context as CP
 from shardlab.loading import protocol_members
@@ -236,23 +235,22 @@ def shardlab_skips(strategy, model) -> bool:
   return strategy_of(strategy, model).skips_masked()
 
 
-def with_context(cfg, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
-                 shard_weights: bool = True):
-  """cfg with mesh.context=C (and mesh.fsdp=fsdp), context.impl=strategy, load balancing as given (None: kept);
+def with_context(c: Composition, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
+                 shard_weights: bool = True) -> Composition:
+  """c with mesh.context=C (and mesh.fsdp=fsdp), context.impl=strategy, load balancing as given (None: kept);
   `shard_weights`: every weight's embed dim over (fsdp, context) as well (torchtitan's dp_shard_cp), so that the
   training state is split over every device."""
-  ctx = dataclasses.replace(cfg.context, impl=strategy, name=strategy,
-                            load_balance=cfg.context.load_balance if balanced is None else balanced)
-  mesh = dataclasses.replace(cfg.mesh, context=C, **({} if fsdp is None else {AX.FSDP: fsdp}))
-  layout = cfg.layout
+  layout = c.layout
   if shard_weights and C > 1:
-    embed = list(dict.fromkeys([*layout.rules.get("embed", []), FSDP, CONTEXT]))
-    layout = dataclasses.replace(layout, name=f"{layout.name}+embed_context", rules={**layout.rules, "embed": embed})
-  return dataclasses.replace(cfg, mesh=mesh, context=ctx, layout=layout)
+    embed = tuple(dict.fromkeys([*layout.rule("embed"), FSDP, CONTEXT]))
+    layout = Layout.of({**layout.rules, "embed": embed}, f"{layout.name}+embed_context")
+  return c.replace(mesh={AX.CONTEXT: C, **({} if fsdp is None else {AX.FSDP: fsdp})}, layout=layout,
+                   context={"impl": strategy, "name": strategy,
+                            "load_balance": c.context.load_balance if balanced is None else balanced})
 
 
-def predict(cfg, skips_masked: bool | None = None) -> dict:
-  """A prediction of one training step per device for cfg's mesh and context strategy (cfg.context.impl,
+def predict(c: Composition, skips_masked: bool | None = None) -> dict:
+  """A prediction of one training step per device for c's mesh and context strategy (c.context.impl,
   load_balance): the matmuls of every layer at the preset's GEMM rate, each layer's attention and its context
   transfers (layer_time), bytes per mesh axis, memory (memory_model.breakdown). `skips_masked`: the inner
   kernel skips masked blocks (None: what shardlab's strategy runs, `shardlab_skips`).
@@ -262,25 +260,25 @@ def predict(cfg, skips_masked: bool | None = None) -> dict:
   recomputation under remat, tensor parallelism's own collectives. Memory adds to the breakdown the scores an
   attention without a flash kernel holds while it runs (attention_transient_bytes)."""
   from shardlab.analysis import memory_model as MM
-  m, hw, mesh, s = cfg.model, cfg.hardware, cfg.mesh, cfg.schedule
-  strategy = strategy_of(cfg.context.impl, m, from_config(cfg), cfg.context.load_balance)
+  m, hw, mesh, s = c.model, c.hardware, c.mesh, c.schedule
+  strategy = strategy_of(c.cp)
   C, T, X = mesh.context, mesh.tensor, mesh.fsdp
   skips = strategy.skips_masked() if skips_masked is None else skips_masked
-  e = PL.dtype_bytes(cfg.precision.compute_dtype)
-  tokens = MM.local_tokens(cfg)
+  e = PL.dtype_bytes(c.precision.compute_dtype)
+  tokens = c.local_tokens
   a = attn_of(m, tokens // (m.seq_len // C), C, T, e)
-  bw = mesh_links(cfg)[1].get(CONTEXT, hw.ici_bandwidth)
-  lt = layer_time(strategy, a, hw, bw, cfg.context.load_balance, skips)
+  bw = mesh_links(c)[1].get(CONTEXT, hw.ici_bandwidth)
+  lt = layer_time(strategy, a, hw, bw, c.context.load_balance, skips)
   dense = 6.0 * tokens * (m.n_layers * PL.layer_params(m) + m.vocab_size * m.d_model) / T
   t_dense = dense / (hw.peak_flops * hw.gemm_efficiency)
   t_attn = m.n_layers * lt.attention_s
   exposed = m.n_layers * lt.exposed_s
-  gb = PL.dtype_bytes(cfg.precision.param_dtype if s.gather_dtype == "param" else cfg.precision.compute_dtype)
+  gb = PL.dtype_bytes(c.precision.param_dtype if s.gather_dtype == "param" else c.precision.compute_dtype)
   layer_w = PL.layer_params(m) / T
-  mem = MM.breakdown(cfg)
+  mem = MM.breakdown(c)
   transient = attention_transient_bytes(strategy if C > 1 else None, a, m)
   return {
-      "strategy": cfg.context.impl, AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T, "load_balance": cfg.context.load_balance,
+      "strategy": c.context.impl, AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T, "load_balance": c.context.load_balance,
       "skips_masked": skips, "tokens_per_device": tokens,
       "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
       "exposed_comm_s": exposed, "context_comm_s": m.n_layers * lt.comm_s,
@@ -303,40 +301,40 @@ def attention_transient_bytes(strategy, a: Attn, model) -> float:
   return strategy_of(strategy, model).transient_bytes(a)
 
 
-def why_not(cfg, C: int, strategy) -> str | None:
-  """Why shardlab cannot run `strategy` at context C for cfg (one line), or None: a sequence that does not cut
+def why_not(c: Composition, C: int, strategy) -> str | None:
+  """Why shardlab cannot run `strategy` at context C for c (one line), or None: a sequence that does not cut
   into the chunks, or what the strategy itself says it cannot split (its `why_not`: Ulysses' heads)."""
-  m, T = cfg.model, cfg.mesh.tensor
-  if m.seq_len % (2 * C if cfg.context.load_balance else C):
-    return f"the sequence ({m.seq_len}) does not cut into {2 * C if cfg.context.load_balance else C} chunks"
+  m, chunks = c.model, 2 * C if c.context.load_balance else C
+  if m.seq_len % chunks:
+    return f"the sequence ({m.seq_len}) does not cut into {chunks} chunks"
   if C == 1:
     return None
-  shape = {**dict(cfg.mesh.shape), CONTEXT: C}
-  return strategy_of(strategy, m, from_config(cfg)).why_not(shape)
+  shape = {**dict(c.mesh.shape), CONTEXT: C}
+  return strategy_of(strategy, m, c.layout).why_not(shape)
 
 
-def choose(cfg, devices: int | None = None, degrees: tuple[int, ...] | None = None, skips_masked: bool | None = None,
+def choose(c: Composition, devices: int | None = None, degrees: tuple[int, ...] | None = None, skips_masked: bool | None = None,
            strategies: tuple[str, ...] = STRATEGIES) -> dict:
-  """The fastest predicted (strategy, context degree) that fits in HBM on `devices` (default: cfg's mesh),
+  """The fastest predicted (strategy, context degree) that fits in HBM on `devices` (default: c's mesh),
   tensor as configured and fsdp the rest (it must divide the batch): {"best", "reason", "candidates",
-  "excluded": {label: why}}. Load balancing is kept as cfg says. MODEL PREDICTIONS."""
-  T = cfg.mesh.tensor
-  devices = devices or cfg.mesh.n_devices
+  "excluded": {label: why}}. Load balancing is kept as c says. MODEL PREDICTIONS."""
+  T = c.mesh.tensor
+  devices = devices or c.mesh.n_devices
   degrees = degrees or tuple(c for c in range(1, devices // T + 1) if (devices // T) % c == 0)
   cands, excluded = [], {}
   for C in degrees:
     X = devices // (T * C)
     for strategy in (strategies if C > 1 else ("all_gather",)):
       label = f"{strategy} C={C}" if C > 1 else "no context (C=1)"
-      if X * T * C != devices or cfg.train.batch_size % X:
-        excluded[label] = f"fsdp {X} does not divide the batch of {cfg.train.batch_size} sequences"
+      if X * T * C != devices or c.train.batch_size % X:
+        excluded[label] = f"fsdp {X} does not divide the batch of {c.train.batch_size} sequences"
         continue
-      if (why := why_not(cfg, C, strategy)):
+      if (why := why_not(c, C, strategy)):
         excluded[label] = why
         continue
-      p = predict(with_context(cfg, C, strategy, fsdp=X), skips_masked)
+      p = predict(with_context(c, C, strategy, fsdp=X), skips_masked)
       if not p["fits"]:
-        excluded[label] = f"{p['memory_bytes'] / 1e9:.0f} GB per device does not fit {cfg.hardware.hbm_bytes / 1e9:.0f} GB"
+        excluded[label] = f"{p['memory_bytes'] / 1e9:.0f} GB per device does not fit {c.hardware.hbm_bytes / 1e9:.0f} GB"
         continue
       cands.append({**p, "label": label})
   if not cands:

@@ -38,6 +38,7 @@ from pathlib import Path
 from shardlab.analysis import hlo, ledger, pipeline_cost, timeline as TL
 from shardlab.analysis.links import collective_seconds, link_axes
 from shardlab.axes import FSDP, TENSOR
+from shardlab.composition import Composition
 
 
 def matmul_seconds(flops: float, hw) -> float:
@@ -218,10 +219,10 @@ def needed_bytes(memory: dict) -> int:
   return max(memory["peak"], (memory.get("allocated") or {}).get("total", 0))
 
 
-def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None = None, prog=None) -> dict:
+def predict_run(compiled, mesh, c: Composition, out_dir, analysis: dict, built: dict | None = None, prog=None) -> dict:
   """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (collectives by
   kind, axis and dtype with forward and backward bytes, from the traced program and from the compiled HLO, and
-  where they differ); timeline.json and timeline.png in out_dir (process 0). `built`: run.build's step and abstract
+  where they differ); timeline.json and timeline.png in out_dir (process 0). `c`: the run's composition. `built`: run.build's step and abstract
   inputs, to trace the program (without it, the compiled ledger only)."""
   import jax
   from shardlab import params as PM
@@ -231,33 +232,33 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
     traced = built.get("traced") or built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
     program = ledger.from_program(traced.jaxpr)   # the trace trainer.lower lowered (traced again without it)
     residuals = built.get("layer_residuals")      # one layer's residual bytes, read off that trace by trainer.lower
-  n_params = PM.count_active(cfg.model)          # a MoE token computes with its top k experts only
-  tokens = cfg.train.batch_size * cfg.model.seq_len
-  ici = link_axes(cfg)
+  n_params = PM.count_active(c.model)          # a MoE token computes with its top k experts only
+  tokens = c.train.batch_size * c.model.seq_len
+  ici = link_axes(c)
   from shardlab.analysis.program import Program
   prog = prog or Program.of(compiled, mesh)
   rows = ledger.from_hlo(prog.collectives)
   scale = ledger.dtype_scale(program, rows) if program is not None else {}
-  pred, evs = predict(prog, mesh, cfg.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program, scale)
+  pred, evs = predict(prog, mesh, c.hardware, ici, 6 * n_params * tokens / mesh.devices.size, program, scale)
   stages = getattr((built or {}).get("schedule"), "stages_on", None)
-  pipe = stages(cfg.mesh.shape) if stages else None
+  pipe = stages(c.mesh.shape) if stages else None
   extra = {}
   if pipe is not None:     # the step is the table replayed with the slots timed by the same model (pipeline_cost)
     extra["pipeline_prediction"], replayed = pipeline_cost.predict(
-        prog, cfg, pipe.ticks(), lambda comp: computation_seconds(prog, cfg.hardware, ici, comp, scale),
-        lambda c: link_seconds(prog, cfg.hardware, ici, c, scale))
+        prog, c.pipeline, pipe.ticks(), lambda comp: computation_seconds(prog, c.hardware, ici, comp, scale),
+        lambda coll: link_seconds(prog, c.hardware, ici, coll, scale))
     step = extra["pipeline_prediction"]["step_s"]
     pred.update(t_device_program_s=pred["t_overlapped_s"], t_overlapped_s=step,
-                mfu=pred["model_flops_per_device"] / (cfg.hardware.peak_flops * step) if step > 0 else 0.0,
+                mfu=pred["model_flops_per_device"] / (c.hardware.peak_flops * step) if step > 0 else 0.0,
                 step_from="pipeline_prediction: the schedule's table replayed with each slot timed by this model "
                           "(t_device_program_s: one device's program walked with its ticks back to back)")
   if jax.process_index() == 0:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
-    TL.plot(evs, out / "timeline.png", title(cfg, pred))
+    TL.plot(evs, out / "timeline.png", title(c, pred))
     if pipe is not None:
-      pipeline_cost.draw(replayed, out / "pipeline.png", cfg, extra["pipeline_prediction"])
+      pipeline_cost.draw(replayed, out / "pipeline.png", c, extra["pipeline_prediction"])
   led = {"program": None, "compiled": ledger.nested(rows), "rewrites": None, "differences": None, "per_axis": None}
   audit = dict(analysis.get("audit") or prog.audit())
   if program is not None:
@@ -266,18 +267,18 @@ def predict_run(compiled, mesh, cfg, out_dir, analysis: dict, built: dict | None
                per_axis=ledger.per_axis(program, rows))
     audit = reconcile_audit(audit, rec, prog)
   # cuDNN's kernel runs where the model's own attention does: no context split, or a strategy that attends with it
-  own_kernel = cfg.mesh.context == 1 or memory_model.attention_kept(cfg).attention == cfg.model.attention
-  if prog.platform in ("cuda", "gpu") and cfg.model.attention == "dot_product" and own_kernel:
+  own_kernel = c.mesh.context == 1 or memory_model.attention_kept(c).attention == c.model.attention
+  if prog.platform in ("cuda", "gpu") and c.model.attention == "dot_product" and own_kernel:
     # cuDNN's fused attention saves its own (O(L)) set, not the XLA attention the trace records; what a waiting
     # zero-bubble W holds has no attention probabilities in it (schedules/split.py), so it is kept
     residuals = {"held": residuals["held"]} if residuals and "held" in residuals else None
-  mem = {**analysis["memory"], **memory_model.compare(cfg, analysis["memory"], residuals,
+  mem = {**analysis["memory"], **memory_model.compare(c, analysis["memory"], residuals,
                                                        memory_model.gemm_workspace_bytes(prog.text))}
   mem["compiled_by"] = prog.platform
   if prog.platform != "cpu":                     # the target compiler's buffers against the preset's HBM
     need = needed_bytes(analysis["memory"])
-    mem.update(hbm_bytes=cfg.hardware.hbm_bytes, fits=need <= cfg.hardware.hbm_bytes,
-               headroom_bytes=cfg.hardware.hbm_bytes - need)
+    mem.update(hbm_bytes=c.hardware.hbm_bytes, fits=need <= c.hardware.hbm_bytes,
+               headroom_bytes=c.hardware.hbm_bytes - need)
   return {"prediction": pred, "memory": mem, "ledger": led, "audit": audit, **extra}
 
 
@@ -301,12 +302,12 @@ def reconcile_audit(audit: dict, rec: ledger.Reconciled, prog) -> dict:
   return {**audit, "unplanned": keep, "combined": combined}
 
 
-def title(cfg, pred: dict) -> str:
+def title(c: Composition, pred: dict) -> str:
   from shardlab.outputs import human_seconds as hs
   walk = pred.get("t_device_program_s")
   shown = (f"one device's program {hs(walk)}, pipeline step {hs(pred['t_overlapped_s'])}"
            if walk is not None else f"predicted step {hs(pred['t_overlapped_s'])}")
-  return (f"{cfg.schedule.name} | {cfg.model.label} | mesh {cfg.mesh.label} | {pred['hardware']}: "
+  return (f"{c.schedule.name} | {c.model.label} | mesh {c.mesh.label} | {pred['hardware']}: "
           f"{shown} (compute + comm serial {hs(pred['t_serial_s'])}), "
           f"MFU {100 * pred['mfu']:.3g}%  [{pred.get('model', 'peak-rate').split(':')[0]} MODEL PREDICTION, "
           "not a measurement]")

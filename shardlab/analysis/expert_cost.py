@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from shardlab import axes as X
 from shardlab import params as PM
+from shardlab.composition import Composition
 from shardlab.config import ExpertConfig
 from shardlab.layout import Layout
 from shardlab.schedules import expert as EP
@@ -38,9 +39,9 @@ def _bandwidth(hw, spans_nodes: bool) -> float:
   return min(inside, hw.dcn_bandwidth) if spans_nodes and hw.dcn_bandwidth else inside
 
 
-def candidate(cfg, N: int, name: str, cf: float, n: int) -> dict:
+def candidate(comp: Composition, N: int, name: str, cf: float, n: int) -> dict:
   """One dispatcher on expert n x fsdp N / n: the predicted step and its parts, or {"why": ...} if it cannot run."""
-  m, hw = cfg.model, cfg.hardware
+  m, hw = comp.model, comp.hardware
   label = f"{name}{f' cf {cf:g}' if cf else ''}, EP {n}"
   d = EP.DISPATCHERS[name](m, Layout(), ExpertConfig(name=name, impl=name, capacity_factor=cf))
   d.platform = {"cuda": "gpu", "tpu": "tpu"}.get(hw.target_platform, "cpu")
@@ -50,11 +51,11 @@ def candidate(cfg, N: int, name: str, cf: float, n: int) -> dict:
     if n <= dph or n % dph:
       return {"label": label, "why": f"two levels need the experts across nodes: EP {n} fits in one host of {dph}"}
     split = (n // dph, dph)
-  e = 2 if "16" in cfg.precision.compute_dtype else 4
-  tokens = (cfg.train.global_batch_tokens or cfg.train.batch_size * m.seq_len) / N
+  e = 2 if "16" in comp.precision.compute_dtype else 4
+  tokens = comp.global_tokens / N
   r = EP.Route(T=int(tokens), k=m.top_k, E=m.n_experts, N=n, D=m.d_model, e=e, split=split)
   L, F = m.n_layers, m.expert_ff
-  rate = hw.gemm_rate(cfg.precision.compute_dtype) if hasattr(hw, "gemm_rate") else hw.peak_flops
+  rate = hw.gemm_rate(comp.precision.compute_dtype) if hasattr(hw, "gemm_rate") else hw.peak_flops
   dense = hw.target_platform == "cuda"
   t_experts = L * 3 * d.expert_rows(r, dense) * 3 * 2 * m.d_model * F / rate
   expert_params = L * m.n_experts * 3 * m.d_model * F
@@ -86,17 +87,17 @@ def candidate(cfg, N: int, name: str, cf: float, n: int) -> dict:
   return out
 
 
-def choose(cfg, devices: int | None = None) -> dict:
+def choose(comp: Composition, devices: int | None = None) -> dict:
   """Every dispatcher and expert-parallel degree on `devices` (default: the mesh's), fastest predicted first; the
   excluded with why; the reason for the first."""
-  m = cfg.model
-  N = devices or cfg.mesh.n_devices
+  m = comp.model
+  N = devices or comp.mesh.n_devices
   degrees = [n for n in range(1, min(m.n_experts, N) + 1) if m.n_experts % n == 0 and N % n == 0]
   cands, excluded = [], {}
   seen = set()
   for n in degrees:
     for name, cf in CANDIDATES:
-      c = candidate(cfg, N, name, cf, n)
+      c = candidate(comp, N, name, cf, n)
       if "why" in c:
         excluded[c["label"]] = c["why"]
         continue

@@ -66,12 +66,12 @@ def switch_bandwidths(hw, sizes: list[int]) -> list[float]:
   return out
 
 
-def mesh_links(cfg) -> tuple[dict[str, int], dict[str, float]]:
+def mesh_links(c) -> tuple[dict[str, int], dict[str, float]]:
   """({axis: physical interconnect axes it spans (mesh.<axis>_ici_axes)}, {axis: bytes/s}) for every axis of
-  cfg.mesh's classic three and any other it has (> 1), innermost first: on a switch each axis gets
+  c.mesh's classic three and any other it has (> 1), innermost first: on a switch each axis gets
   switch_bandwidths' share (an outer axis the nodes' NICs once it spans nodes), on a torus its links
   (hardware.axis_bandwidth)."""
-  mesh, hw = cfg.mesh, cfg.hardware
+  mesh, hw = c.mesh, c.hardware
   sizes = {**{a: 1 for a in CLASSIC}, **mesh.shape}
   inner_first = [a for a in reversed(names()) if a in sizes]
   ici = {a: mesh.ici_axes(a) for a in inner_first}
@@ -80,13 +80,13 @@ def mesh_links(cfg) -> tuple[dict[str, int], dict[str, float]]:
   return ici, dict(zip(inner_first, switch_bandwidths(hw, [sizes[a] for a in inner_first])))
 
 
-def link_axes(cfg) -> dict:
-  """What the cost model knows of each mesh axis of cfg.mesh: the physical interconnect axes it spans (a torus's
+def link_axes(c) -> dict:
+  """What the cost model knows of each mesh axis of c.mesh: the physical interconnect axes it spans (a torus's
   M_X, M_Y; mesh.*_ici_axes) and, on a switch (GPU nodes), its bytes/s: NVLink inside a node, the nodes' NICs
   for an axis that spans nodes (mesh_links; axes laid out tensor innermost, then fsdp, data). On a torus
   the bandwidth follows from the axes spanned (axis_bandwidth: they add up for a combined axis)."""
-  ici, bws = mesh_links(cfg)
-  return ici if cfg.hardware.torus else {**ici, "bytes_per_s": bws}
+  ici, bws = mesh_links(c)
+  return ici if c.hardware.torus else {**ici, "bytes_per_s": bws}
 
 
 def transfer_seconds(nbytes: float, bandwidth: float, hw, hops: float = 1) -> float:

@@ -43,12 +43,8 @@ import re
 import jax
 
 from shardlab import params as PM
-from shardlab.layout import from_config
+from shardlab.composition import Composition
 from shardlab.pipeline_tables import Plan, table_of
-from shardlab.schedules import context as CP
-from shardlab.schedules.tp import make_tp
-from shardlab.axes import PIPELINE
-from shardlab.mesh import TENSOR
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -58,11 +54,6 @@ def dtype_bytes(name: str) -> int:
   if name not in DTYPE_BYTES:
     raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}")
   return DTYPE_BYTES[name]
-
-
-def global_tokens(cfg) -> int:
-  """B, in tokens: train.global_batch_tokens, or batch_size * seq_len when that is 0."""
-  return cfg.train.global_batch_tokens or cfg.train.batch_size * cfg.model.seq_len
 
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "save_qkv_proj", "save_qkv_attn_out", "save_matmuls_attn_out")
@@ -104,7 +95,7 @@ def activation_elements_per_token(model, remat: str) -> int:
           "full": d}[remat]
 
 
-def breakdown(cfg, residuals: dict | None = None) -> dict:
+def breakdown(c: Composition, residuals: dict | None = None) -> dict:
   """Bytes per device: master_params, grads, optimizer, compute_params, gathered_weights, activations, total.
 
   `residuals`: one layer's residual bytes per device from the traced program (schedules.explicit.
@@ -114,54 +105,52 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   set, recomputed or saved, beside its cotangents' first buffers); without them, the per-token estimate (also
   what a GPU target with model.attention=dot_product gets: the trace sees XLA's attention, the GPU runs cuDNN's
   fused kernel, which keeps only its output and log-sum-exp)."""
-  m, s = cfg.model, cfg.schedule
-  sizes = cfg.mesh.sizes
-  layout = from_config(cfg)
-  names = tuple(cfg.mesh.shape)
-  decls = PM.declare(m, cfg.mesh.tensor, layout, names)
+  m, s = c.model, c.schedule
+  sizes, layout, names = c.sizes, c.layout, c.names
+  decls = PM.declare(m, c.mesh.tensor, layout, names)
   leaves = _leaves(decls)
   weight = layout.rule("embed", names)           # the axes a layer's weights are gathered over
 
   def local(d, gathered=False):      # elements of one device's shard (gathered: the embed dim whole)
     return math.prod(d.shape) // math.prod(sizes[a] for a in d.mesh_axes() if not (gathered and a in weight))
 
-  pb, cb = dtype_bytes(cfg.precision.param_dtype), dtype_bytes(cfg.precision.compute_dtype)
-  P = stages(cfg)
+  pb, cb = dtype_bytes(c.precision.param_dtype), dtype_bytes(c.precision.compute_dtype)
+  P = c.stages
   layers_here = m.n_layers // P                  # the layers this device stores (its stage's)
   shard = sum(local(d) for d in leaves)
   per_layer = sum(local(d, True) for d in _leaves(decls["layers"])) // layers_here
   layer_shard = sum(local(d) for d in _leaves(decls["layers"])) // layers_here
   top = sum(local(d, True) for k, d in decls.items() if k != "layers")
   deferred = s.grad_reduce == "deferred"
-  step_gather = P > 1 and cfg.pipeline.gather == "step"
+  step_gather = P > 1 and c.pipeline.gather == "step"
   live = layers_here if deferred or step_gather or not s.reshard_after_forward else min(layers_here, s.prefetch + 1)
-  tokens = local_tokens(cfg)
-  t = cfg.mesh.tensor
-  tp, cp = parts(cfg)
-  per_token = activation_elements_per_token(attention_kept(cfg, cp), s.remat) + _context_kept(cfg, cp)
+  tokens = c.local_tokens
+  t = c.mesh.tensor
+  tp = c.tp
+  per_token = activation_elements_per_token(attention_kept(c), s.remat) + _context_kept(c)
   rep = 0 if tp.seq_sharded else _replicated_per_token(m, s.remat)
   traced = "saved" in (residuals or {})
   per_device = lambda per, rep: tokens * ((per - rep) // t + rep) * cb     # elements per token -> bytes per device
   saved = residuals["saved"] if traced else per_device(per_token, rep)
   unremat = residuals["unremat"] if traced else saved
   if P > 1:     # the stage's buffers, as the executor allocates them from the table (pipeline_buffers)
-    buf = pipeline_buffers(cfg)
+    buf = pipeline_buffers(c)
     x = tokens * m.d_model // (t if t > 1 and tp.seq_sharded else 1) * (4 if m.kind == "ffn" else cb)
-    k = m.n_layers // (P * cfg.pipeline.virtual_stages)
+    k = m.n_layers // (P * c.pipeline.virtual_stages)
     # what a waiting zero-bubble W holds per layer (Stage.held, traced); untraced, the layer's whole set without
     # remat bounds it (W reads matmul inputs and output gradients, each the size of an activation of that set)
-    whole = activation_elements_per_token(attention_kept(cfg, cp), "none") + _context_kept(cfg, cp)
+    whole = activation_elements_per_token(attention_kept(c), "none") + _context_kept(c)
     held = (residuals or {}).get("held") or per_device(whole, 0 if tp.seq_sharded else _replicated_per_token(m, "none"))
     # + a B slot's own output: its k layers' held values, made beside the buffer they are then written into
     acts = buf["res"] * k * saved + unremat + buf["x"] * x + (buf["w"] + 1 if buf["w"] else 0) * k * held
   else:
     acts = m.n_layers * saved + unremat if traced else m.n_layers * saved
-  acts += moe_layer_bytes(cfg, tokens // (t if t > 1 and tp.seq_sharded else 1), cb)
+  acts += moe_layer_bytes(c, tokens // (t if t > 1 and tp.seq_sharded else 1), cb)
   # the logits in the compute dtype and their float32 softmax (the FFN-only model has none: its loss is on
   # [B, L, D])
   logits = tokens * m.vocab_size // t * (cb + 4) if m.kind != "ffn" else 0
   acts += logits
-  micro = microbatches(cfg)
+  micro = c.microbatches
   accum = 0 if micro == 1 or P > 1 else (per_layer * m.n_layers + top if deferred else shard) * pb
   out = {
       "master_params": shard * pb,
@@ -180,7 +169,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
       # stacked dW), which it adds into the gradients.
       "layer_gradient": ((0 if deferred or step_gather else per_layer * (cb if s.gather_dtype == "compute" else pb))
                          + (getattr(tp, "partial_products", lambda t: 1)(t) - 1) * per_layer * cb
-                         + (m.n_layers // (P * cfg.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
+                         + (m.n_layers // (P * c.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
       # The largest weight outside the layers (the embedding or the unembedding, [V, D]): its whole gradient,
       # made in backward before the reduce-scatter over fsdp takes its shard, as a layer's is (layer_gradient).
       "top_gradient": max((local(d, True) for k, d in decls.items() if k != "layers"), default=0)
@@ -191,7 +180,7 @@ def breakdown(cfg, residuals: dict | None = None) -> dict:
   return out
 
 
-def moe_layer_bytes(cfg, tokens: int, cb: int) -> int:
+def moe_layer_bytes(c: Composition, tokens: int, cb: int) -> int:
   """What one MoE layer's backward holds beyond its residuals, asked of its dispatcher (schedules/expert.py): the
   expert GEMMs' activations on the rows it holds (gate and up [rows, 2 F_e], their product [rows, F_e]) and their
   cotangents, and its dispatch buffers (buffer_bytes). 0 for a dense model, or a dispatcher without the terms.
@@ -199,23 +188,19 @@ def moe_layer_bytes(cfg, tokens: int, cb: int) -> int:
   targets, for all_to_all and ragged on v5p and for Qwen3-30B-A3B on 8 H100s; 13-15% off for two Qwen3 cases on
   64 H100s, and a third high for all_gather on v5p (libtpu holds less). Each expert's width is counted whole
   (expert tensor parallelism would divide it)."""
-  m = cfg.model
-  if not m.moe:
+  m, d = c.model, c.dispatcher
+  if d is None or not (hasattr(d, "rows_held") and hasattr(d, "buffer_bytes")):
     return 0
   from shardlab.schedules import expert as EP
-  layout = from_config(cfg)
-  d = EP.make(cfg.expert, m, layout)
-  if not (hasattr(d, "rows_held") and hasattr(d, "buffer_bytes")):
-    return 0
-  sizes = cfg.mesh.sizes
-  axes = layout.rule("experts", tuple(cfg.mesh.shape))
+  sizes = c.sizes
+  axes = c.layout.rule("experts", c.names)
   r = EP.Route(T=int(tokens), k=m.top_k, E=m.n_experts, N=math.prod(sizes[a] for a in axes), D=m.d_model, e=cb,
                split=tuple(sizes[a] for a in axes) if len(axes) > 1 else ())
   held = 2 * d.rows_held(r) * 3 * m.expert_ff * cb + d.buffer_bytes(r)
   # XLA's GPU compiler runs a grouped GEMM (jax.lax.ragged_dot) as one dot over its rows expanded per local expert
   # ([rows, E/N, D] and [rows, E/N, F_e]: experiments/moe/README.md); a dispatcher whose expert rows grow when
   # groups run densely holds E/N - 1 more copies of both, and their cotangents, in a CUDA program
-  if cfg.compile_for == "target" and cfg.hardware.target_platform == "cuda" and \
+  if c.compile_for == "target" and c.hardware.target_platform == "cuda" and \
       d.expert_rows(r, True) > d.expert_rows(r, False):
     held += 2 * d.rows_held(r) * (m.n_experts // r.N - 1) * (m.d_model + m.expert_ff) * cb
   return held
@@ -238,33 +223,14 @@ def peak(parts: dict, logits: int, one_pass: bool) -> int:
   return state + common + logits + backward
 
 
-def local_tokens(cfg) -> float:
-  """Tokens per device of one microbatch: the sequences its batch axes leave it (of the global batch,
-  global_tokens), x the L/C tokens of each that its sequence (`length`) axes leave it. A whole number on a mesh
-  that divides the batch; the planner asks about batches that do not (a fraction of a sequence per shard)."""
-  t = global_tokens(cfg) / split(cfg, "batch") / microbatches(cfg) / split(cfg, "length")
-  return int(t) if t == int(t) else t
-
-
-def stages(cfg) -> int:
-  """Pipeline stages the run has: mesh.pipeline under a pipeline schedule, else 1."""
-  return cfg.mesh.sizes.get(PIPELINE, 1) if cfg.pipeline.staged else 1
-
-
-def microbatches(cfg) -> int:
-  """Microbatches a device splits its batch into: the pipeline's M, else schedule.microbatches."""
-  P = stages(cfg)
-  return cfg.pipeline.count(P) if P > 1 else cfg.schedule.microbatches
-
-
-def pipeline_buffers(cfg) -> dict:
+def pipeline_buffers(c: Composition) -> dict:
   """What a pipeline stage holds, in units, from the executor's own allocation of its table (schedules/
   pipeline.py: Plan): `res`, microbatch-chunks of residuals (each k layers'
   saved set); `x`, residual-stream blocks of one microbatch (every microbatch's embedding and its input
   gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of what
   each layer's B leaves for its split-off weight gradient W (zero-bubble; schedules/explicit.py: Stage.held)."""
-  P = stages(cfg)
-  return _buffers(cfg.pipeline.impl, cfg.pipeline.table, P, cfg.pipeline.count(P), cfg.pipeline.virtual_stages)
+  P, p = c.stages, c.pipeline
+  return _buffers(p.impl, p.table, P, p.count(P), p.virtual_stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,34 +238,21 @@ def _buffers(impl: str, csv_table: str, P: int, M: int, V: int) -> dict:
   return Plan(table_of(impl, csv_table, P, M, V), M, V).buffers()
 
 
-def split(cfg, logical: str) -> int:
-  """How many pieces cfg's mesh splits a logical dim into (its layout rule's axes' sizes multiplied)."""
-  return math.prod(cfg.mesh.sizes[a] for a in from_config(cfg).rule(logical, tuple(cfg.mesh.shape)))
-
-
-def parts(cfg) -> tuple:
-  """(the TP contraction, the context strategy) cfg runs, built from their classes (a user's `module:Class`
-  too): the memory terms below are theirs (schedules/tp.py, schedules/context.py), never their names'."""
-  layout = from_config(cfg)
-  return make_tp(cfg.schedule.tp, layout), CP.make(cfg.context, cfg.model, layout)
-
-
-def attention_kept(cfg, cp=None):
+def attention_kept(c: Composition):
   """The model as its attention keeps residuals under context parallelism (module doc): the strategy's
   `kept_attention` (a ring keeps the blockwise kernel's set whatever model.attention says)."""
-  cp = parts(cfg)[1] if cp is None else cp
-  kept = getattr(cp, "kept_attention", None)     # (a strategy that states no cost terms: the model's own)
-  if cfg.mesh.context > 1 and cfg.model.kind != "ffn" and kept is not None:
-    return dataclasses.replace(cfg.model, attention=kept())
-  return cfg.model
+  kept = getattr(c.cp, "kept_attention", None)     # (a strategy that states no cost terms: the model's own)
+  if c.mesh.context > 1 and c.model.kind != "ffn" and kept is not None:
+    return dataclasses.replace(c.model, attention=kept())
+  return c.model
 
 
-def _context_kept(cfg, cp) -> int:
+def _context_kept(c: Composition) -> int:
   """Elements per local token per layer the context strategy keeps beyond the remat policy's set (its
   `kept_per_token`: Ulysses' head-sharded attention output under a policy that saves it)."""
-  kept = getattr(cp, "kept_per_token", None)
-  if cfg.mesh.context > 1 and cfg.model.kind != "ffn" and kept is not None:
-    return kept(cfg.schedule.remat)
+  kept = getattr(c.cp, "kept_per_token", None)
+  if c.mesh.context > 1 and c.model.kind != "ffn" and kept is not None:
+    return kept(c.schedule.remat)
   return 0
 
 
@@ -319,7 +272,7 @@ def _leaves(tree) -> list:
   return jax.tree.leaves(tree, is_leaf=PM.is_param)
 
 
-def compare(cfg, compiled: dict, residuals: dict | None = None, gemm_workspace: int = 0) -> dict:
+def compare(c: Composition, compiled: dict, residuals: dict | None = None, gemm_workspace: int = 0) -> dict:
   """{"analytic": breakdown, "compiled_over_analytic": compiled peak / analytic total, "components": per part,
   the analytic and compiled bytes and the error (analytic / compiled - 1)}. The parts a compiler reports:
   `state` (the arguments less the token batch: fp32 weights and Adam moments), `working` (its temporaries:
@@ -328,11 +281,11 @@ def compare(cfg, compiled: dict, residuals: dict | None = None, gemm_workspace: 
   Where the compiler's buffer assignment was read (`compiled["allocated"]`), `allocated`: the total against the
   device memory that assignment holds (on TPU the figure to trust: memory_analysis() reports more than libtpu
   assigns, experiments/predict/README.md)."""
-  a = breakdown(cfg, residuals)
+  a = breakdown(c, residuals)
   total = a["total"] + gemm_workspace
   state = a["master_params"] + a["optimizer"]
-  seq = cfg.model.seq_len // split(cfg, "length")
-  batch = (2 * cfg.train.batch_size // split(cfg, "batch") * seq + seq) * 4   # int32 inputs, targets, positions
+  seq = c.model.seq_len // c.split("length")
+  batch = (2 * c.train.batch_size // c.split("batch") * seq + seq) * 4   # int32 inputs, targets, positions
   parts = {"state": (state, compiled["argument"] - batch), "working": (total - state, compiled["temp"]),
            "peak": (total, compiled["peak"])}
   if compiled.get("allocated"):

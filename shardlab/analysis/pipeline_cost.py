@@ -37,27 +37,27 @@ def slot_seconds(prog, seconds, link) -> dict:
   return out
 
 
-def predict(prog, cfg, ticks, seconds, link) -> dict:
+def predict(prog, pipeline, ticks, seconds, link) -> dict:
   """summary.json's `pipeline`: the slot times (slot_seconds, by the run's model: `seconds`, `link`), the
   executor's step and bubble (sync replay), the table's ideal (async replay) and the closed form, and what each
-  stage holds in flight."""
+  stage holds in flight. `pipeline`: the run's PipelineConfig."""
   t = slot_seconds(prog, seconds, link)
-  P, M, V = len(ticks[0]), cfg.pipeline.count(len(ticks[0])), cfg.pipeline.virtual_stages
+  P, M, V = len(ticks[0]), pipeline.count(len(ticks[0])), pipeline.virtual_stages
   t_f = t["F"] + t["head"]         # in lockstep the last stage's F (with the head) sets the pace
   run = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=True)
   ideal = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=False)
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
-  return {"schedule": cfg.pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
+  return {"schedule": pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
           "slot_s": t, "step_s": run["step_s"], "bubble": run["bubble"],
           "table_step_s": ideal["step_s"], "table_bubble": ideal["bubble"],
-          "closed_form_bubble": None if cfg.pipeline.table else PT.closed_form_bubble(cfg.pipeline.impl, P, M, V),
+          "closed_form_bubble": None if pipeline.table else PT.closed_form_bubble(pipeline.impl, P, M, V),
           "in_flight": PT.in_flight(ticks, "W" if split else "B"),
           "note": "prediction: the table replayed with each slot's compiled computation timed by the run's model, "
                   "ticks synchronised between neighbouring stages; not a measurement"}, run
 
 
-def draw(result: dict, path, cfg, pred: dict) -> None:
+def draw(result: dict, path, c, pred: dict) -> None:
   """pipeline.png: the executor's replay, one row per stage (pipeline_replay.py: draw)."""
   v = f", V={pred['virtual_stages']}" if pred["virtual_stages"] > 1 else ""
-  PR.draw(result, path, title=f"{cfg.pipeline.name}, P={pred['stages']}, M={pred['microbatches']}{v} on "
-          f"{cfg.hardware.name}, prediction: ", unit="s")
+  PR.draw(result, path, title=f"{c.pipeline.name}, P={pred['stages']}, M={pred['microbatches']}{v} on "
+          f"{c.hardware.name}, prediction: ", unit="s")

@@ -7,33 +7,34 @@ from pathlib import Path
 
 from shardlab.analysis import planner
 from shardlab.axes import DATA, FSDP, TENSOR
+from shardlab.composition import Composition
 
 
-def configured_layout(cfg) -> dict:
+def configured_layout(c: Composition) -> dict:
   """The configured mesh as a layout (data x fsdp x tensor, the configured physical axes): planner.this_layout."""
-  return planner.this_layout(cfg)
+  return planner.this_layout(c)
 
 
-def curve(cfg, layout: dict, batches) -> tuple[list[float], list[float]]:
+def curve(c: Composition, layout: dict, batches) -> tuple[list[float], list[float]]:
   """(step time s, MFU) of `layout` at each per-device batch in `batches` (tokens), at the layout's remat and
   microbatches (a searched layout's choice; the configured ones otherwise)."""
   n = layout[DATA] * layout[FSDP] * layout[TENSOR]
-  cfg = planner.override(cfg, schedule={"remat": layout.get("remat", cfg.schedule.remat),
-                                        "microbatches": layout.get("microbatches", cfg.schedule.microbatches)})
-  out = [planner.evaluate_layout(planner.override(cfg, train={"global_batch_tokens": b * n}), layout[DATA],
+  c = c.replace(schedule={"remat": layout.get("remat", c.schedule.remat),
+                          "microbatches": layout.get("microbatches", c.schedule.microbatches)})
+  out = [planner.evaluate_layout(c.replace(train={"global_batch_tokens": b * n}), layout[DATA],
                                  layout[FSDP], layout[TENSOR], layout["axis_bandwidth"], layout["ici_axes"],
                                  layout.get("latency_hops")) for b in batches]
   return [o["step_time_s"] for o in out], [o["mfu"] for o in out]
 
 
-def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
+def efficiency_curve(c: Composition, path, layouts: list[dict] | None = None) -> Path:
   """Write the figure for `layouts` (default: the configured mesh) to `path`; returns the path."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
 
-  layouts = layouts or [configured_layout(cfg)]
+  layouts = layouts or [configured_layout(c)]
   marks = [l["critical_batch_per_device"]["this_mesh"] or 0 for l in layouts]
   limits = [l["max_batch_per_device_tokens_unrounded"] for l in layouts]
   now = layouts[0]["batch_per_device_tokens"]
@@ -44,7 +45,7 @@ def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
   fig, (ax_t, ax_e) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
   for i, (l, crit, limit) in enumerate(zip(layouts, marks, limits)):
     color = f"C{i}"
-    steps, mfus = curve(cfg, l, batches)
+    steps, mfus = curve(c, l, batches)
     fits = batches <= limit
     label = f"data {l[DATA]} x fsdp {l[FSDP]} x tensor {l[TENSOR]}, remat {l['remat']}" + (
         f", {l['microbatches']} microbatches" if l["microbatches"] > 1 else "")
@@ -59,10 +60,10 @@ def efficiency_curve(cfg, path, layouts: list[dict] | None = None) -> Path:
     ax_t.plot([l["batch_per_device_tokens"]], [l["step_time_s"]], "o", color=color)
     ax_e.plot([l["batch_per_device_tokens"]], [100 * l["mfu"]], "o", color=color)
   ax_t.set(xscale="log", yscale="log", ylabel="predicted step time (s)",
-           title=f"{cfg.model.label} on {layouts[0][DATA] * layouts[0][FSDP] * layouts[0][TENSOR]} x "
-                 f"{cfg.hardware.name} (predicted; MFU when compute-bound: {cfg.train.mfu:.0%})")
+           title=f"{c.model.label} on {layouts[0][DATA] * layouts[0][FSDP] * layouts[0][TENSOR]} x "
+                 f"{c.hardware.name} (predicted; MFU when compute-bound: {c.train.mfu:.0%})")
   ax_e.set(xscale="log", xlabel="batch per device B / N (tokens)", ylabel="predicted MFU (%)",
-           ylim=(0, 100 * cfg.train.mfu * 1.15))
+           ylim=(0, 100 * c.train.mfu * 1.15))
   ax_t.plot([], [], "k--", lw=1, label="critical batch (below: comm-bound)")
   ax_t.plot([], [], "k-.", lw=1, label="memory limit (dotted beyond: does not fit)")
   ax_t.plot([], [], "ko", label="the configured global batch")

@@ -38,20 +38,19 @@ pipeline layout applies, why (why_no_pipeline), so that a table without one is n
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from shardlab import params as PM
-from shardlab.axes import CLASSIC, DATA, FSDP, PIPELINE, TENSOR, names, shape_of
+from shardlab.axes import DATA, FSDP, PIPELINE, TENSOR, shape_of
 from shardlab.analysis import memory_model as MM
+from shardlab.composition import Composition
 from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths, torus_axes
-from shardlab.analysis.memory_model import dtype_bytes, global_tokens
+from shardlab.analysis.memory_model import dtype_bytes
 from shardlab.analysis.pipeline_replay import replay
 from shardlab.pipeline_tables import (SCHEDULES, Plan, check_shape, chunks_per_stage, closed_form_bubble,
                                       in_flight, table_of)
-from shardlab.layout import from_config
 
 BOOK_BYTES = 2  # bf16, what every closed form in the book assumes
 
@@ -182,7 +181,7 @@ def collective_time(v_bytes: float, n: int, bandwidth: float, hop_latency_s: flo
   return max(v_bytes * (n - 1) / n / bandwidth, hop_latency_s * (n / 2 if hops is None else hops))
 
 
-def layer_times(cfg) -> dict[str, float]:
+def layer_times(c: Composition) -> dict[str, float]:
   """Per-device seconds for ONE block: `*_fwd` for the forward pass, the plain keys for forward + backward.
 
   math: 2 P_layer B / (N C) forward, 3x that per step (matmul FLOPs; attention's T^2 FLOPs are left out, as in
@@ -194,12 +193,12 @@ def layer_times(cfg) -> dict[str, float]:
     (V = B D / X activations) at the tensor axis bandwidth; backward does the transposes, so 2x per step.
   Forward is the pass with the most communication per FLOP (training.md), hence the compute-bound test.
   """
-  mesh = cfg.mesh
-  c = block_costs(cfg, *fsdp_tensor_bandwidth(cfg))
-  b = global_tokens(cfg) / (mesh.fsdp * mesh.tensor)
-  math_fwd, tensor_fwd = c.math * b, c.tensor_time(b)
-  return {"math_fwd": math_fwd, "fsdp_fwd": c.fsdp, "tensor_fwd": tensor_fwd,
-          "math": 3 * math_fwd, FSDP: (1 + c.fsdp_bwd_passes) * c.fsdp, TENSOR: 2 * tensor_fwd}
+  mesh = c.mesh
+  costs = block_costs(c, *fsdp_tensor_bandwidth(c))
+  b = c.global_tokens / (mesh.fsdp * mesh.tensor)
+  math_fwd, tensor_fwd = costs.math * b, costs.tensor_time(b)
+  return {"math_fwd": math_fwd, "fsdp_fwd": costs.fsdp, "tensor_fwd": tensor_fwd,
+          "math": 3 * math_fwd, FSDP: (1 + costs.fsdp_bwd_passes) * costs.fsdp, TENSOR: 2 * tensor_fwd}
 
 
 @dataclass(frozen=True)
@@ -257,15 +256,15 @@ class BlockCosts:
     return (need[axis], axis) if need[axis] > 0 else (0.0, "none")
 
 
-def block_costs(cfg, w_x: float, w_y: float, data: int = 1, w_d: float = 1.0, params: int | None = None,
+def block_costs(c: Composition, w_x: float, w_y: float, data: int = 1, w_d: float = 1.0, params: int | None = None,
                 hops: dict[str, float] | None = None) -> BlockCosts:
-  """BlockCosts of one block (or, with `params` = embed_params and no TP traffic, the embeddings) on cfg.mesh
+  """BlockCosts of one block (or, with `params` = embed_params and no TP traffic, the embeddings) on c.mesh
   (fsdp X, tensor Y) with `data` HSDP replicas, at the given per-axis bandwidths (and latency hops per axis,
   default n / 2)."""
-  m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
+  m, mesh, hw = c.model, c.mesh, c.hardware
   x, y = mesh.fsdp, mesh.tensor
   hops = hops or {}
-  w_bytes, a_bytes = comm_bytes(cfg)
+  w_bytes, a_bytes = comm_bytes(c)
   p_l = layer_params(m) if params is None else params
   shard = block_shard_params(m, y) if params is None else params / y    # W[D, F_Y] elements after the gather
   sublayers = 0 if params is not None else 1 if m.kind == "ffn" else 2
@@ -275,52 +274,47 @@ def block_costs(cfg, w_x: float, w_y: float, data: int = 1, w_d: float = 1.0, pa
       tensor_per_token=2 * sublayers * a_bytes * m.d_model * (y - 1) / w_y if y > 1 else 0.0,
       tensor_floor=2 * sublayers * hw.hop_latency_s * hops.get(TENSOR, y / 2) if y > 1 else 0.0,
       data=2 * collective_time(w_bytes * shard / x, data, w_d, hw.hop_latency_s, hops.get(DATA)),
-      fsdp_bwd_passes=2 if cfg.schedule.reshard_after_forward else 1)
+      fsdp_bwd_passes=2 if c.schedule.reshard_after_forward else 1)
 
 
-def comm_bytes(cfg) -> tuple[int, int]:
+def comm_bytes(c: Composition) -> tuple[int, int]:
   """(bytes per weight element gathered / gradient reduced, bytes per activation element moved by TP)."""
-  cb = dtype_bytes(cfg.precision.compute_dtype)
-  wb = dtype_bytes(cfg.precision.param_dtype) if cfg.schedule.gather_dtype == "param" else cb
+  cb = dtype_bytes(c.precision.compute_dtype)
+  wb = dtype_bytes(c.precision.param_dtype) if c.schedule.gather_dtype == "param" else cb
   return wb, cb
 
 
 # ---------------------------------------------------------------------------------------- batch window of a mesh
 
-def override(cfg, **groups):
-  """A copy of cfg with fields of some groups replaced: override(cfg, mesh={FSDP: 8}, train={...})."""
-  return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
+def at_tokens(c: Composition, tokens: float):
+  """c with a global batch of `tokens` (0 too: train.global_batch_tokens=0 alone would mean batch_size x L)."""
+  return c.replace(train={"global_batch_tokens": tokens, "batch_size": 0})
 
 
-def at_tokens(cfg, tokens: float):
-  """cfg with a global batch of `tokens` (0 too: train.global_batch_tokens=0 alone would mean batch_size x L)."""
-  return override(cfg, train={"global_batch_tokens": tokens, "batch_size": 0})
+def at_sequences(c: Composition, seqs: float):
+  """c with `seqs` sequences on every batch shard (data x fsdp, as its layout splits the batch)."""
+  return at_tokens(c, seqs * c.split("batch") * c.model.seq_len)
 
 
-def at_sequences(cfg, seqs: float):
-  """cfg with `seqs` sequences on every batch shard (data x fsdp, as its layout splits the batch)."""
-  return at_tokens(cfg, seqs * MM.split(cfg, "batch") * cfg.model.seq_len)
-
-
-def memory_affine(cfg) -> tuple[float, float]:
+def memory_affine(c: Composition) -> tuple[float, float]:
   """(fixed bytes per device, bytes per sequence of a batch shard): the line through memory_model.breakdown at
   one and two sequences per shard at the configured schedule, as a line through compiled peaks is drawn
   (calibrated_batch_window). The model's peak is the larger of two lines (the logits, or the gradients being
   made) in one pass: batch_window searches the model itself."""
-  one, two = (MM.breakdown(at_sequences(cfg, s))["total"] for s in (1, 2))
+  one, two = (MM.breakdown(at_sequences(c, s))["total"] for s in (1, 2))
   return 2 * one - two, two - one
 
 
-def batch_window(cfg, affine: tuple[float, float] | None = None) -> dict[str, float]:
-  """The largest batch that fits in HBM on cfg.mesh: whole sequences per fsdp shard, a multiple of
+def batch_window(c: Composition, affine: tuple[float, float] | None = None) -> dict[str, float]:
+  """The largest batch that fits in HBM on c.mesh: whole sequences per fsdp shard, a multiple of
   schedule.microbatches, by memory_model.breakdown (or, given `affine`, the line fixed + per_sequence * s).
   max_batch_per_device_tokens = sequences * L / Y (B / N, the book's per-device batch); 0 when not one sequence
   per shard fits. `..._tokens_unrounded`: the same limit in tokens, as the book counts a batch (interpolated
   between the last whole sequence that fits and the next; a shard holding part of a sequence needs sequence
   sharding, which shardlab does not do)."""
-  m, mesh, mb, hbm = cfg.model, cfg.mesh, max(1, cfg.schedule.microbatches), cfg.hardware.hbm_bytes
-  fixed, per_seq = affine or memory_affine(cfg)
-  total = ((lambda s: fixed + s * per_seq) if affine else (lambda s: MM.breakdown(at_sequences(cfg, s))["total"]))
+  m, mesh, mb, hbm = c.model, c.mesh, max(1, c.schedule.microbatches), c.hardware.hbm_bytes
+  fixed, per_seq = affine or memory_affine(c)
+  total = ((lambda s: fixed + s * per_seq) if affine else (lambda s: MM.breakdown(at_sequences(c, s))["total"]))
   whole = _last_fitting(total, hbm, 1)                 # memory grows with the batch: the boundary by bisection
   seqs = whole - whole % mb
   step = total(whole + 1) - total(whole)
@@ -347,7 +341,7 @@ def _last_fitting(total, budget: float, lo: int) -> int:
   return lo
 
 
-def calibrated_batch_window(cfg, peaks: dict[int, float]) -> dict[str, float]:
+def calibrated_batch_window(c: Composition, peaks: dict[int, float]) -> dict[str, float]:
   """batch_window from measured memory instead of the analytic model: `peaks` maps sequences per fsdp shard to
   the compiled peak bytes per device (`compiled.memory_analysis()`, two or more batch sizes); the least-squares
   line through them gives the fixed and per-sequence bytes. How a compile confirms the window."""
@@ -356,17 +350,17 @@ def calibrated_batch_window(cfg, peaks: dict[int, float]) -> dict[str, float]:
   xs, ys = list(peaks), list(peaks.values())
   mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
   slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-  return batch_window(cfg, (my - slope * mx, slope))
+  return batch_window(c, (my - slope * mx, slope))
 
 
-def microbatches_to_fit(cfg) -> int | None:
+def microbatches_to_fit(c: Composition) -> int | None:
   """Fewest microbatches (dividing each fsdp shard's sequences) with which the configured global batch fits in
   HBM; None when even one sequence at a time does not (or a shard holds less than one whole sequence and does
   not fit)."""
-  local = global_tokens(cfg) / cfg.mesh.fsdp / cfg.model.seq_len
+  local = c.global_tokens / c.mesh.fsdp / c.model.seq_len
   whole = local >= 1 and local == int(local)
   for k in (_divisors(int(local)) if whole else [1]):
-    if MM.breakdown(override(cfg, schedule={"microbatches": k}))["total"] <= cfg.hardware.hbm_bytes:
+    if MM.breakdown(c.replace(schedule={"microbatches": k}))["total"] <= c.hardware.hbm_bytes:
       return k
   return None
 
@@ -385,14 +379,14 @@ def _factorizations(n: int):
       yield data, fsdp, n // data // fsdp
 
 
-def _sharding_problems(cfg, shape: dict) -> list[str]:
+def _sharding_problems(c: Composition, shape: dict) -> list[str]:
   """What shardlab cannot shard: the dims a layout rule does not divide on this mesh (params.problems, the
   requirements validation checks too)."""
   return [f"sharding: {n.setting}={n.value} is not divisible by {n.by().replace('mesh.', '')}={n.size}"
-          for n in PM.problems(cfg.model, from_config(cfg), shape)]
+          for n in PM.problems(c.model, c.layout, shape)]
 
 
-def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str, float],
+def evaluate_layout(c: Composition, data: int, fsdp: int, tensor: int, bandwidth: dict[str, float],
                     ici_axes: dict[str, int], hops: dict[str, float] | None = None) -> dict[str, Any]:
   """One data x fsdp x tensor layout at the configured global batch: memory, compute-bound, step time and MFU.
 
@@ -404,21 +398,21 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   layout is slower by its comm / math. compute_bound is the book's test: every axis's comms within the math of
   its pass. mfu = 6 P B / (N C step).
   """
-  m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
-  tokens = global_tokens(cfg)
+  m, hw, hbm = c.model, c.hardware, c.hardware.hbm_bytes
+  tokens = c.global_tokens
   b = tokens / (data * fsdp * tensor)
-  sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor, "fsdp_ici_axes": ici_axes[FSDP],
+  sub = c.replace(mesh={FSDP: fsdp, TENSOR: tensor, "fsdp_ici_axes": ici_axes[FSDP],
                          "tensor_ici_axes": ici_axes[TENSOR]}, train={"global_batch_tokens": tokens / data})
   args = (bandwidth[FSDP], bandwidth[TENSOR], data, bandwidth[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
-  k = max(1, cfg.schedule.microbatches)
-  step = (m.n_layers * block.step(b, k) + embed.step(b, k)) / cfg.train.mfu
+  k = max(1, c.schedule.microbatches)
+  step = (m.n_layers * block.step(b, k) + embed.step(b, k)) / c.train.mfu
   ratios = block.comm_to_math(b / k)         # per microbatch: what one pass's communication hides behind
   mem = MM.breakdown(sub)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
 
-  why = _sharding_problems(cfg, shape_of({DATA: data, FSDP: fsdp, TENSOR: tensor}))
+  why = _sharding_problems(c, shape_of({DATA: data, FSDP: fsdp, TENSOR: tensor}))
   k_fit = 1 if mem["total"] <= hbm else microbatches_to_fit(sub)
   if mem["total"] > hbm:
     why.append(f"memory: {mem['total'] / 1e9:.1f} GB per device > {hbm / 1e9:.0f} GB HBM (training state "
@@ -440,7 +434,7 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
     notes.append(f"each batch shard holds {local_seqs:.3g} sequences: shardlab shards whole sequences over "
                  "data x fsdp (fractions need sequence sharding)")
   return {
-      DATA: data, FSDP: fsdp, TENSOR: tensor, "remat": cfg.schedule.remat, "microbatches": k,
+      DATA: data, FSDP: fsdp, TENSOR: tensor, "remat": c.schedule.remat, "microbatches": k,
       "fits": mem["total"] <= hbm,
       "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
       "mfu": 6 * param_count(m) * b / (hw.peak_flops * step), "rejected_because": why,
@@ -452,15 +446,15 @@ def evaluate_layout(cfg, data: int, fsdp: int, tensor: int, bandwidth: dict[str,
   }
 
 
-def placements(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
+def placements(c: Composition, devices: int | None = None, torus: tuple[int, ...] | None = None,
                pipeline: int = 1) -> list[tuple]:
   """Every data x fsdp x tensor factorization of the device count (default mesh.data * mesh.fsdp * mesh.tensor)
   laid out tensor innermost, then fsdp, then data: (data, fsdp, tensor, {axis: bytes/s}, {axis: torus axes
   spanned}, {axis: latency hops} or None, why it does not tile the TPU torus or None). With `pipeline` = P > 1:
   data x fsdp x tensor factor devices / P, and the pipeline axis is the outermost (across nodes first), its
   bandwidth, torus axes and hops in the dicts beside the others'."""
-  hw = cfg.hardware
-  n = devices or cfg.mesh.n_devices
+  hw = c.hardware
+  n = devices or c.mesh.n_devices
   if n < 1:
     raise ValueError(f"devices={n} must be >= 1")
   if pipeline < 1 or n % pipeline:
@@ -488,9 +482,9 @@ def placements(cfg, devices: int | None = None, torus: tuple[int, ...] | None = 
   return out
 
 
-def _evaluate_placed(cfg, place: tuple) -> dict[str, Any]:
+def _evaluate_placed(c: Composition, place: tuple) -> dict[str, Any]:
   data, fsdp, tensor, bws, axes, hops, untiled = place
-  layout = evaluate_layout(cfg, data, fsdp, tensor, bws, axes, hops)
+  layout = evaluate_layout(c, data, fsdp, tensor, bws, axes, hops)
   if untiled:
     layout["rejected_because"].insert(0, untiled)
   return layout
@@ -512,9 +506,9 @@ RANKING = ("qualifying layouts (they fit, shard and are compute-bound) first, by
            "microbatches they need to fit, then in the same order")
 
 
-def search(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+def search(c: Composition, devices: int | None = None, torus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
   """Every layout of placements() at the configured remat and microbatches, ranked best first (RANKING)."""
-  return _rank([_evaluate_placed(cfg, p) for p in placements(cfg, devices, torus)])
+  return _rank([_evaluate_placed(c, p) for p in placements(c, devices, torus)])
 
 
 # Remat policies from the least recomputation to the most (activation_elements_per_token: the most saved first).
@@ -527,25 +521,25 @@ CHOICE = ("each layout runs at the remat policy and microbatch count that fit it
           "the least memory")
 
 
-def _choose(cfg, place: tuple, remats: tuple[str, ...], microbatches: int | None) -> dict[str, Any]:
+def _choose(c: Composition, place: tuple, remats: tuple[str, ...], microbatches: int | None) -> dict[str, Any]:
   """The layout `place` at its best (remat, microbatches) by CHOICE: for each policy the fewest microbatches (a
   divisor of each batch shard's sequences, or `microbatches` when given) that fit; the fastest of those."""
   data, fsdp, tensor = place[:3]
-  tokens = global_tokens(cfg)
-  sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor}, train={"global_batch_tokens": tokens / data})
-  local = tokens / (data * fsdp) / cfg.model.seq_len
+  tokens = c.global_tokens
+  sub = c.replace(mesh={FSDP: fsdp, TENSOR: tensor}, train={"global_batch_tokens": tokens / data})
+  local = tokens / (data * fsdp) / c.model.seq_len
   counts = [microbatches] if microbatches else _divisors(int(local)) if local >= 1 and local == int(local) else [1]
   fitting, least = [], (math.inf, None)
   for remat in remats:
     for k in counts:
-      total = MM.breakdown(override(sub, schedule={"remat": remat, "microbatches": k}))["total"]
+      total = MM.breakdown(sub.replace(schedule={"remat": remat, "microbatches": k}))["total"]
       least = min(least, (total, (remat, k)), key=lambda t: t[0])
-      if total <= cfg.hardware.hbm_bytes:
+      if total <= c.hardware.hbm_bytes:
         fitting.append((remat, k))
         break
   if not fitting:                                  # nothing fits: shown at the least memory
     fitting = [least[1]]
-  evaluated = [_evaluate_placed(override(cfg, schedule={"remat": r, "microbatches": k}), place) for r, k in fitting]
+  evaluated = [_evaluate_placed(c.replace(schedule={"remat": r, "microbatches": k}), place) for r, k in fitting]
   return min(evaluated, key=lambda l: (l["step_time_s"], REMAT_BY_RECOMPUTE.index(l["remat"]), l["microbatches"]))
 
 
@@ -583,7 +577,7 @@ def pipeline_table(name: str, P: int, M: int, V: int, csv: str = "") -> dict[str
   return _TABLES[key]
 
 
-def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[tuple[int, str, int, list[int]]]:
+def pipeline_shapes(c: Composition, devices: int, microbatches: int | None = None) -> list[tuple[int, str, int, list[int]]]:
   """(P, schedule, V, [M, ...]) the search tries on `devices`: P a divisor of the devices >= 2 with n_layers a
   multiple of P V, every schedule of pipeline.SCHEDULES (V = 2 for interleaved, else 1), M = P, 2P, 4P, 8P (or
   `microbatches`) that the schedule accepts (check_shape: interleaved needs M a multiple of P) and that leave each
@@ -596,7 +590,7 @@ def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[
       continue
     for name in _schedules():
       V = pipeline_virtual_stages(name)
-      if cfg.model.n_layers % (P * V):
+      if c.model.n_layers % (P * V):
         continue
       counts = []
       for M in ([microbatches] if microbatches else [m * P for m in PIPELINE_MICROBATCHES]):
@@ -610,25 +604,25 @@ def pipeline_shapes(cfg, devices: int, microbatches: int | None = None) -> list[
   return out
 
 
-def pipeline_memory(cfg, data: int, fsdp: int, tensor: int, P: int, name: str, M: int,
+def pipeline_memory(c: Composition, data: int, fsdp: int, tensor: int, P: int, name: str, M: int,
                     tokens: float | None = None, V: int | None = None, csv: str = "") -> dict[str, float]:
-  """Bytes per device on a pipeline stage: memory_model.breakdown of cfg on P stages by the named schedule (V =
+  """Bytes per device on a pipeline stage: memory_model.breakdown of c on P stages by the named schedule (V =
   pipeline_virtual_stages, or V; `csv`: a CSV table's) at M microbatches, each stage a data x fsdp x tensor mesh, at `tokens` (default
-  cfg's global batch): the stage's n_layers / P layers of state and gathered weights, the embeddings every
+  c's global batch): the stage's n_layers / P layers of state and gathered weights, the embeddings every
   stage holds, and the activations the executor allocates from the schedule's table (in-flight microbatch-chunks
   of residuals, residual-stream blocks, a split weight gradient's output gradients, one microbatch's logits)."""
-  tokens = global_tokens(cfg) if tokens is None else tokens
-  stage = override(cfg, mesh={PIPELINE: P, FSDP: fsdp, TENSOR: tensor, DATA: 1},
+  tokens = c.global_tokens if tokens is None else tokens
+  stage = c.replace(mesh={PIPELINE: P, FSDP: fsdp, TENSOR: tensor, DATA: 1},
                    pipeline={"name": name, "impl": name, "microbatches": M, "table": csv,
                              "virtual_stages": V or pipeline_virtual_stages(name)}, schedule={"microbatches": 1})
   return MM.breakdown(at_tokens(stage, tokens / data))
 
 
-def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int, V: int | None = None,
+def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V: int | None = None,
                       csv: str = "") -> dict[str, Any]:
   """One pipeline layout: P stages by the named schedule (V = pipeline_virtual_stages, or V; `csv`: the table
   of a torch-format CSV) at M microbatches, each
-  stage a data x fsdp x tensor mesh of `place` (placements(..., pipeline=P)), at cfg's remat. The same row as
+  stage a data x fsdp x tensor mesh of `place` (placements(..., pipeline=P)), at c's remat. The same row as
   evaluate_layout's, with pipeline, schedule, virtual_stages, bubble (and the slot times the replay took).
 
   Slot times (per microbatch and chunk of k = n_layers / (P V) layers, at the microbatch's per-device tokens b = B /
@@ -644,39 +638,39 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int, V: int | Non
   neighbour-synchronised ticks) + the data AllReduce of the stage's gradients beyond its last B + the embeddings'
   gather and reduce-scatter (once per step), / train.mfu. All predictions."""
   data, fsdp, tensor, bws, axes, hops, untiled = place
-  m, hw, hbm = cfg.model, cfg.hardware, cfg.hardware.hbm_bytes
+  m, hw, hbm = c.model, c.hardware, c.hardware.hbm_bytes
   V = V or pipeline_virtual_stages(name)
   tab = pipeline_table(name, P, M, V, csv)
-  tokens = global_tokens(cfg)
+  tokens = c.global_tokens
   n = P * data * fsdp * tensor
   b = tokens / (data * fsdp * tensor) / M    # per-device tokens of one microbatch (every stage runs all of it)
   k = m.n_layers // (P * V)
-  sub = override(cfg, mesh={FSDP: fsdp, TENSOR: tensor, "fsdp_ici_axes": axes[FSDP],
+  sub = c.replace(mesh={FSDP: fsdp, TENSOR: tensor, "fsdp_ici_axes": axes[FSDP],
                          "tensor_ici_axes": axes[TENSOR]}, train={"global_batch_tokens": tokens / data})
   args = (bws[FSDP], bws[TENSOR], data, bws[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
   head = 0.0 if m.kind == "ffn" else 3 * 2 * m.vocab_size * m.d_model * b / hw.peak_flops
   t_f = k * block.forward(b) + head / V
-  regather = block.fsdp if cfg.schedule.reshard_after_forward else 0.0
+  regather = block.fsdp if c.schedule.reshard_after_forward else 0.0
   if tab["split"]:
     t_b = k * max(block.math * b, regather, block.tensor_time(b))
     t_w = k * max(block.math * b, block.fsdp)
   else:
     t_b, t_w = k * max(2 * block.math * b, block.fsdp_bwd_passes * block.fsdp, block.tensor_time(b)), 0.0
-  cb = dtype_bytes(cfg.precision.compute_dtype)
-  tp, _ = MM.parts(cfg)       # a sequence-parallel contraction sends 1/tensor of the residual stream
+  cb = dtype_bytes(c.precision.compute_dtype)
+  tp = c.tp                 # a sequence-parallel contraction sends 1/tensor of the residual stream
   send_bytes = tokens / (data * fsdp * M) * m.d_model * cb / (tensor if tp.seq_sharded else 1)
   t_send = max(send_bytes / bws[PIPELINE], hw.hop_latency_s)
   run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True)
   tail = max(0.0, m.n_layers // P * block.data - t_b)     # the data AllReduce behind the stage's last backward
   once = 2 * embed.fsdp                                   # embeddings: gathered, reduce-scattered once per step
-  step = (run["step_s"] + tail + once) / cfg.train.mfu
+  step = (run["step_s"] + tail + once) / c.train.mfu
 
   ratios = block.comm_to_math(b)
-  mem = pipeline_memory(cfg, data, fsdp, tensor, P, name, M, V=V, csv=csv)
+  mem = pipeline_memory(c, data, fsdp, tensor, P, name, M, V=V, csv=csv)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
-  why = _sharding_problems(cfg, shape_of({PIPELINE: P, DATA: data, FSDP: fsdp, TENSOR: tensor}))
+  why = _sharding_problems(c, shape_of({PIPELINE: P, DATA: data, FSDP: fsdp, TENSOR: tensor}))
   if untiled:
     why.insert(0, untiled)
   fits = mem["total"] <= hbm
@@ -698,7 +692,7 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int, V: int | Non
     notes.append(f"each microbatch holds {local_seqs:.3g} sequences per batch shard: shardlab shards whole "
                  "sequences over data x fsdp (fractions need sequence sharding)")
   return {
-      DATA: data, FSDP: fsdp, TENSOR: tensor, "remat": cfg.schedule.remat, "microbatches": M,
+      DATA: data, FSDP: fsdp, TENSOR: tensor, "remat": c.schedule.remat, "microbatches": M,
       "fits": fits, "compute_bound": max(ratios.values()) <= 1, "step_time_s": step,
       "mfu": 6 * param_count(m) * (tokens / n) / (hw.peak_flops * step), "rejected_because": why,
       "memory_per_device_bytes": mem["total"], "memory_margin_bytes": hbm - mem["total"],
@@ -709,48 +703,48 @@ def evaluate_pipeline(cfg, place: tuple, P: int, name: str, M: int, V: int | Non
       "bubble_closed_form": None if csv else closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
       "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
       "slot_s": {"F": t_f, "B": t_b, "W": t_w, "send": t_send},
-      "pipeline_step_s": run["step_s"] / cfg.train.mfu,
+      "pipeline_step_s": run["step_s"] / c.train.mfu,
   }
 
 
-def _choose_pipeline(cfg, place: tuple, P: int, name: str, counts: list[int],
+def _choose_pipeline(c: Composition, place: tuple, P: int, name: str, counts: list[int],
                      remats: tuple[str, ...], V: int | None = None, csv: str = "") -> dict[str, Any] | None:
   """The pipeline layout at its best (remat, M) by CHOICE: for each M of `counts` that leaves each microbatch
   whole sequences on every batch shard, the least recomputation that fits (the step time does not charge it);
   the fastest of those (ties: the fewest microbatches). Nothing fits: the setting with the least memory. None
   when no M leaves whole sequences."""
   data, fsdp, tensor = place[:3]
-  local = global_tokens(cfg) / (data * fsdp) / cfg.model.seq_len
+  local = c.global_tokens / (data * fsdp) / c.model.seq_len
   counts = [M for M in counts if local >= M and local / M == int(local / M)]
   if not counts:
     return None
   fitting, least = [], (math.inf, None)
   for M in counts:
     for remat in remats:
-      total = pipeline_memory(override(cfg, schedule={"remat": remat}), data, fsdp, tensor, P, name, M, V=V,
+      total = pipeline_memory(c.replace(schedule={"remat": remat}), data, fsdp, tensor, P, name, M, V=V,
                               csv=csv)["total"]
       least = min(least, (total, (remat, M)), key=lambda t: t[0])
-      if total <= cfg.hardware.hbm_bytes:
+      if total <= c.hardware.hbm_bytes:
         fitting.append((remat, M))
         break
   if not fitting:
     fitting = [least[1]]
-  evaluated = [evaluate_pipeline(override(cfg, schedule={"remat": r}), place, P, name, M, V, csv)
+  evaluated = [evaluate_pipeline(c.replace(schedule={"remat": r}), place, P, name, M, V, csv)
                for r, M in fitting]
   return min(evaluated, key=lambda l: (float(f"{l['step_time_s']:.6g}"), REMAT_BY_RECOMPUTE.index(l["remat"]),
                                        l["microbatches"]))
 
 
-def given_pipeline(cfg) -> dict[str, Any] | None:
-  """The pipeline of cfg as configured (mesh.pipeline = P > 1 with pipeline=NAME or pipeline.table=PATH.csv):
-  evaluate_pipeline's row on its data x fsdp x tensor stages at cfg's remat, its V, and its M, or (M = 0 and no
+def given_pipeline(c: Composition) -> dict[str, Any] | None:
+  """The pipeline of c as configured (mesh.pipeline = P > 1 with pipeline=NAME or pipeline.table=PATH.csv):
+  evaluate_pipeline's row on its data x fsdp x tensor stages at c's remat, its V, and its M, or (M = 0 and no
   CSV) the M of P, 2P, 4P, 8P that fits and is fastest (_choose_pipeline); where nothing fits, "fits_with" names
   the remat and M that would. None without stages or without an M of whole sequences per batch shard."""
   from shardlab.errors import ConfigError
-  P = cfg.mesh.sizes.get(PIPELINE, 1)
-  if P < 2 or (cfg.pipeline.impl == "none" and not cfg.pipeline.table):
+  P = c.mesh.sizes.get(PIPELINE, 1)
+  if P < 2 or (c.pipeline.impl == "none" and not c.pipeline.table):
     return None
-  pipe = cfg.pipeline.with_table(P)
+  pipe = c.pipeline.with_table(P)
   M, V = pipe.microbatches, pipe.virtual_stages
   counts = [M] if M else []
   for m in ([] if M else PIPELINE_MICROBATCHES):
@@ -759,25 +753,25 @@ def given_pipeline(cfg) -> dict[str, Any] | None:
       counts.append(m * P)
     except ConfigError:
       continue
-  shape = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-  place = next(p for p in placements(cfg, cfg.mesh.n_devices, pipeline=P) if tuple(p[:3]) == shape)
-  row = _choose_pipeline(cfg, place, P, pipe.impl, counts, (cfg.schedule.remat,), V, pipe.table)
+  shape = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+  place = next(p for p in placements(c, c.mesh.n_devices, pipeline=P) if tuple(p[:3]) == shape)
+  row = _choose_pipeline(c, place, P, pipe.impl, counts, (c.schedule.remat,), V, pipe.table)
   if row is not None and not row["fits"]:     # what would fit: more recomputation, another M
-    other = _choose_pipeline(cfg, place, P, pipe.impl, counts, REMAT_BY_RECOMPUTE, V, pipe.table)
+    other = _choose_pipeline(c, place, P, pipe.impl, counts, REMAT_BY_RECOMPUTE, V, pipe.table)
     if other["fits"]:
       row["fits_with"] = {"schedule.remat": other["remat"], "pipeline.microbatches": other["microbatches"]}
   return row
 
 
-def pipeline_layouts(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
+def pipeline_layouts(c: Composition, devices: int | None = None, torus: tuple[int, ...] | None = None,
                      remats: tuple[str, ...] = REMAT_BY_RECOMPUTE, microbatches: int | None = None) -> list[dict]:
   """Every pipeline layout of `devices` (pipeline_shapes x placements(..., pipeline=P)) at its best remat and M
   (_choose_pipeline), unranked."""
-  n = devices or cfg.mesh.n_devices
+  n = devices or c.mesh.n_devices
   out = []
-  for P, name, V, counts in pipeline_shapes(cfg, n, microbatches):
-    for place in placements(cfg, n, torus, pipeline=P):
-      row = _choose_pipeline(cfg, place, P, name, counts, remats)
+  for P, name, V, counts in pipeline_shapes(c, n, microbatches):
+    for place in placements(c, n, torus, pipeline=P):
+      row = _choose_pipeline(c, place, P, name, counts, remats)
       if row is not None:
         out.append(row)
   return out
@@ -789,11 +783,11 @@ def _listed(xs) -> str:
   return xs[0] if len(xs) == 1 else f"{', '.join(xs[:-1])} or {xs[-1]}"
 
 
-def pipeline_stage_counts(cfg, devices: int) -> dict[str, Any]:
+def pipeline_stage_counts(c: Composition, devices: int) -> dict[str, Any]:
   """{"tried": [P, ...], "excluded": {P: why}}: the stage counts P >= 2 that divide `devices`, split by whether the
   layers split evenly into P stages (by a schedule's V: interleaved needs n_layers a multiple of 2P): so that a
   search can say which pipelines it costed and why not the others."""
-  layers, tried, excluded = cfg.model.n_layers, [], {}
+  layers, tried, excluded = c.model.n_layers, [], {}
   for P in (p for p in _divisors(devices) if p >= 2):
     if any(layers % (P * pipeline_virtual_stages(name)) == 0 for name in _schedules()):
       tried.append(P)
@@ -802,7 +796,7 @@ def pipeline_stage_counts(cfg, devices: int) -> dict[str, Any]:
   return {"tried": tried, "excluded": excluded}
 
 
-def why_no_pipeline(cfg, devices: int, microbatches: int | None = None) -> str | None:
+def why_no_pipeline(c: Composition, devices: int, microbatches: int | None = None) -> str | None:
   """Why pipeline_search costed no pipeline layout on `devices`, in one line naming the setting to change; None
   when one applies. A table without a pipeline row otherwise leaves the reader to guess whether pipelines lost or
   were never tried. The checks follow pipeline_layouts: stage counts, layers per stage, then whole-sequence
@@ -811,22 +805,22 @@ def why_no_pipeline(cfg, devices: int, microbatches: int | None = None) -> str |
   if not stages:
     return (f"{devices} device: a pipeline needs at least 2 stages of one device each; search more devices "
             "(devices=N, N >= 2)")
-  layers = cfg.model.n_layers
-  if not pipeline_stage_counts(cfg, devices)["tried"]:
+  layers = c.model.n_layers
+  if not pipeline_stage_counts(c, devices)["tried"]:
     unit = next((d for d in _divisors(layers) if d >= 2), None)        # None: one layer splits no way
     fix = f"set model.n_layers to a multiple of {stages[0]}" + (f", or devices=N to a multiple of {unit}"
                                                                  if unit else "")
     what = "1 layer cannot be split" if layers == 1 else f"model.n_layers={layers} does not split evenly"
     return f"{what} into {_listed(stages)} stages (the stage counts that divide {devices} devices); {fix}"
-  shapes = pipeline_shapes(cfg, devices, microbatches)
+  shapes = pipeline_shapes(c, devices, microbatches)
   counts = sorted({M for *_, ms in shapes for M in ms})
   if not counts:
     return (f"schedule.microbatches={microbatches}: no pipeline schedule runs at that count on "
-            f"{_listed(pipeline_stage_counts(cfg, devices)['tried'])} stages; leave schedule.microbatches out")
-  seqs = global_tokens(cfg) / cfg.model.seq_len
+            f"{_listed(pipeline_stage_counts(c, devices)['tried'])} stages; leave schedule.microbatches out")
+  seqs = c.global_tokens / c.model.seq_len
   if any(seqs >= M and seqs % M == 0 for M in counts):
     return None
-  setting = "train.global_batch_tokens" if cfg.train.global_batch_tokens else "train.batch_size"
+  setting = "train.global_batch_tokens" if c.train.global_batch_tokens else "train.batch_size"
   if microbatches:
     return (f"schedule.microbatches={microbatches} does not cut the global batch of {seqs:,.4g} sequences into "
             f"microbatches of whole sequences; set {setting} to a multiple of {microbatches}, or leave "
@@ -835,80 +829,80 @@ def why_no_pipeline(cfg, devices: int, microbatches: int | None = None) -> str |
           f"(M = P, 2P, 4P, 8P) of whole sequences; set {setting} to a multiple of {counts[0]} sequences")
 
 
-def batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
+def batch_range(c: Composition, layout: dict[str, Any]) -> dict[str, Any]:
   """The global batches a layout runs well at, in tokens and sequences: `compute_bound_from_tokens`, the smallest
   with whole sequences per batch shard at which every axis's communication hides behind the math of one pass
   (critical batch per device x N; None when tensor parallelism binds at any batch), and `fits_per_pass_tokens`,
   the largest one forward + backward pass holds in HBM at the layout's remat (whole sequences per batch shard):
   a larger global batch needs ceil(B / it) microbatches, each pass compute-bound while it is above the first."""
-  L, shards = cfg.model.seq_len, layout[DATA] * layout[FSDP]
+  L, shards = c.model.seq_len, layout[DATA] * layout[FSDP]
   n = shards * layout[TENSOR]
   crit = layout["critical_batch_per_device"]["this_mesh"]
   if PIPELINE in layout:
-    return _pipeline_batch_range(cfg, layout)
+    return _pipeline_batch_range(c, layout)
   low = None if crit is None else max(1, math.ceil(crit * n / (shards * L) - 1e-9)) * shards * L
-  replica = override(cfg, mesh={FSDP: layout[FSDP], TENSOR: layout[TENSOR]},
+  replica = c.replace(mesh={FSDP: layout[FSDP], TENSOR: layout[TENSOR]},
                      schedule={"remat": layout["remat"], "microbatches": 1},
-                     train={"global_batch_tokens": global_tokens(cfg) / layout[DATA]})
+                     train={"global_batch_tokens": c.global_tokens / layout[DATA]})
   high = batch_window(replica)["max_global_batch_tokens"] * layout[DATA]
   return {"compute_bound_from_tokens": low, "fits_per_pass_tokens": high,
           "compute_bound_from_sequences": None if low is None else low // L, "fits_per_pass_sequences": high // L,
-          "configured_tokens": global_tokens(cfg), "remat": layout["remat"], "microbatches": layout["microbatches"]}
+          "configured_tokens": c.global_tokens, "remat": layout["remat"], "microbatches": layout["microbatches"]}
 
 
-def _pipeline_batch_range(cfg, layout: dict[str, Any]) -> dict[str, Any]:
+def _pipeline_batch_range(c: Composition, layout: dict[str, Any]) -> dict[str, Any]:
   """batch_range of a pipeline layout at its M: a batch shard's microbatch is whole sequences, so global batches
   step by data fsdp M sequences; compute-bound from the critical per-device batch of one microbatch's pass, fits
   up to the largest such batch its stage holds in HBM (pipeline_memory grows with the batch)."""
-  L, M, P = cfg.model.seq_len, layout["microbatches"], layout[PIPELINE]
+  L, M, P = c.model.seq_len, layout["microbatches"], layout[PIPELINE]
   unit = layout[DATA] * layout[FSDP] * M * L            # tokens: one more sequence per shard per microbatch
   crit = layout["critical_batch_per_device"]["this_mesh"]
   n = layout[DATA] * layout[FSDP] * layout[TENSOR]      # a stage's devices: each runs every microbatch
   low = None if crit is None else max(1, math.ceil(crit * n * M / unit - 1e-9)) * unit
-  c = override(cfg, schedule={"remat": layout["remat"]})
-  mem = lambda t: pipeline_memory(c, layout[DATA], layout[FSDP], layout[TENSOR], P, layout["schedule"], M, t)["total"]
-  seqs = _last_fitting(lambda s: mem(s * unit), cfg.hardware.hbm_bytes, 1)
+  at_remat = c.replace(schedule={"remat": layout["remat"]})
+  mem = lambda t: pipeline_memory(at_remat, layout[DATA], layout[FSDP], layout[TENSOR], P, layout["schedule"], M, t)["total"]
+  seqs = _last_fitting(lambda s: mem(s * unit), c.hardware.hbm_bytes, 1)
   return {"compute_bound_from_tokens": low, "fits_per_pass_tokens": seqs * unit,
           "compute_bound_from_sequences": None if low is None else low // L,
           "fits_per_pass_sequences": seqs * unit // L,
-          "configured_tokens": global_tokens(cfg), "remat": layout["remat"], "microbatches": M,
+          "configured_tokens": c.global_tokens, "remat": layout["remat"], "microbatches": M,
           PIPELINE: P, "schedule": layout["schedule"]}
 
 
-def answer(cfg, devices: int | None = None, torus: tuple[int, ...] | None = None,
+def answer(c: Composition, devices: int | None = None, torus: tuple[int, ...] | None = None,
            remat: str | None = None, microbatches: int | None = None, pipeline: bool = False) -> dict[str, Any]:
-  """Which layout and which batch for cfg's model, hardware and global batch on `devices`: every data x fsdp x
+  """Which layout and which batch for c's model, hardware and global batch on `devices`: every data x fsdp x
   tensor layout (placements), each at its best remat and microbatches (CHOICE; `remat` / `microbatches` fix
   them), ranked (RANKING), with the best layout's batch range (batch_range). pipeline=True: the pipeline
   layouts too (pipeline_layouts: P stages x a schedule x M microbatches x data x fsdp x tensor; `microbatches`
   fixes their M), ranked with the others."""
   remats = (remat,) if remat else REMAT_BY_RECOMPUTE
-  layouts = [_choose(cfg, p, remats, microbatches) for p in placements(cfg, devices, torus)]
+  layouts = [_choose(c, p, remats, microbatches) for p in placements(c, devices, torus)]
   if pipeline:
-    layouts += pipeline_layouts(cfg, devices, torus, remats, microbatches)
+    layouts += pipeline_layouts(c, devices, torus, remats, microbatches)
   layouts = _rank(layouts)
-  n = devices or cfg.mesh.n_devices
+  n = devices or c.mesh.n_devices
   out = {"devices": n, "considered": len(layouts), "qualifying": sum(not l["rejected_because"] for l in layouts),
-         "global_batch_tokens": global_tokens(cfg), "choice": CHOICE, "ranking": RANKING,
-         "batch_window": batch_range(cfg, layouts[0]), "layouts": layouts}
+         "global_batch_tokens": c.global_tokens, "choice": CHOICE, "ranking": RANKING,
+         "batch_window": batch_range(c, layouts[0]), "layouts": layouts}
   if pipeline:
-    out[PIPELINE] = pipeline_search_summary(cfg, n, layouts, microbatches)
+    out[PIPELINE] = pipeline_search_summary(c, n, layouts, microbatches)
   return out
 
 
-def pipeline_search_summary(cfg, devices: int, layouts: list[dict], microbatches: int | None = None) -> dict:
+def pipeline_search_summary(c: Composition, devices: int, layouts: list[dict], microbatches: int | None = None) -> dict:
   """answer's `pipeline` with pipeline=True: the stage counts tried and those excluded with why, how many pipeline
   layouts were costed, and `none_because`: why none was (why_no_pipeline), or None."""
-  stages = pipeline_stage_counts(cfg, devices)
+  stages = pipeline_stage_counts(c, devices)
   n = sum(PIPELINE in l for l in layouts)
-  none = None if n else (why_no_pipeline(cfg, devices, microbatches)
+  none = None if n else (why_no_pipeline(c, devices, microbatches)
                          or "no stage mesh leaves each microbatch whole sequences")
   return {"stages_tried": stages["tried"], "stages_excluded": stages["excluded"], "layouts": n, "none_because": none}
 
 
-def check(cfg) -> None:
+def check(c: Composition) -> None:
   """Raise ValueError on values the formulas cannot use (the CLI turns it into one line and exit 2)."""
-  m, mesh, t, hw = cfg.model, cfg.mesh, cfg.train, cfg.hardware
+  m, mesh, t, hw = c.model, c.mesh, c.train, c.hardware
   for name, v in [("mesh.fsdp", mesh.fsdp), ("mesh.tensor", mesh.tensor), ("mesh.fsdp_ici_axes", mesh.fsdp_ici_axes),
                   ("mesh.tensor_ici_axes", mesh.tensor_ici_axes), ("model.d_model", m.d_model),
                   ("model.d_ff", m.d_ff), ("model.n_layers", m.n_layers), ("model.seq_len", m.seq_len)]:
@@ -920,56 +914,56 @@ def check(cfg) -> None:
     raise ValueError(f"model.d_model={m.d_model} must be a multiple of model.n_heads={m.n_heads}")
   if not 0 < t.mfu <= 1:
     raise ValueError(f"train.mfu={t.mfu} must be in (0, 1]")
-  if global_tokens(cfg) <= 0:
+  if c.global_tokens <= 0:
     raise ValueError("the global batch must hold at least one token (train.global_batch_tokens or batch_size)")
   if hw.peak_flops <= 0 or hw.ici_bandwidth <= 0 or hw.hbm_bytes <= 0:
     raise ValueError("hardware.peak_flops, ici_bandwidth and hbm_bytes must be > 0")
-  if cfg.schedule.gather_dtype not in ("param", "compute"):
-    raise ValueError(f"schedule.gather_dtype={cfg.schedule.gather_dtype!r} must be param or compute")
+  if c.schedule.gather_dtype not in ("param", "compute"):
+    raise ValueError(f"schedule.gather_dtype={c.schedule.gather_dtype!r} must be param or compute")
 
 
-def fsdp_tensor_bandwidth(cfg) -> tuple[float, float]:
-  """(bytes/s of the fsdp axis, of the tensor axis) of cfg.mesh (mesh_links): on a GPU preset an axis that
+def fsdp_tensor_bandwidth(c: Composition) -> tuple[float, float]:
+  """(bytes/s of the fsdp axis, of the tensor axis) of c.mesh (mesh_links): on a GPU preset an axis that
   crosses nodes gets the nodes' NICs, the same placement the search and the cost model use."""
-  bws = mesh_links(cfg)[1]
-  return bws.get(FSDP, cfg.hardware.ici_bandwidth), bws.get(TENSOR, cfg.hardware.ici_bandwidth)
+  bws = mesh_links(c)[1]
+  return bws.get(FSDP, c.hardware.ici_bandwidth), bws.get(TENSOR, c.hardware.ici_bandwidth)
 
 
-def this_layout(cfg) -> dict[str, Any]:
-  """evaluate_layout for cfg.mesh as configured (data x fsdp x tensor, its *_ici_axes and links: mesh_links)."""
-  ici, bws = mesh_links(cfg)
-  return evaluate_layout(cfg, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, bws, ici)
+def this_layout(c: Composition) -> dict[str, Any]:
+  """evaluate_layout for c.mesh as configured (data x fsdp x tensor, its *_ici_axes and links: mesh_links)."""
+  ici, bws = mesh_links(c)
+  return evaluate_layout(c, c.mesh.data, c.mesh.fsdp, c.mesh.tensor, bws, ici)
 
 
 # ------------------------------------------------------------------------------------------------------ the plan
 
-def plan(cfg) -> dict[str, Any]:
+def plan(c: Composition) -> dict[str, Any]:
   """Everything the planner predicts for one `Config`, as a JSON-ready dict (see shardlab/plan.py). With
   mesh.data > 1 (HSDP) the FSDP x TP fields describe one data replica (fsdp x tensor devices, the global batch
   / data) and `hsdp` the whole layout, the gradient AllReduce over data included (evaluate_layout)."""
-  check(cfg)
-  if cfg.mesh.data > 1:
-    replica = override(cfg, mesh={DATA: 1}, train={"global_batch_tokens": global_tokens(cfg) / cfg.mesh.data})
-    return {**plan(replica), "mesh_data": cfg.mesh.data, "hsdp": this_layout(cfg)}
-  m, mesh, hw = cfg.model, cfg.mesh, cfg.hardware
+  check(c)
+  if c.mesh.data > 1:
+    replica = c.replace(mesh={DATA: 1}, train={"global_batch_tokens": c.global_tokens / c.mesh.data})
+    return {**plan(replica), "mesh_data": c.mesh.data, "hsdp": this_layout(c)}
+  m, mesh, hw = c.model, c.mesh, c.hardware
   x, y = mesh.fsdp, mesh.tensor
   n = x * y
-  tokens = global_tokens(cfg)
+  tokens = c.global_tokens
   p = param_count(m)
   a = alpha(hw)
   m_x, m_y = hw.physical_axes(mesh.fsdp_ici_axes), hw.physical_axes(mesh.tensor_ici_axes)
-  w_bytes, a_bytes = comm_bytes(cfg)
+  w_bytes, a_bytes = comm_bytes(c)
 
-  per_layer = layer_times(cfg)
-  w_x, w_y = fsdp_tensor_bandwidth(cfg)
-  critical, binding = block_costs(cfg, w_x, w_y).critical_batch()
-  window = batch_window(cfg)
+  per_layer = layer_times(c)
+  w_x, w_y = fsdp_tensor_bandwidth(c)
+  critical, binding = block_costs(c, w_x, w_y).critical_batch()
+  window = batch_window(c)
   # The embedding / unembedding are gathered over fsdp like a layer; their TP traffic (logits) is left out.
-  emb_fsdp = ((3 if cfg.schedule.reshard_after_forward else 2) * collective_time(
+  emb_fsdp = ((3 if c.schedule.reshard_after_forward else 2) * collective_time(
       w_bytes * embed_params(m) / y, x, w_x, hw.hop_latency_s))
   t_math = 6 * p * tokens / (n * hw.peak_flops)
   t_comm = {FSDP: m.n_layers * per_layer[FSDP] + emb_fsdp, TENSOR: m.n_layers * per_layer[TENSOR]}
-  mem = MM.breakdown(cfg)
+  mem = MM.breakdown(c)
 
   warnings = []
   if hw.domain_devices and n > hw.domain_devices and not hw.dcn_bandwidth:
@@ -991,8 +985,8 @@ def plan(cfg) -> dict[str, Any]:
       "fits_in_hbm": mem["total"] <= hw.hbm_bytes,
       "max_batch_per_device_tokens": window["max_batch_per_device_tokens"],
       "batch_window": window,
-      "microbatches": microbatches_to_fit(cfg),
-      "min_devices_to_fit": min_devices_to_fit(p, hw.hbm_bytes, 4 * dtype_bytes(cfg.precision.param_dtype)),
+      "microbatches": microbatches_to_fit(c),
+      "min_devices_to_fit": min_devices_to_fit(p, hw.hbm_bytes, 4 * dtype_bytes(c.precision.param_dtype)),
       "alpha": a,
       "axis_bandwidth": {FSDP: w_x, TENSOR: w_y},
       "comm_bytes_per_element": {"weights": w_bytes, "activations": a_bytes},
@@ -1015,8 +1009,8 @@ def plan(cfg) -> dict[str, Any]:
       "compute_bound": max(per_layer["fsdp_fwd"], per_layer["tensor_fwd"]) <= per_layer["math_fwd"],
       "compute_bound_additive": per_layer["fsdp_fwd"] + per_layer["tensor_fwd"] <= per_layer["math_fwd"],
       "roofline_step_s": {"overlapped": max(t_math, *t_comm.values()), "additive": t_math + sum(t_comm.values())},
-      "mfu": cfg.train.mfu,
-      "step_time_s": step_time(p, tokens, hw.peak_flops, n, cfg.train.mfu),
+      "mfu": c.train.mfu,
+      "step_time_s": step_time(p, tokens, hw.peak_flops, n, c.train.mfu),
       "warnings": warnings,
       "assumptions": [
           "FSDP is ZeRO-3 over all N = fsdp * tensor devices; Adam moments in param_dtype",

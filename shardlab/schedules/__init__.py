@@ -11,6 +11,7 @@ says so (`pipelines = True`, or by taking `pipeline=`). Tests pick up every YAML
 """
 from __future__ import annotations
 
+from shardlab.config import ScheduleConfig
 from shardlab.errors import ConfigError
 from shardlab.loading import accepts, check_instance, load_object, user_code
 from shardlab.schedules.protocol import Schedule, TPContraction
@@ -32,7 +33,7 @@ def runs_pipelines(cls) -> bool:
   return getattr(cls, "pipelines", None) is not False and accepts(cls, "pipeline")
 
 
-def check_pipeline(cfg, cls, pipeline) -> None:
+def check_pipeline(cfg: ScheduleConfig, cls, pipeline) -> None:
   """A pipeline schedule (pipeline.impl other than none) on a schedule class that cannot run one: one line,
   before the class is built (it would fail on the argument, or run the layers unstaged)."""
   if not getattr(pipeline, "staged", False):
@@ -48,7 +49,7 @@ def check_pipeline(cfg, cls, pipeline) -> None:
                       f"(schedule.impl=explicit, e.g. schedule=baseline) or pipeline=none with mesh.pipeline=1")
 
 
-def check_experts(cfg, cls, model) -> None:
+def check_experts(cfg: ScheduleConfig, cls, model) -> None:
   """A MoE model on a schedule class that runs no dispatcher (its constructor takes no `expert=`): one line."""
   if getattr(model, "moe", False) and not accepts(cls, "expert"):
     raise ConfigError(f"model.n_experts={model.n_experts}: schedule={cfg.name} (schedule.impl={cfg.impl}, class "
@@ -56,7 +57,7 @@ def check_experts(cfg, cls, model) -> None:
                       f"schedule.impl=explicit (e.g. schedule=baseline)")
 
 
-def build(cfg, model, compute_dtype, layout=None, context=None, pipeline=None, expert=None):
+def build(cfg: ScheduleConfig, model, compute_dtype, layout=None, context=None, pipeline=None, expert=None):
   """The schedule `cfg.impl` names, built for `model` with the run's sharding rules (default: layout.Layout())
   and context-parallel strategy (a ContextConfig; default: all_gather) and pipeline schedule (a PipelineConfig;
   default: none), each passed only where the class's constructor takes it. A `schedule.tp=module:Class` is

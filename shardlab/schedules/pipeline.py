@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from shardlab import collectives as C
 from shardlab.axes import PIPELINE, TENSOR
+from shardlab.config import PipelineConfig
 from shardlab.errors import ConfigError
 from shardlab.pipeline_tables import (  # noqa: F401  (re-exported: the tables' names, for users' tables and scripts)
     KINDS, SCHEDULES, Action, Plan, build, check, check_shape, closed_form_bubble, depth_order, in_flight, load_table,
@@ -107,7 +108,7 @@ class Pipeline:
   output gradient is there for that stage's B slot.
   """
 
-  def __init__(self, sched, cfg, P: int):
+  def __init__(self, sched, cfg: PipelineConfig, P: int):
     self.sched, self.cfg, self.P = sched, cfg, P
     self.M, self.V = cfg.count(P), cfg.virtual_stages
 

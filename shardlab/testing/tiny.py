@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 
+from shardlab.composition import resolve
 from shardlab.testing.compare import assert_trees_close
 from shardlab.testing.meshes import mesh_id, mesh_of, named_shape
 from shardlab.testing.programs import assert_collectives, assert_overlap, format_ledger
@@ -77,7 +78,7 @@ def _reference_loss_and_grads(model_items: tuple, batch_size: int | None = None)
   p = PM.init(jax.random.key(0), PM.declare(cfg.model), cfg.model)
   b = tiny_batch(batch_size)
   with jax.numpy_dtype_promotion("strict"):
-    return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg)))(p)
+    return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg.model)))(p)
 
 
 def _schedule_key(schedule, knobs) -> tuple:
@@ -147,7 +148,7 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   order = layer_order(sched, dict(mesh_items))    # the trainer's stored order of layers (an interleaved pipeline's)
   params = reorder_layers(params, order, to_model=False)
   with jax.numpy_dtype_promotion("strict"):
-    compiled = T.make_grad_fn(cfg, sched, decls, mesh, stats).lower(params, b).compile()
+    compiled = T.make_grad_fn(resolve(cfg), sched, decls, mesh, stats).lower(params, b).compile()
   loss, grads, *rest = compiled(params, b)
   return compiled, jax.block_until_ready((loss, reorder_layers(grads, order, to_model=True), *rest))
 

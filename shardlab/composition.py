@@ -1,0 +1,115 @@
+"""A run's composition, read from its config once: the mesh's degrees, the layout, the model, the precision, the
+batch, the target hardware, and the parts that split the model (the TP contraction, the context strategy, the
+MoE dispatcher), built from their classes (a user's `module:Class` like a built-in) once, on first use.
+
+Everything below the entry points that prices or plans a run (shardlab/analysis/: the memory model, the cost
+model, the context, expert and pipeline costs, the planner) takes a Composition, never the whole config:
+`resolve(cfg)` makes one where a run or a plan starts (trainer, preflight, plan), and the planner's candidates are
+compositions changed group by group (`replace`), each with its own parts.
+
+  c = resolve(cfg)
+  c.split("batch"), c.local_tokens, c.stages, c.microbatches    what the mesh and the layout make of the batch
+  c.tp, c.cp, c.dispatcher                                       the parts, asked for their own terms
+  c.replace(mesh={"fsdp": 8}, schedule={"remat": "full"})         a candidate: another composition
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from shardlab.axes import PIPELINE
+from shardlab.layout import Layout, from_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+  """What one run is made of (module doc). The groups are the config's own (read, not copied); `layout` is
+  resolved (layout.Layout, not the config's rules)."""
+  mesh: Any                  # config.MeshConfig: the size of every declared axis
+  layout: Layout
+  model: Any                 # config.ModelConfig
+  schedule: Any              # config.ScheduleConfig: the weights' schedule knobs and the TP contraction's name
+  context: Any               # config.ContextConfig
+  expert: Any                # config.ExpertConfig
+  pipeline: Any              # config.PipelineConfig
+  precision: Any             # config.PrecisionConfig
+  train: Any                 # config.TrainConfig: the batch (and the planner's assumed MFU)
+  hardware: Any              # hardware.HardwareConfig
+  compile_for: str = "local"
+
+  # ------------------------------------------------------------------------------------------ the mesh and batch
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The mesh's axes, outer to inner (fsdp and tensor always, other axes where their size is above 1)."""
+    return tuple(self.mesh.shape)
+
+  @property
+  def sizes(self) -> dict:
+    return self.mesh.sizes
+
+  def split(self, logical: str) -> int:
+    """How many pieces the mesh splits a logical dim into (its layout rule's axes' sizes multiplied)."""
+    return math.prod(self.sizes[a] for a in self.layout.rule(logical, self.names))
+
+  @property
+  def global_tokens(self) -> int:
+    """The global batch in tokens: train.global_batch_tokens, or batch_size x seq_len when that is 0."""
+    return self.train.global_batch_tokens or self.train.batch_size * self.model.seq_len
+
+  @property
+  def stages(self) -> int:
+    """Pipeline stages the run has: mesh.pipeline under a pipeline schedule, else 1."""
+    return self.sizes.get(PIPELINE, 1) if self.pipeline.staged else 1
+
+  @property
+  def microbatches(self) -> int:
+    """Microbatches a device splits its batch into: the pipeline's M, else schedule.microbatches."""
+    P = self.stages
+    return self.pipeline.count(P) if P > 1 else self.schedule.microbatches
+
+  @property
+  def local_tokens(self) -> float:
+    """Tokens per device of one microbatch: the sequences its batch axes leave it (of the global batch), x the
+    L/C tokens of each that its sequence (`length`) axes leave it. A whole number on a mesh that divides the
+    batch; the planner asks about batches that do not (a fraction of a sequence per shard)."""
+    t = self.global_tokens / self.split("batch") / self.microbatches / self.split("length")
+    return int(t) if t == int(t) else t
+
+  # ------------------------------------------------------------------------------------------------ the parts
+  @functools.cached_property
+  def tp(self):
+    """The TP contraction `schedule.tp` names (schedules/tp.py), reading this layout."""
+    from shardlab.schedules.tp import make_tp
+    return make_tp(self.schedule.tp, self.layout)
+
+  @functools.cached_property
+  def cp(self):
+    """The context strategy `context.impl` names (schedules/context.py)."""
+    from shardlab.schedules import context as CP
+    return CP.make(self.context, self.model, self.layout)
+
+  @functools.cached_property
+  def dispatcher(self):
+    """The MoE dispatcher `expert.impl` names (schedules/expert.py); None for a dense model."""
+    if not getattr(self.model, "moe", False):
+      return None
+    from shardlab.schedules import expert as EP
+    return EP.make(self.expert, self.model, self.layout)
+
+  # -------------------------------------------------------------------------------------------- the candidates
+  def replace(self, **groups) -> "Composition":
+    """Another composition with fields of some groups replaced (`mesh={"fsdp": 8}`), or whole values (a Layout,
+    `compile_for="target"`); its parts are built anew, for it."""
+    out = {}
+    for g, v in groups.items():
+      out[g] = dataclasses.replace(getattr(self, g), **v) if isinstance(v, dict) else v
+    return dataclasses.replace(self, **out)
+
+
+def resolve(cfg) -> Composition:
+  """The composition of a config.Config (the one place the analysis reads a whole config)."""
+  return Composition(mesh=cfg.mesh, layout=from_config(cfg.layout), model=cfg.model, schedule=cfg.schedule,
+                     context=cfg.context, expert=cfg.expert, pipeline=cfg.pipeline, precision=cfg.precision,
+                     train=cfg.train, hardware=cfg.hardware, compile_for=cfg.compile_for)
