@@ -98,6 +98,57 @@ class Composition:
     from shardlab.schedules import expert as EP
     return EP.make(self.expert, self.model, self.layout)
 
+  # ---------------------------------------------------------------------------------------- what the run checks
+  def build_schedule(self):
+    """The schedule the run builds from these parts (schedules.build: what user code raises there is one line)."""
+    import jax.numpy as jnp
+    from shardlab import schedules
+    return schedules.build(self.schedule, self.model, getattr(jnp, self.precision.compute_dtype), self.layout,
+                           self.context, self.pipeline, self.expert)
+
+  def user_code(self, call: str):
+    """A call into the schedule (a user's class, or one holding a user's TP or context strategy): what user code
+    raises in it is one line naming the setting and the user's file and line (loading.user_code)."""
+    from shardlab.loading import user_code
+    return user_code(self.schedule.impl, "schedule.impl", call,
+                     {"schedule.tp": str(self.schedule.tp), "context.impl": str(self.context.impl)})
+
+  def microbatches_of(self, sched=None) -> tuple[int, str]:
+    """(microbatches each device splits its batch into, the setting that says so), asked of the schedule: the
+    pipeline's when it runs one, else schedule.microbatches."""
+    if sched is None:
+      return 1, "schedule.microbatches"
+    on = getattr(sched, "microbatches_on", None)
+    with self.user_code("microbatches_on(...)"):
+      n = on(dict(self.mesh.shape)) if on else self.schedule.microbatches
+    return n, "pipeline.microbatches" if self.pipeline.staged else "schedule.microbatches"
+
+  def check(self, sched=None) -> None:
+    """The layout's rules (declared axes, each allowed to shard its dim, no collisions), every dim divisible by
+    the axes it is sharded over (params.requirements: declarations x rules x mesh sizes), and, given the
+    schedule, every rule one it can honour on this mesh (its check_mesh): one ConfigError line."""
+    from shardlab.params import check_divisible
+    shape = self.mesh.shape
+    self.layout.check(tuple(shape))
+    ops = None if sched is None else sched.ops
+    micro, setting = self.microbatches_of(sched)
+    check_divisible(self.model, self.layout, shape, self.train.batch_size, micro, microbatch_setting=setting,
+                    seq_parallel=ops is not None and ops.seq_sharded,
+                    seq_halves=ops is not None and ops.bidirectional)
+    if sched is not None:
+      with self.user_code("check_mesh(...)"):
+        sched.check_mesh(dict(shape), f"schedule {self.schedule.name}")
+
+  def why_not_run(self) -> str:
+    """The one line the run's own checks give for this composition (its schedule built from its parts and
+    asked: check), or '' where it runs: what the planner asks of a candidate before it offers one."""
+    from shardlab.errors import ConfigError
+    try:
+      self.check(self.build_schedule())
+    except ConfigError as e:
+      return str(e)
+    return ""
+
   # -------------------------------------------------------------------------------------------- the candidates
   def replace(self, **groups) -> "Composition":
     """Another composition with fields of some groups replaced (`mesh={"fsdp": 8}`), or whole values (a Layout,

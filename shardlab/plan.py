@@ -254,7 +254,9 @@ def context_answer(c, devices: int | None = None) -> dict:
   from shardlab.analysis import context_cost as CC
   got = CC.choose(c, devices)
   brief = lambda p: {"label": p["label"], "strategy": p["strategy"], CONTEXT: p[CONTEXT], FSDP: p[FSDP],
-                     "load_balance": p["load_balance"], "t_step_s": p["t_step_s"],
+                     "load_balance": p["load_balance"], "remat": p["remat"], "microbatches": p["microbatches"],
+                     "weights_over_context": p["weights_over_context"], "overrides": p["overrides"],
+                     "t_step_s": p["t_step_s"],
                      "t_attention_s": p["t_attention_s"], "exposed_comm_s": p["exposed_comm_s"],
                      "context_bytes_per_layer": p["bytes_per_layer"], "memory_bytes": p["memory_bytes"]}
   cands = [brief(p) for p in got["candidates"]]
@@ -332,12 +334,16 @@ def context_table(ans: dict) -> str:
   n = ans["devices"]
   out = [f"Context parallelism for {ans['tokens_per_sequence']:,} tokens per sequence on {n} device"
          f"{'s' if n > 1 else ''} (predictions, fastest first):", ""]
-  cols = ["strategy, C", FSDP, "step", "attention", "exposed comm", "memory/device"]
-  body = [[c["label"], str(c[FSDP]), _secs(c["t_step_s"]), _secs(c["t_attention_s"]),
-           _secs(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])] for c in ans["candidates"]]
+  cols = ["strategy, C", FSDP, "remat", "micro", "step", "attention", "exposed comm", "memory/device"]
+  body = [[c["label"], str(c[FSDP]), c["remat"], str(c["microbatches"]), _secs(c["t_step_s"]),
+           _secs(c["t_attention_s"]), _secs(c["exposed_comm_s"]), human_bytes(c["memory_bytes"])]
+          for c in ans["candidates"]]
   out += _screen(cols, body, ans)
   if ans.get("why_no_split"):
     out += [textwrap.fill(ans["why_no_split"], 118)]
+  if ans["candidates"]:
+    out += ["", "The chosen layout's settings (with this command's model, hardware and batch, for `python -m "
+            "shardlab`): " + " ".join(ans["candidates"][0]["overrides"])]
   return "\n".join(out)
 
 

@@ -19,40 +19,6 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
                       f"choose {what.split('.')[-1]} a multiple of {size} or change {by}")
 
 
-def check_layout(cfg: Config, sched=None) -> None:
-  """The layout's rules (declared axes, each allowed to shard its dim, no collisions), every dim divisible by the
-  axes it is sharded over (params.requirements: declarations x rules x mesh sizes), and, given the schedule,
-  every rule one it can honour on this mesh."""
-  layout, shape = from_config(cfg.layout), cfg.mesh.shape
-  layout.check(tuple(shape))
-  ops = None if sched is None else sched.ops
-  micro, setting = microbatches(cfg, sched)
-  check_divisible(cfg.model, layout, shape, cfg.train.batch_size, micro, microbatch_setting=setting,
-                  seq_parallel=ops is not None and ops.seq_sharded, seq_halves=ops is not None and ops.bidirectional)
-  if sched is not None:
-    with _user(cfg, "check_mesh(...)"):
-      sched.check_mesh(dict(shape), f"schedule {cfg.schedule.name}")
-
-
-def _user(cfg: Config, call: str):
-  """A call into the schedule (a user's class, or one holding a user's TP or context strategy): what user code
-  raises in it is one line naming the setting and the user's file and line (loading.user_code)."""
-  from shardlab.loading import user_code
-  return user_code(cfg.schedule.impl, "schedule.impl", call,
-                   {"schedule.tp": str(cfg.schedule.tp), "context.impl": str(cfg.context.impl)})
-
-
-def microbatches(cfg: Config, sched=None) -> tuple[int, str]:
-  """(microbatches each device splits its batch into, the setting that says so): the pipeline's when it runs one,
-  else schedule.microbatches."""
-  if sched is None:
-    return 1, "schedule.microbatches"
-  on = getattr(sched, "microbatches_on", None)
-  with _user(cfg, "microbatches_on(...)"):
-    n = on(dict(cfg.mesh.shape)) if on else cfg.schedule.microbatches
-  return n, "pipeline.microbatches" if cfg.pipeline.staged else "schedule.microbatches"
-
-
 # The range of every numeric setting: (setting, lowest, highest, why). A bound in a list is open ([0] is "> 0"),
 # a plain number closed; None: no bound. Floats must also be finite. The default of the setting is the example
 # fix the message gives.
@@ -154,9 +120,9 @@ def validate_plan(cfg: Config) -> None:
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
   """Raise ConfigError for the first setting that cannot work. `n_devices`: the devices present, if known."""
-  from shardlab import schedules
+  from shardlab.composition import resolve
   from shardlab.train import DTYPES
-  m, mesh, s, t = cfg.model, cfg.mesh, cfg.schedule, cfg.train
+  m, mesh, t = cfg.model, cfg.mesh, cfg.train
   check_ranges(cfg)
   if min(mesh.sizes.values()) < 1:
     raise ConfigError(f"{describe(mesh.shape)}: axis sizes must be >= 1")
@@ -184,16 +150,16 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   else:
     _validate_attention(cfg)
   validate_experts(cfg)
-  from_config(cfg.layout).check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
-  sched = schedules.build(s, m, DTYPES[cfg.precision.compute_dtype], from_config(cfg.layout), cfg.context,
-                          cfg.pipeline, cfg.expert)  # its knobs
-  check_layout(cfg, sched)
+  c = resolve(cfg)
+  c.layout.check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
+  sched = c.build_schedule()             # its knobs
+  c.check(sched)
   ep = getattr(sched, "ep", None)
   if m.moe and cfg.expert.chunks > 1:
-    layout, shape = from_config(cfg.layout), mesh.shape
+    layout, shape = c.layout, mesh.shape
     size = lambda axes: math.prod(shape[a] for a in axes)
     names = tuple(shape)
-    tokens = (t.batch_size // size(layout.batch_axes(names)) // microbatches(cfg, sched)[0]
+    tokens = (t.batch_size // size(layout.batch_axes(names)) // c.microbatches_of(sched)[0]
               * (m.seq_len // size(layout.rule("length", names))))
     tokens //= mesh.tensor if sched.ops.seq_sharded else 1
     if tokens % cfg.expert.chunks:

@@ -223,20 +223,40 @@ def test_activations_per_device_fall_as_one_over_context():
   assert one["master_params"] == four["master_params"] and _config(*base, "mesh.context=4").local_tokens == 8192
 
 
+@pytest.mark.parametrize("strategy, balanced", [("ring", True), ("ulysses", False), ("all_gather", False)])
+def test_weights_sharded_over_fsdp_and_context_train_like_the_reference(strategy, balanced):
+  """layout.rules.embed=[fsdp,context] (the training state split over every device, torchtitan's dp_shard_cp) on
+  fsdp 2 x context 2 x tensor 2, with each context strategy: loss and every gradient against the plain
+  reference; the weights are gathered over both axes and their gradients reduce-scattered over both."""
+  from shardlab.layout import DEFAULT_RULES
+  rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "embed": ["fsdp", "context"]}
+  compiled, (loss, grads) = testing.compile_schedule(None, {"fsdp": 2, "context": 2, "tensor": 2}, layout=rules,
+                                                     context=strategy, load_balance=balanced)
+  ref_loss, ref_grads = reference_loss_and_grads()
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"{strategy}: ")
+  from shardlab.analysis import hlo
+  axes = {c.axis for c in hlo.collectives(compiled.as_text(), testing.mesh_of({"fsdp": 2, "context": 2, "tensor": 2}))
+          if c.kind in ("all-gather", "reduce-scatter")}
+  assert "fsdp+context" in axes, axes
+
+
 def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():
-  """context_cost.choose on 8 H100s, llama3_8b at 32K tokens: with shardlab's kernels Ulysses (cuDNN inside,
+  """context_cost.choose at C = 8 on 8 H100s, a 4-layer llama3_8b at 32K tokens, one sequence (its weights fit
+  replicated over context, which the run's schedule keeps them): with shardlab's kernels Ulysses (cuDNN inside,
   masked blocks skipped) beats the ring (its sub-blocks skipped too, but its merges run outside a fused kernel);
   all_gather, which runs the plain attention, is excluded with the line the run itself would refuse it with (it
   used to be priced); with 12 query heads Ulysses cannot split them 8 ways and is excluded with that reason, and
   the choice flips."""
   from shardlab.analysis import context_cost as CC
-  base = ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.tensor=1", "precision=bf16",
-          "model.attention=dot_product", "schedule.remat=save_qkv_attn_out", "hardware=h100",
+  base = ["model=llama3_8b", "model.n_layers=4", "model.seq_len=32768", "train.batch_size=1", "mesh.tensor=1",
+          "precision=bf16", "model.attention=dot_product", "schedule.remat=save_qkv_attn_out", "hardware=h100",
           "context.load_balance=true"]
-  got = CC.choose(_config(*base), devices=8)
-  assert got["best"]["label"] == "ulysses C=8" and got["reason"].startswith("ulysses C=8: predicted step")
-  assert got["excluded"]["all_gather C=8"].startswith(
+  got = CC.choose(_config(*base), devices=8, degrees=(8,))
+  assert got["best"]["label"] == "ulysses zigzag C=8" and got["reason"].startswith("ulysses zigzag C=8: predicted")
+  assert got["excluded"]["all_gather zigzag C=8"].startswith(
       "model.attention=dot_product: context=all_gather runs the plain attention")
-  flipped = CC.choose(_config(*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"), devices=8)
-  assert flipped["excluded"]["ulysses C=8"].startswith("ulysses splits the heads: 12 query and 4 K/V heads")
+  flipped = CC.choose(_config(*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"), devices=8,
+                      degrees=(8,))
+  assert flipped["excluded"]["ulysses zigzag C=8"].startswith("ulysses splits the heads: 12 query and 4 K/V heads")
   assert flipped["best"]["strategy"] != "ulysses"

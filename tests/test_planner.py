@@ -507,7 +507,7 @@ def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
     assert l["virtual_stages"] == (2 if l["schedule"] in ("interleaved", "looped_bfs") else 1)
     assert 0 < l["bubble"] < 1 and l["stage_layers"] == 80 // P
     assert l["mfu"] == pytest.approx(6 * planner.param_count(cfg.model) * 4194304 / 32 / 9.9e14 / l["step_time_s"])
-  assert ans["layouts"] == planner._rank(ans["layouts"])
+  assert ans["layouts"] == planner.rank(ans["layouts"])
 
 
 def test_pipeline_stage_memory_1f1b_holds_fewer_microbatches_than_gpipe():

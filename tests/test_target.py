@@ -256,6 +256,26 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
   assert "exposed communication" in lines[2]
 
 
+def test_the_context_search_answer_runs_as_printed_and_its_memory_is_the_compilers(tmp_path):
+  """The context search's answer for llama3_8b at 32K tokens on 8 H100s (8 sequences, remat=full, cuDNN's
+  attention): the settings it prints, added to the question's, run as a compile_for=target dry run (the H100
+  compiler, deviceless), and the memory it predicted for them is within 10% of that compiler's peak."""
+  from conftest import compose
+  from shardlab.config import to_config
+  from shardlab.plan import run
+  from shardlab.trainer import train
+  base = ["model=llama3_8b", "model.seq_len=32768", "train.batch_size=8", "mesh.fsdp=8", "mesh.tensor=1",
+          "precision=bf16", "model.attention=dot_product", "schedule.remat=full", "hardware=h100"]
+  ctx = run([*base, "context_search=true"])["context"]
+  best = ctx["candidates"][0]
+  assert best["label"] == ctx["best"]
+  cfg = to_config(compose(*base, *best["overrides"], "compile_for=target", "dry_run=true", "progress=false"))
+  summary = train(cfg, tmp_path / "run")
+  assert summary["status"] == "ok" and summary["target"]["platform"] == "gpu"
+  compiled = summary["memory"]["peak"]
+  assert abs(best["memory_bytes"] / compiled - 1) < 0.10, (best["memory_bytes"], compiled)
+
+
 @pytest.mark.parametrize("preset,mesh", [("h100_multinode", "mesh.pipeline=2 mesh.fsdp=1 mesh.tensor=8"),
                                          ("tpu_v5p", "mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2")])
 def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tmp_path):

@@ -9,7 +9,10 @@ points, preflight or Hydra.
   links.py          the links under each mesh axis (torus axes spanned, NVLink or NICs) and their bytes/s
   timeline.py       the step's dependency graph and its replay (and the Gantt chart, the Chrome trace)
   memory_model.py   the one analytic memory per device (the planner's too), beside the compiler's
-  planner.py        closed forms (the Scaling Book's) and the layout search
+  closed_forms.py   the Scaling Book's closed forms: parameters, critical batches, a block's roofline
+  batch_window.py   the largest batch that fits a mesh (analytic, or through compiled peaks)
+  layout_search.py, pipeline_search.py   every layout (and pipeline layout) placed, priced and ranked
+  planner.py        the answer (which layout, which batch) and the plan of one mesh, from the four above
   calibrated.py     the target's scheduled order replayed at achieved rates
   costmodel.py      the peak-rate replay, and a run's prediction, ledger and memory (predict_run)
   expert_cost.py    the expert search: each MoE dispatcher and degree priced by its own terms (plan expert_search)
@@ -17,7 +20,8 @@ points, preflight or Hydra.
   predict.py        `predict_fn`: any jitted function costed on a target; plan_figure.py: the planner's figure
   confirm.py        the planner's best layouts compiled for the target (the step builder passed in)"""
 
-LAYERS = (("hlo", "pipeline_replay"), ("program", "ledger", "links", "timeline", "memory_model"), ("planner",), ("calibrated",),
+LAYERS = (("hlo", "pipeline_replay"), ("program", "ledger", "links", "timeline", "memory_model"), ("closed_forms",),
+          ("batch_window",), ("layout_search",), ("pipeline_search",), ("planner",), ("calibrated",),
           ("pipeline_cost",), ("costmodel", "context_cost", "expert_cost"), ("predict", "plan_figure", "confirm"))
 
 

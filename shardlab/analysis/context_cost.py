@@ -30,9 +30,12 @@ from __future__ import annotations
 
 from shardlab import axes as AX
 
+import math
 from dataclasses import dataclass, field
 
-from shardlab.analysis import planner as PL
+from shardlab.analysis import closed_forms as PL
+from shardlab.analysis.closed_forms import divisors
+from shardlab.analysis.memory_model import dtype_bytes
 from shardlab.analysis.links import mesh_links, transfer_seconds
 from shardlab.axes import CONTEXT, FSDP
 from shardlab.config import ContextConfig, ModelConfig
@@ -249,11 +252,18 @@ def with_context(c: Composition, C: int, strategy: str, balanced: bool | None = 
                             "load_balance": c.context.load_balance if balanced is None else balanced})
 
 
+def own_kernel_skips(model) -> bool:
+  """Whether the model's own attention kernel (what runs without a context split) skips the blocks a causal mask
+  hides: blockwise (attention.py: the blocks above the diagonal) and cuDNN's flash kernel do, the plain one not."""
+  return model.attention != "plain"
+
+
 def predict(c: Composition, skips_masked: bool | None = None) -> dict:
   """A prediction of one training step per device for c's mesh and context strategy (c.context.impl,
   load_balance): the matmuls of every layer at the preset's GEMM rate, each layer's attention and its context
-  transfers (layer_time), bytes per mesh axis, memory (memory_model.breakdown). `skips_masked`: the inner
-  kernel skips masked blocks (None: what shardlab's strategy runs, `shardlab_skips`).
+  transfers (layer_time), bytes per mesh axis, memory (memory_model.breakdown), over every microbatch.
+  `skips_masked`: the inner kernel skips masked blocks (None: what the run's kernel does: the strategy's own
+  `skips_masked` on a context split, the model's own kernel without one, own_kernel_skips).
 
   Left out, the same for every strategy at one mesh: FSDP's gathers and reduce-scatters and the gradient
   all-reduce over `context` (their bytes are reported; a prefetching schedule runs them behind the matmuls),
@@ -261,30 +271,37 @@ def predict(c: Composition, skips_masked: bool | None = None) -> dict:
   attention without a flash kernel holds while it runs (attention_transient_bytes)."""
   from shardlab.analysis import memory_model as MM
   m, hw, mesh, s = c.model, c.hardware, c.mesh, c.schedule
-  strategy = strategy_of(c.cp)
   C, T, X = mesh.context, mesh.tensor, mesh.fsdp
-  skips = strategy.skips_masked() if skips_masked is None else skips_masked
-  e = PL.dtype_bytes(c.precision.compute_dtype)
-  tokens = c.local_tokens
+  strategy = strategy_of(c.cp) if C > 1 else None
+  own = own_kernel_skips(m) if strategy is None else strategy.skips_masked()
+  skips = own if skips_masked is None else skips_masked
+  e = dtype_bytes(c.precision.compute_dtype)
+  k = c.microbatches
+  tokens = c.local_tokens                                   # of one microbatch
   a = attn_of(m, tokens // (m.seq_len // C), C, T, e)
   bw = mesh_links(c)[1].get(CONTEXT, hw.ici_bandwidth)
-  lt = layer_time(strategy, a, hw, bw, c.context.load_balance, skips)
-  dense = 6.0 * tokens * (m.n_layers * PL.layer_params(m) + m.vocab_size * m.d_model) / T
+  lt = layer_time(strategy or c.cp, a, hw, bw, c.context.load_balance, skips)
+  dense = 6.0 * k * tokens * (m.n_layers * PL.layer_params(m) + m.vocab_size * m.d_model) / T
   t_dense = dense / (hw.peak_flops * hw.gemm_efficiency)
-  t_attn = m.n_layers * lt.attention_s
-  exposed = m.n_layers * lt.exposed_s
-  gb = PL.dtype_bytes(c.precision.param_dtype if s.gather_dtype == "param" else c.precision.compute_dtype)
+  t_attn = k * m.n_layers * lt.attention_s
+  exposed = k * m.n_layers * lt.exposed_s
+  gb = dtype_bytes(c.precision.param_dtype if s.gather_dtype == "param" else c.precision.compute_dtype)
   layer_w = PL.layer_params(m) / T
+  over = math.prod(c.sizes[x] for x in c.layout.rule("embed", c.names))    # the axes weights are sharded over
+  replicas = C if CONTEXT not in c.layout.rule("embed", c.names) else 1   # gradient all-reduced over context
   mem = MM.breakdown(c)
-  transient = attention_transient_bytes(strategy if C > 1 else None, a, m)
+  transient = attention_transient_bytes(strategy, a, m)
   return {
-      "strategy": c.context.impl, AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T, "load_balance": c.context.load_balance,
-      "skips_masked": skips, "tokens_per_device": tokens,
+      "strategy": c.context.impl if C > 1 else "none", AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T,
+      "load_balance": c.context.load_balance, "remat": s.remat, "microbatches": k,
+      "weights_over_context": C > 1 and replicas == 1,
+      "skips_masked": skips, "tokens_per_device": k * tokens,
       "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
-      "exposed_comm_s": exposed, "context_comm_s": m.n_layers * lt.comm_s,
-      "bytes_per_step": {CONTEXT: m.n_layers * (lt.bytes["forward"] + lt.bytes["backward"]),
-                         FSDP: m.n_layers * 3 * (X - 1) / X * layer_w * gb,
-                         f"{CONTEXT} (gradient all-reduce)": 2 * (C - 1) / C * PL.param_count(m) / (X * T) * 4},
+      "exposed_comm_s": exposed, "context_comm_s": k * m.n_layers * lt.comm_s,
+      "bytes_per_step": {CONTEXT: k * m.n_layers * (lt.bytes["forward"] + lt.bytes["backward"]),
+                         FSDP: k * m.n_layers * 3 * (over - 1) / over * layer_w * gb,
+                         f"{CONTEXT} (gradient all-reduce)": 2 * (replicas - 1) / replicas * PL.param_count(m)
+                         / (over * T) * 4},
       "bytes_per_layer": lt.bytes, "context_bandwidth": bw,
       "memory_bytes": mem["total"] + transient, "activation_bytes": mem["activations"],
       "attention_transient_bytes": transient, "fits": mem["total"] + transient <= hw.hbm_bytes,
@@ -313,35 +330,97 @@ def why_not(c: Composition, C: int, strategy) -> str | None:
   return strategy_of(strategy, m, c.layout).why_not(shape)
 
 
-def choose(c: Composition, devices: int | None = None, degrees: tuple[int, ...] | None = None, skips_masked: bool | None = None,
-           strategies: tuple[str, ...] = STRATEGIES) -> dict:
-  """The fastest predicted (strategy, context degree) that fits in HBM on `devices` (default: c's mesh),
-  tensor as configured and fsdp the rest (it must divide the batch): {"best", "reason", "candidates",
-  "excluded": {label: why}}. Load balancing is kept as c says. MODEL PREDICTIONS."""
+def runnable(c: Composition, C: int, strategy: str, balanced: bool, fsdp: int) -> tuple[Composition | None, str]:
+  """(the composition of `strategy` at context C over fsdp, or None; why not): the training state split over
+  every device (weights over fsdp x context, with_context) where the run's schedule honours that layout, else
+  replicated over context; each asked of the schedule the run would build (Composition.why_not_run), so that
+  only what the trainer accepts is offered."""
+  why = ""
+  for shard_weights in (True, False):
+    sub = with_context(c, C, strategy, balanced, fsdp, shard_weights)
+    why = why_not(sub, C, strategy) or sub.why_not_run()
+    if not why:
+      return sub, ""
+  return None, why
+
+
+def placements(c: Composition, C: int) -> tuple[bool, ...]:
+  """The token placements to price at context C: as given (context.load_balance) and the other (contiguous
+  chunks, and zigzag where the sequence cuts into 2C); one at C = 1."""
+  if C == 1:
+    return (c.context.load_balance,)
+  return (c.context.load_balance, not c.context.load_balance)
+
+
+def fitting(c: Composition, skips_masked: bool | None, remats: tuple[str, ...]) -> dict:
+  """predict(c) at the least recomputation (of `remats`, in order) and then the fewest microbatches (dividing
+  each batch shard's sequences) that fit in HBM: the layout search's choice (layout_search.CHOICE); nothing
+  fits: the configured setting's prediction."""
+  shard = c.global_tokens / c.split("batch") / c.model.seq_len
+  counts = divisors(int(shard)) if shard >= 1 and shard == int(shard) else [1]
+  for remat in remats:
+    for k in counts:
+      p = predict(c.replace(schedule={"remat": remat, "microbatches": k}), skips_masked)
+      if p["fits"]:
+        return p
+  return predict(c, skips_masked)
+
+
+def choose(c: Composition, devices: int | None = None, degrees: tuple[int, ...] | None = None,
+           skips_masked: bool | None = None, strategies: tuple[str, ...] = STRATEGIES,
+           remats: tuple[str, ...] | None = None) -> dict:
+  """The fastest predicted (strategy, context degree, token placement) that fits in HBM on `devices` (default:
+  c's mesh) and that the run accepts (runnable), tensor as configured and fsdp the rest (it must divide the
+  batch): {"best", "reason", "candidates", "excluded": {label: why}}. No context split (C = 1) is a candidate
+  of its own, priced with the model's own kernel. Each candidate at the least recomputation and the fewest
+  microbatches that fit (fitting; `remats`: the policies to try, default the configured one and then every one
+  with more recomputation), its `overrides` the settings that run it. MODEL PREDICTIONS."""
+  from shardlab.analysis.layout_search import REMAT_BY_RECOMPUTE
   T = c.mesh.tensor
   devices = devices or c.mesh.n_devices
-  degrees = degrees or tuple(c for c in range(1, devices // T + 1) if (devices // T) % c == 0)
-  cands, excluded = [], {}
+  degrees = degrees or tuple(d for d in range(1, devices // T + 1) if (devices // T) % d == 0)
+  if remats is None:
+    order = REMAT_BY_RECOMPUTE
+    remats = order[order.index(c.schedule.remat):] if c.schedule.remat in order else (c.schedule.remat,)
+  cands, excluded, seen = [], {}, set()
   for C in degrees:
     X = devices // (T * C)
-    for strategy in (strategies if C > 1 else ("all_gather",)):
-      label = f"{strategy} C={C}" if C > 1 else "no context (C=1)"
-      if X * T * C != devices or c.train.batch_size % X:
-        excluded[label] = f"fsdp {X} does not divide the batch of {c.train.batch_size} sequences"
-        continue
-      if (why := why_not(c, C, strategy)):
-        excluded[label] = why
-        continue
-      p = predict(with_context(c, C, strategy, fsdp=X), skips_masked)
-      if not p["fits"]:
-        excluded[label] = f"{p['memory_bytes'] / 1e9:.0f} GB per device does not fit {c.hardware.hbm_bytes / 1e9:.0f} GB"
-        continue
-      cands.append({**p, "label": label})
+    for strategy in (strategies if C > 1 else ("none",)):
+      for balanced in placements(c, C):
+        label = (f"{strategy}{' zigzag' if balanced else ''} C={C}" if C > 1 else "no context (C=1)")
+        first = f"{strategy}{' zigzag' if not balanced else ''} C={C}"     # the other placement's label
+        sub, why = None, f"fsdp {X} does not divide the batch of {c.train.batch_size} sequences"
+        if X * T * C == devices and c.train.batch_size % X == 0:
+          sub, why = runnable(c, C, c.context.impl if C == 1 else strategy, balanced, X)
+        if sub is not None:
+          p = fitting(sub, skips_masked, remats)
+          why = "" if p["fits"] else (f"{p['memory_bytes'] / 1e9:.0f} GB per device does not fit "
+                                      f"{c.hardware.hbm_bytes / 1e9:.0f} GB at any remat policy and microbatch count")
+        if why:
+          if excluded.get(first) != why:          # said once where both placements are out for one reason
+            excluded[label] = why
+          continue
+        same = (strategy, C, p["t_step_s"], p["memory_bytes"])     # a placement that changes nothing: one
+        if same in seen:
+          continue
+        seen.add(same)
+        cands.append({**p, "label": label, "overrides": overrides(sub, p)})
   if not cands:
     return {"best": None, "reason": "nothing fits: " + "; ".join(f"{k}: {v}" for k, v in excluded.items()),
             "candidates": [], "excluded": excluded}
   cands.sort(key=lambda p: p["t_step_s"])
   return {"best": cands[0], "reason": reason(cands), "candidates": cands, "excluded": excluded}
+
+
+def overrides(c: Composition, p: dict) -> list[str]:
+  """The settings that run candidate `p` (of composition c) with `python -m shardlab`: the mesh, the strategy,
+  its placement, the weights' layout rule where they are sharded over context, the remat and microbatches."""
+  out = [f"mesh.{AX.CONTEXT}={p[AX.CONTEXT]}", f"mesh.{AX.FSDP}={p[AX.FSDP]}", f"mesh.{AX.TENSOR}={p[AX.TENSOR]}"]
+  if p[AX.CONTEXT] > 1:
+    out += [f"context.impl={c.context.impl}", f"context.load_balance={str(p['load_balance']).lower()}"]
+    if p["weights_over_context"]:
+      out.append(f"layout.rules.embed=[{','.join(c.layout.rule('embed'))}]")
+  return out + [f"schedule.remat={p['remat']}", f"schedule.microbatches={p['microbatches']}"]
 
 
 def reason(cands: list[dict]) -> str:

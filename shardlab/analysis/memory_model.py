@@ -107,20 +107,20 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
   fused kernel, which keeps only its output and log-sum-exp)."""
   m, s = c.model, c.schedule
   sizes, layout, names = c.sizes, c.layout, c.names
-  decls = PM.declare(m, c.mesh.tensor, layout, names)
-  leaves = _leaves(decls)
+  leaves = _declared(c)                          # (elements, mesh axes, top-level name) of every parameter
   weight = layout.rule("embed", names)           # the axes a layer's weights are gathered over
 
   def local(d, gathered=False):      # elements of one device's shard (gathered: the embed dim whole)
-    return math.prod(d.shape) // math.prod(sizes[a] for a in d.mesh_axes() if not (gathered and a in weight))
+    n, axes, _ = d
+    return n // math.prod(sizes[a] for a in axes if not (gathered and a in weight))
 
   pb, cb = dtype_bytes(c.precision.param_dtype), dtype_bytes(c.precision.compute_dtype)
   P = c.stages
   layers_here = m.n_layers // P                  # the layers this device stores (its stage's)
   shard = sum(local(d) for d in leaves)
-  per_layer = sum(local(d, True) for d in _leaves(decls["layers"])) // layers_here
-  layer_shard = sum(local(d) for d in _leaves(decls["layers"])) // layers_here
-  top = sum(local(d, True) for k, d in decls.items() if k != "layers")
+  per_layer = sum(local(d, True) for d in leaves if d[2] == "layers") // layers_here
+  layer_shard = sum(local(d) for d in leaves if d[2] == "layers") // layers_here
+  top = sum(local(d, True) for d in leaves if d[2] != "layers")
   deferred = s.grad_reduce == "deferred"
   step_gather = P > 1 and c.pipeline.gather == "step"
   live = layers_here if deferred or step_gather or not s.reshard_after_forward else min(layers_here, s.prefetch + 1)
@@ -172,7 +172,7 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
                          + (m.n_layers // (P * c.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
       # The largest weight outside the layers (the embedding or the unembedding, [V, D]): its whole gradient,
       # made in backward before the reduce-scatter over fsdp takes its shard, as a layer's is (layer_gradient).
-      "top_gradient": max((local(d, True) for k, d in decls.items() if k != "layers"), default=0)
+      "top_gradient": max((local(d, True) for d in leaves if d[2] != "layers"), default=0)
                       * (cb if s.gather_dtype == "compute" else pb),
       "activations": acts,
   }
@@ -266,6 +266,20 @@ def _replicated_per_token(model, remat: str) -> int:
     return d
   return {"none": 6 * d + 4, "save_matmuls": 2 * d, "save_qkv_proj": d, "save_qkv_attn_out": d,
           "save_matmuls_attn_out": 2 * d, "full": d}[remat]
+
+
+_DECLARED: dict = {}
+
+
+def _declared(c: Composition) -> list[tuple[int, tuple[str, ...], str]]:
+  """(elements, the mesh axes it is sharded over, its top-level name) of every parameter params.declare gives
+  c's model on its mesh's axes, kept by what they depend on (the model's fields, the tensor size, the layout,
+  the axis names): the planner prices thousands of compositions that differ only in sizes."""
+  key = (repr(c.model), c.mesh.tensor, c.layout, c.names)
+  if key not in _DECLARED:
+    decls = PM.declare(c.model, c.mesh.tensor, c.layout, c.names)
+    _DECLARED[key] = [(math.prod(d.shape), d.mesh_axes(), k) for k, v in decls.items() for d in _leaves(v)]
+  return _DECLARED[key]
 
 
 def _leaves(tree) -> list:

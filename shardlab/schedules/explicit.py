@@ -395,17 +395,20 @@ class ExplicitSchedule:
 
   def honours(self, axis_names) -> dict:
     """The layout rules this schedule can honour on a mesh of `axis_names`, derived from its parts: the TP
-    contraction's dims over its axis; a weight's `embed` dim over `fsdp` (FSDP / ZeRO-3) or replicated (plain
-    data parallelism, gradients all-reduced); the batch over any batch axes that include the axes weights are
-    sharded on (weights are replicated over the others: HSDP); the sequence whole or over `context` (its
+    contraction's dims over its axis; a weight's `embed` dim over `fsdp` (FSDP / ZeRO-3), over `fsdp` and the
+    `context` the sequence is split over (the training state split over every device: torchtitan's
+    dp_shard_cp), or replicated (plain data parallelism, gradients all-reduced); the batch over any batch axes
+    that, with the sequence's, include the axes weights are sharded on (weights are replicated over the others:
+    HSDP); the sequence whole or over `context` (its
     attention strategy, schedules/context.py, attends across the split); the layers whole or, with a pipeline
     schedule (the `pipeline` group), split into stages over `pipeline`."""
     weights = set(self.layout.rule("embed", axis_names))
-    batch = self.layout.batch_axes(axis_names)
+    batch, length = self.layout.batch_axes(axis_names), self.layout.rule("length", axis_names)
     layers = [(PIPELINE,)] if self.pipe.staged and PIPELINE in axis_names else [()]
-    return {**self.ops.honours(), "embed": [(FSDP,), ()], "layers": layers, "length": [(), (CONTEXT,)],
+    embed = [(FSDP,), ()] + ([(FSDP, CONTEXT)] if CONTEXT in length else [])
+    return {**self.ops.honours(), "embed": embed, "layers": layers, "length": [(), (CONTEXT,)],
             "expert_mlp": [()], **getattr(self.ep, "honours", lambda: {"experts": [(EXPERT,), ()]})(),
-            "batch": [batch] if weights <= set(batch) else [tuple(sorted(weights))]}
+            "batch": [batch] if weights <= set(batch) | set(length) else [tuple(sorted(weights - set(length)))]}
 
   def check_mesh(self, shape: dict, who: str | None = None) -> None:
     """A layout rule this schedule cannot honour on a mesh of `shape` ({axis: size}), or a context split its
@@ -438,7 +441,9 @@ class ExplicitSchedule:
     return self.layout.token_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
 
   def gather(self, shard, decl, stacked: bool = False):
-    """W[D_fsdp, ..] -> W[D, ..] in the compute dtype. Backward (AD): psum_scatter of the gradient over fsdp,
+    """W[D_fsdp, ..] -> W[D, ..] in the compute dtype (gathered over the axes the layout's rule for that dim names
+    on this mesh: fsdp, or fsdp and context; the declarations know fsdp and tensor only). Backward (AD):
+    psum_scatter of the gradient over them,
     and a psum over the residual axes the weight is replicated on (e.g. norm scales under SP), and over
     `tensor` for weights replicated there but read by tensor-parallel compute (K/V heads tensor does not
     divide). Over HSDP's `data` axis (params.replica_axes) and those `tensor` replicas the shard is marked
@@ -455,7 +460,8 @@ class ExplicitSchedule:
     if early:
       w = C.pvary(w, early, name="replicated_weight")
     if dim is not None:
-      w = C.all_gather(w, FSDP, dim + stacked, name="fsdp_all_gather")   # W[D_fsdp, N_tp] -> W[D, N_tp]
+      over = self.layout.rule(decl.axes[dim], jax.sharding.get_abstract_mesh().axis_names)  # fsdp (and context)
+      w = C.all_gather(w, over, dim + stacked, name="fsdp_all_gather")   # W[D_fsdp, N_tp] -> W[D, N_tp]
     return C.pvary(w.astype(self.dtype), self.residual_axes, name="replicated_weight")
 
   def reduce_grad(self, grad, shard, decl, stacked: bool = False):
