@@ -144,3 +144,23 @@ def test_every_config_group_ships_in_the_wheel():
   folders = {"shardlab.conf." + ".".join(p.relative_to(root / "conf").parts)
              for p in (root / "conf").rglob("*") if p.is_dir() and any(p.glob("*.yaml"))}
   assert folders <= packages, sorted(folders - packages)
+
+
+def test_the_config_sets_no_hydra_mode_so_a_command_composes_once():
+  """run._compose_once skips Hydra's first compose of every command (it only reads `hydra.mode`) because
+  shardlab's config sets no mode: composed with the Hydra node, the mode is unset; a command line that sets one
+  (or names another config) keeps Hydra's own get_mode."""
+  from hydra import compose, initialize_config_dir
+  from hydra._internal.hydra import Hydra
+  from shardlab.config import CONF_DIR, register_configs
+  from shardlab.run import _compose_once
+  register_configs()
+  with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    assert compose(config_name="config", return_hydra_config=True).hydra.mode is None
+  own = Hydra.get_mode
+  with _compose_once(["train.steps=2"]):
+    assert Hydra.get_mode is not own and Hydra.get_mode(None, "config", []) is None
+  assert Hydra.get_mode is own
+  for argv in (["hydra.mode=MULTIRUN"], ["--config-name", "other"]):
+    with _compose_once(argv):
+      assert Hydra.get_mode is own
