@@ -92,8 +92,12 @@ class Composition:
 
   @functools.cached_property
   def dispatcher(self):
-    """The MoE dispatcher `expert.impl` names (schedules/expert.py); None for a dense model."""
+    """The MoE dispatcher `expert.impl` names (schedules/expert.py); None for a dense model, or under a schedule
+    class that states it runs none (`dispatches = False`: gspmd, whose compiler places the dispatch)."""
     if not getattr(self.model, "moe", False):
+      return None
+    from shardlab.schedules import resolve as schedule_class
+    if getattr(schedule_class(self.schedule.impl), "dispatches", True) is False:
       return None
     from shardlab.schedules import expert as EP
     return EP.make(self.expert, self.model, self.layout)

@@ -87,6 +87,30 @@ def test_moe_inside_a_pipeline_equals_the_reference(dispatcher, schedule, mesh, 
   assert_trees_close(stats, want, rtol=1e-5, atol=1e-5, label="router statistics: ")
 
 
+@pytest.mark.parametrize("mesh", ["e2xf2xt2", "e8xf1xt1"])
+def test_moe_under_gspmd_equals_the_reference(mesh):
+  """schedule=gspmd with a mixture of experts: the plain MoE layer (every expert, dropless) under jit, the expert
+  weights over `expert` as the layout puts them and the dispatch placed by the compiler: loss, every gradient and
+  the step's router statistics those of the plain model. The analysis prices no dispatcher for it (the schedule
+  class states `dispatches = False`)."""
+  import jax
+  from shardlab import model as M, params as PM
+  from shardlab.data import split
+  from shardlab.schedules.parallel import plain
+  loss, grads, stats = testing.compile_schedule({"impl": "gspmd"}, mesh, MOE, expert={"impl": "all_to_all"},
+                                                stats=True)[1]
+  ref_loss, ref_grads = reference_loss_and_grads(MOE)
+  assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"gspmd {mesh}: ")
+  m = testing.tiny_config(MOE).model
+  b = testing.tiny_batch()
+  p = PM.init(jax.random.key(0), PM.declare(m), m)
+  want = jax.jit(lambda p: M.loss_and_stats(plain(m, p), m, split(b), b.shape[0] * m.seq_len))(p)[1]
+  assert_trees_close(stats, want, rtol=1e-5, atol=1e-5, label="router statistics: ")
+  c = resolve(testing.tiny_config(MOE, impl="gspmd"))
+  assert c.dispatcher is None and resolve(testing.tiny_config(MOE)).dispatcher is not None
+
+
 @pytest.mark.slow
 def test_ragged_equals_all_to_all_at_worst_case_capacity():
   """The ragged dispatcher's CPU exchange (a padded all_to_all) against the dense all_to_all with as many slots

@@ -2,7 +2,10 @@
 batch placed with the same NamedShardings (the layout), activations constrained like the explicit
 schedule's, and every collective left to XLA's SPMD partitioner. Compare its ledger with `baseline`'s to see
 what hand placement buys. Knobs: `tp` (allgather: sequence-parallel activations | allreduce), `microbatches`,
-`remat`; the others describe hand placement and are rejected.
+`remat`; the others describe hand placement and are rejected. A mixture of experts runs its plain MoE layer
+(every expert on this program's tokens, dropless: schedules/parallel.py, plain_experts) with the expert weights
+where the layout puts them (`experts -> expert`), and the partitioner places the dispatch: no dispatcher of
+schedules/expert.py runs (`dispatches = False`), so `expert.impl` names none and a capacity is refused.
 """
 from __future__ import annotations
 
@@ -84,9 +87,10 @@ class ConstrainedOps(IdentityOps):
 class GSPMDSchedule:
   shard_mapped = False   # train.py builds a plain jit step for it
   pipelines = False      # no pipeline stages: the compiler places the whole layer stack (schedules.build asks)
+  dispatches = False     # a MoE layer's dispatch is the compiler's too: no dispatcher runs (the analysis asks)
 
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
-               context=None):   # context: no sequence split here (honours: length -> none)
+               context=None, expert=None):   # context: no sequence split here (honours: length -> none)
     default = ScheduleConfig()
     for knob in ("prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce"):
       if getattr(cfg, knob) != getattr(default, knob):
@@ -96,6 +100,10 @@ class GSPMDSchedule:
       raise ConfigError(f"schedule.tp={cfg.tp}: the gspmd schedule takes tp=allgather or tp=allreduce")
     if cfg.microbatches < 1:
       raise ConfigError(f"schedule.microbatches={cfg.microbatches}: must be >= 1")
+    if getattr(model, "moe", False) and getattr(expert, "capacity_factor", 0):
+      raise ConfigError(f"expert.capacity_factor={expert.capacity_factor}: the gspmd schedule runs the MoE layer "
+                        f"dropless (the compiler places its dispatch); set expert.capacity_factor=0 or "
+                        f"schedule.impl=explicit")
     self.cfg, self.model, self.dtype = cfg, model, compute_dtype
     self.layout = layout or Layout()
     self.decls = declare(model, layout=self.layout)
@@ -112,7 +120,8 @@ class GSPMDSchedule:
     """Its activation constraints put heads, d_ff and vocab (and the sequence, tp=allgather) on `tensor`; weights
     go where the layout puts them (the partitioner follows); every layer and whole sequences on every device."""
     dims = ("heads", "kv_heads", "mlp", "vocab") + (("seq",) if self.ops.seq_parallel else ())
-    return {**{d: [(TENSOR,)] for d in dims}, "embed": [(FSDP,), ()], "layers": [()], "length": [()]}
+    return {**{d: [(TENSOR,)] for d in dims}, "embed": [(FSDP,), ()], "layers": [()], "length": [()],
+            "expert_mlp": [()]}
 
   def data_order(self, shape: dict):
     """Sequences as they come (no sequence split)."""
@@ -129,13 +138,18 @@ class GSPMDSchedule:
   def loss_and_grads(self, params, batch: Batch, n_tokens: int):
     """On global arrays, under jit with the mesh set. Gradients come back sharded like `params`. Microbatch j
     takes rows j, j+k, ...: every device keeps its own rows (the batch stays sharded)."""
-    def loss_fn(p, b):
+    def ctx(p):
       p = jax.tree.map(lambda a: a.astype(self.dtype), p)
-      return M.loss(dataclasses.replace(plain(self.model, p, self.ops, self.policy), attend=self.attend()),
-                    self.model, b, n_tokens)
+      return dataclasses.replace(plain(self.model, p, self.ops, self.policy), attend=self.attend())
     k = self.cfg.microbatches
     rows = lambda a: (a[None] if k == 1 else
                       self.ops.c(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), P(None, self.ops.batch)))
+    if self.model.moe:       # a MoE model's router statistics third, as the explicit schedule's
+      loss_fn = lambda p, b: M.loss_and_stats(ctx(p), self.model, b, n_tokens)
+      (loss, stats), g = accumulate(jax.value_and_grad(loss_fn, has_aux=True), params,
+                                    microbatches(batch, k, rows), zero_aux=M.zero_stats(self.model))
+      return loss, g, stats
+    loss_fn = lambda p, b: M.loss(ctx(p), self.model, b, n_tokens)
     return accumulate(jax.value_and_grad(loss_fn), params, microbatches(batch, k, rows))
 
   def attend(self):
