@@ -70,16 +70,23 @@ def test_moe_inside_a_pipeline_equals_the_reference(dispatcher, schedule, mesh, 
   loss and every gradient the reference's, with zero-bubble's split backward and sequence-parallel tensor inside
   the stages; the step's router statistics (summed over the
   stages' layers, the microbatches and the devices) are those of the plain model."""
+  model = {**MOE, "n_layers": 4}
+  got = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher},
+                                 pipeline={"impl": schedule, **pipe}, stats=True)[1]
+  check_with_stats(got, model, f"{dispatcher} {schedule}: ")
+
+
+def check_with_stats(got, model, label):
+  """(loss, grads, router statistics) of a compiled step against the plain reference's loss and gradients and
+  the plain model's statistics (model.loss_and_stats on the whole batch)."""
   import jax
   from shardlab import model as M, params as PM
   from shardlab.data import split
   from shardlab.schedules.parallel import plain
-  model = {**MOE, "n_layers": 4}
-  loss, grads, stats = testing.compile_schedule(mesh_shape=mesh, model=model, expert={"impl": dispatcher},
-                                                pipeline={"impl": schedule, **pipe}, stats=True)[1]
+  loss, grads, stats = got
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
-  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{dispatcher} {schedule}: ")
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=label)
   m = testing.tiny_config(model).model
   b = testing.tiny_batch()
   p = PM.init(jax.random.key(0), PM.declare(m), m)
@@ -93,20 +100,8 @@ def test_moe_under_gspmd_equals_the_reference(mesh):
   weights over `expert` as the layout puts them and the dispatch placed by the compiler: loss, every gradient and
   the step's router statistics those of the plain model. The analysis prices no dispatcher for it (the schedule
   class states `dispatches = False`)."""
-  import jax
-  from shardlab import model as M, params as PM
-  from shardlab.data import split
-  from shardlab.schedules.parallel import plain
-  loss, grads, stats = testing.compile_schedule({"impl": "gspmd"}, mesh, MOE, expert={"impl": "all_to_all"},
-                                                stats=True)[1]
-  ref_loss, ref_grads = reference_loss_and_grads(MOE)
-  assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
-  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"gspmd {mesh}: ")
-  m = testing.tiny_config(MOE).model
-  b = testing.tiny_batch()
-  p = PM.init(jax.random.key(0), PM.declare(m), m)
-  want = jax.jit(lambda p: M.loss_and_stats(plain(m, p), m, split(b), b.shape[0] * m.seq_len))(p)[1]
-  assert_trees_close(stats, want, rtol=1e-5, atol=1e-5, label="router statistics: ")
+  got = testing.compile_schedule({"impl": "gspmd"}, mesh, MOE, expert={"impl": "all_to_all"}, stats=True)[1]
+  check_with_stats(got, MOE, f"gspmd {mesh}: ")
   c = resolve(testing.tiny_config(MOE, impl="gspmd"))
   assert c.dispatcher is None and resolve(testing.tiny_config(MOE)).dispatcher is not None
 
