@@ -89,14 +89,19 @@ def devices(hw: HardwareConfig, n_devices: int) -> list:
 
 def compile_(lowered, flags: dict | None = None):
   """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
-  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/)."""
+  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/). JAX decides
+  once per process whether it uses the cache (jax 0.10.2: compilation_cache.is_cache_used), so in a process that
+  compiled before (a test worker, a run's local step) the switch alone does not hold: no entry is written either
+  (the minimum compile time to write one set beyond reach), so none is found and failed to load later."""
   import jax
-  was = jax.config.jax_enable_compilation_cache
+  was = (jax.config.jax_enable_compilation_cache, jax.config.jax_persistent_cache_min_compile_time_secs)
   jax.config.update("jax_enable_compilation_cache", False)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
     return compile_with(lowered, flags)
   finally:
-    jax.config.update("jax_enable_compilation_cache", was)
+    jax.config.update("jax_enable_compilation_cache", was[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])
 
 
 BUFFER_ASSIGNMENT = "*after_optimizations-buffer-assignment.txt"   # XLA's dump of BufferAssignment::ToString
