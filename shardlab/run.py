@@ -325,10 +325,10 @@ def _compose_once(argv: list[str]):
   """Hydra (hydra-core 1.3, `hydra._internal.hydra.Hydra.get_mode`, a private name: this is the one place that
   uses it) composes the whole config twice per command: once only to read `hydra.mode`, then to run. shardlab's
   config sets no mode, so where the command line cannot set one either (no `hydra.mode` override, no other
-  config named) the first compose is skipped: Hydra then runs a single run, or a sweep with -m, exactly as it
+  config or search path named) the first compose is skipped: Hydra then runs a single run, or a sweep with -m, exactly as it
   would (a quarter of a second per command on a 2-core machine). Otherwise Hydra's own get_mode runs."""
-  if any("hydra.mode" in a or a.startswith(("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"))
-         for a in argv):
+  if any("hydra.mode" in a or "searchpath" in a
+         or a.startswith(("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")) for a in argv):
     yield
     return
   from hydra._internal.hydra import Hydra

@@ -161,6 +161,6 @@ def test_the_config_sets_no_hydra_mode_so_a_command_composes_once():
   with _compose_once(["train.steps=2"]):
     assert Hydra.get_mode is not own and Hydra.get_mode(None, "config", []) is None
   assert Hydra.get_mode is own
-  for argv in (["hydra.mode=MULTIRUN"], ["--config-name", "other"]):
+  for argv in (["hydra.mode=MULTIRUN"], ["--config-name", "other"], ["hydra.searchpath=[file:///tmp/more]"]):
     with _compose_once(argv):
       assert Hydra.get_mode is own
