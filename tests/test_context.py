@@ -241,6 +241,24 @@ def test_weights_sharded_over_fsdp_and_context_train_like_the_reference(strategy
   assert "fsdp+context" in axes, axes
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, model, extra", [
+    ({"pipeline": 2, "fsdp": 2, "context": 2}, None, {"pipeline": {"impl": "1f1b", "microbatches": 2}}),
+    ({"expert": 2, "fsdp": 2, "context": 2},
+     {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "router_z_loss": 1e-3, "n_layers": 2},
+     {"expert": {"impl": "all_to_all"}})], ids=["pipeline", "experts"])
+def test_weights_over_fsdp_and_context_with_a_pipeline_or_experts(mesh, model, extra):
+  """The weights over fsdp x context beside the parts that can run with a context split: 1f1b stages
+  (p2 x f2 x c2) and an expert dispatcher (e2 x f2 x c2), with Ulysses: loss and every gradient against the plain
+  reference."""
+  from shardlab.layout import DEFAULT_RULES
+  rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "embed": ["fsdp", "context"]}
+  _, (loss, grads) = testing.compile_schedule(None, mesh, model, layout=rules, context="ulysses", **extra)
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=1e-4, atol=2e-6, label=f"{sorted(mesh)}: ")
+
+
 def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():
   """context_cost.choose at C = 8 on 8 H100s, a 4-layer llama3_8b at 32K tokens, one sequence (its weights fit
   replicated over context, which the run's schedule keeps them): with shardlab's kernels Ulysses (cuDNN inside,
