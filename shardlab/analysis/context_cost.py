@@ -231,13 +231,6 @@ def layer_time(strategy, a: Attn, hw, bandwidth: float, balanced: bool, skips_ma
 
 # ------------------------------------------------------------------------------------------ a step, a choice
 
-def shardlab_skips(strategy, model) -> bool:
-  """Whether the attention kernel `strategy` runs skips masked blocks (its own `skips_masked`: all_gather the plain
-  attention under a mask, every block computed; the ring a flash kernel per step that skips wholly masked
-  sub-blocks; Ulysses the model's own kernel, which skips them unless it is the plain one)."""
-  return strategy_of(strategy, model).skips_masked()
-
-
 def with_context(c: Composition, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
                  shard_weights: bool = True) -> Composition:
   """c with mesh.context=C (and mesh.fsdp=fsdp), context.impl=strategy, load balancing as given (None: kept);
