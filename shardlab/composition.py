@@ -1,6 +1,7 @@
 """A run's composition, read from its config once: the mesh's degrees, the layout, the model, the precision, the
-batch, the target hardware, and the parts that split the model (the TP contraction, the context strategy, the
-MoE dispatcher), built from their classes (a user's `module:Class` like a built-in) once, on first use.
+batch, the target hardware, and the parts that split the model (the weights part, the TP contraction, the context
+strategy, the MoE dispatcher), built from their classes (a user's `module:Class` like a built-in) once, on first
+use.
 
 Everything below the entry points that prices or plans a run (shardlab/analysis/: the memory model, the cost
 model, the context, expert and pipeline costs, the planner) takes a Composition, never the whole config:
@@ -9,7 +10,7 @@ compositions changed group by group (`replace`), each with its own parts.
 
   c = resolve(cfg)
   c.split("batch"), c.local_tokens, c.stages, c.microbatches    what the mesh and the layout make of the batch
-  c.tp, c.cp, c.dispatcher                                       the parts, asked for their own terms
+  c.weights, c.tp, c.cp, c.dispatcher                            the parts, asked for their own terms
   c.replace(mesh={"fsdp": 8}, schedule={"remat": "full"})         a candidate: another composition
 """
 from __future__ import annotations
@@ -83,6 +84,13 @@ class Composition:
     """The TP contraction `schedule.tp` names (schedules/tp.py), reading this layout."""
     from shardlab.schedules.tp import make_tp
     return make_tp(self.schedule.tp, self.layout)
+
+  @functools.cached_property
+  def weights(self):
+    """The weights part `schedule.weights` names (schedules/weights.py: FSDP / HSDP / data parallel), built with
+    its knobs, this layout and the TP contraction: its cost terms are what the analysis prices the weights by."""
+    from shardlab.schedules import weights as WT
+    return WT.make(self.schedule, self.model, self.layout, self.tp, self.precision.compute_dtype)
 
   @functools.cached_property
   def cp(self):

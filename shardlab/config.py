@@ -148,9 +148,11 @@ class ScheduleConfig:
   gather_dtype: str = "param"     # param | compute: cast before the all-gather (half the bytes in bf16)
   tp: str = "allgather"           # allgather | ring | ring_bidi | allreduce | package.module:Class (schedules/tp.py)
   grad_reduce: str = "per_layer"  # per_layer | next_layer (one backward iteration later) | deferred (once per step)
+  weights: str = "sharded"        # sharded (FSDP / HSDP / data parallel, by the layout) | package.module:Class
+                                  # (schedules/weights.py): the part the four knobs above configure
   microbatches: int = 1
   remat: str = "none"             # none | full | save_matmuls | save_qkv_proj | save_qkv_attn_out
-                                  # | save_matmuls_attn_out (schedules/explicit.py: REMAT)
+                                  # | save_matmuls_attn_out (schedules/stage.py: REMAT)
 
   @property
   def label(self) -> str:
@@ -315,6 +317,8 @@ class Config:
   distributed: DistributedConfig = field(default_factory=DistributedConfig)
   progress: bool = True
   tensorboard: bool = True        # TensorBoard event files in <run dir>/tensorboard (process 0)
+  figures: bool = True            # the run's pictures (timeline.png; a pipeline's pipeline.png): false draws none,
+                                  # which saves matplotlib's import and drawing (seconds per run of a large sweep)
   profile: ProfileConfig = field(default_factory=ProfileConfig)
   dry_run: bool = False           # compile and analyze only: no parameters allocated, no step run
   # local: analyze the program compiled for the devices here; target: compile the same step for the hardware

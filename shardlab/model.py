@@ -28,7 +28,7 @@ from shardlab import attention as A
 from shardlab.config import ModelConfig
 from shardlab.data import token_code
 
-QKV_PROJ = "qkv_proj"   # checkpoint names the remat policies keep (schedules/explicit.py: REMAT)
+QKV_PROJ = "qkv_proj"   # checkpoint names the remat policies keep (schedules/stage.py: REMAT)
 ATTN_OUT = A.ATTN_OUT   # the attention output (named by attention.attend)
 
 

@@ -213,8 +213,8 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
     lines += [f"### Predicted timeline: {j['label']} ({prediction_label(j['summary'])} on "
               f"{_pred(j).get('hardware', '?')})", "", f"![timeline {j['label']}]({dst.name})", ""]
   if without:
-    lines += [f"No predicted timeline for {', '.join(without)} (the run wrote no timeline.png: it failed before "
-              "its analysis, or ran with an older shardlab).", ""]
+    lines += [f"No predicted timeline for {', '.join(without)} (the run wrote no timeline.png: it ran with "
+              "figures=false, failed before its analysis, or ran with an older shardlab).", ""]
   (d / "report.md").write_text("\n".join(lines))
   return d / "report.md"
 

@@ -109,7 +109,7 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   if not getattr(a["schedule"], "shard_mapped", True):   # the compiler places every collective (gspmd), by design
     analysis["audit"] = {**analysis["audit"], "placed_by": "compiler"}
   # prediction, memory, ledger, audit; a pipeline's table replayed with its compiled slots (pipeline.png)
-  analysis.update(predict_run(a["compiled"], a["mesh"], c, out_dir, analysis, a, prog))
+  analysis.update(predict_run(a["compiled"], a["mesh"], c, out_dir, analysis, a, prog, figures=cfg.figures))
   if on_target:
     analysis["target"] = TG.describe(devs, topo)
   analysis.update(compile_time_s=sum(times.values()), compile_times_s=times)

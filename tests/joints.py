@@ -39,9 +39,10 @@ def one_line(err: str, prefix: str = "shardlab: error: ") -> str:
 
 
 def shardlab(*args, module: str = "shardlab", timeout: float = 300, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
-  """`python -m MODULE progress=false ARGS` as a real process: its CompletedProcess (stdout, stderr as text)."""
+  """`python -m MODULE progress=false figures=false ARGS` as a real process: its CompletedProcess (stdout, stderr
+  as text). No figures: these runs are about their files, lines and exit codes, and matplotlib costs seconds."""
   args = [str(a) for a in args]
   flags = [a for a in args if a.startswith("-")]            # Hydra's flags (-m) before the overrides
-  extra = ["progress=false"] if module == "shardlab" else []
+  extra = ["progress=false", "figures=false"] if module == "shardlab" else []
   return subprocess.run([sys.executable, "-m", module, *flags, *extra, *(a for a in args if a not in flags)], cwd=cwd,
                         env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)

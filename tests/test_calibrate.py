@@ -156,7 +156,7 @@ def test_the_commands_calibrate_then_predict_with_the_file(tmp_path):
   assert p.returncode == 0 and f"wrote {out}" in p.stdout, p.stderr[-2000:]
   run = tmp_path / "run"
   args = [sys.executable, "-m", "shardlab", f"hardware.file={out}", "cpu_devices=1", "mesh=1x1", "dry_run=true",
-          "progress=false", f"hydra.run.dir={run}"]
+          "progress=false", "figures=false", f"hydra.run.dir={run}"]
   p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert p.returncode == 0 and "prediction for mine (calibrated model over the cpu program)" in p.stdout, p.stderr
   s = json.loads((run / "summary.json").read_text())

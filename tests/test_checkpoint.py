@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow")
 # steps <= 6: the same learning rates as any longer prefix of them. fsdp_prefetch: a step whose collectives all sit
 # in one computation, so the persistent compilation cache serves it to every process these tests start (the
 # default schedule's are in its layer loops too, a program mesh.guard_persistent_cache keeps out of that cache).
-RUN = ["train.steps=6", "progress=false", "schedule=fsdp_prefetch"]
+RUN = ["train.steps=6", "progress=false", "figures=false", "schedule=fsdp_prefetch"]
 
 
 def run(out, *overrides):

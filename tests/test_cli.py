@@ -16,8 +16,9 @@ SUMMARY_KEYS = {"status", "losses", "final_loss", "mesh", "devices", "schedule",
 METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tokens_per_s"}
 
 
-def launch(out, *overrides, cwd=ROOT):
-  return subprocess.Popen([sys.executable, "-m", "shardlab", "progress=false", f"hydra.run.dir={out}", *overrides],
+def launch(out, *overrides, cwd=ROOT, figures=False):
+  return subprocess.Popen([sys.executable, "-m", "shardlab", "progress=false", f"figures={str(figures).lower()}",
+                           f"hydra.run.dir={out}", *overrides],
                           cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -60,7 +61,7 @@ def test_a_run_ends_with_its_numbers(default_run):
 def default_run(tmp_path_factory):
   """The README's main job: the default config (tiny model, 8 fake CPU devices, 4x2 mesh, 30 steps)."""
   out = tmp_path_factory.mktemp("default")
-  return out, finish(launch(out), out)
+  return out, finish(launch(out, figures=True), out)
 
 
 def test_default_run_writes_the_contract(default_run):
@@ -71,6 +72,7 @@ def test_default_run_writes_the_contract(default_run):
   assert [r["step"] for r in rows] == list(range(30)) and all(METRIC_KEYS <= r.keys() for r in rows)
   assert [r["loss"] for r in rows] == s["losses"] and s["final_loss"] == s["losses"][-1]
   assert s["config"]["schedule"]["name"] == "baseline" and s["config"]["train"]["steps"] == 30
+  assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG" and (out / "timeline.json").is_file()
   events = list((out / "tensorboard").glob("events.out.tfevents.*"))
   assert len(events) == 1 and events[0].stat().st_size > 1000   # 30 steps x 4 scalars
 
@@ -99,6 +101,7 @@ def test_hsdp_mesh_trains_like_the_2d_run(default_run, tmp_path):
   s = finish(launch(tmp_path, "mesh=2x2x2", "train.steps=3", "tensorboard=false"), tmp_path)
   np.testing.assert_allclose(s["losses"], default_run[1]["losses"][:3], rtol=1e-5)
   assert s["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and s["audit"]["unplanned"] == []
+  assert (tmp_path / "timeline.json").is_file() and not (tmp_path / "timeline.png").exists()   # figures=false
   assert s["comm"]["all-reduce"]["data"]["bytes"] > 0 and s["prediction"]["t_comm_s"]["data"] > 0
   (tmp_path / ".hydra").mkdir(exist_ok=True)
   assert job_row(tmp_path)["bytes_data"] == sum(

@@ -126,7 +126,8 @@ def test_target_dry_runs_run_as_written(command, tmp_path):
   tpu = "hardware=tpu" in command
   if importlib.util.find_spec("libtpu" if tpu else "jax_cuda12_plugin") is None:
     pytest.skip(f"needs the {'tpu' if tpu else 'cuda12'} extra: pip install 'shardlab[{'tpu' if tpu else 'cuda12'}]'")
-  r = subprocess.run([sys.executable, *shlex.split(command)[1:], "progress=false", f"hydra.run.dir={tmp_path}"],
+  r = subprocess.run([sys.executable, *shlex.split(command)[1:], "progress=false", "figures=false",
+                      f"hydra.run.dir={tmp_path}"],
                      cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   lines = r.stdout.splitlines()

@@ -186,7 +186,7 @@ def test_the_readme_moe_command_trains_and_logs_the_router(tmp_path):
   import json
   from joints import shardlab
   r = shardlab("model=tiny_moe", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "expert=all_gather",
-               "train.steps=12", "progress=false", f"hydra.run.dir={tmp_path / 'run'}")
+               "train.steps=12", "progress=false", "figures=false", f"hydra.run.dir={tmp_path / 'run'}")
   assert r.returncode == 0, r.stderr[-2000:]
   rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"] - 0.5

@@ -320,7 +320,7 @@ def _one_shardlab_line(err: str, prefix: str = "shardlab: error: ") -> str:
 
 def _launch(*args, slow=None, **kw):
   cmd = ["-c", SLOW.format(s=slow)] if slow else ["-m", "shardlab"]
-  return subprocess.Popen([sys.executable, *cmd, "progress=false", *args], cwd=ROOT, env=ENV, text=True,
+  return subprocess.Popen([sys.executable, *cmd, "progress=false", "figures=false", *args], cwd=ROOT, env=ENV, text=True,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
 
 
@@ -354,7 +354,7 @@ def test_read_only_checkpoint_dir(tmp_path):
   else:
     p = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
                           'mount -t tmpfs -o ro tmpfs "$0" || exit 99; exec "$@"', str(ck), sys.executable, "-m",
-                          "shardlab", "progress=false", *args], cwd=ROOT, env=ENV, text=True,
+                          "shardlab", "progress=false", "figures=false", *args], cwd=ROOT, env=ENV, text=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   _, err = p.communicate(timeout=60)
   if p.returncode == 99:

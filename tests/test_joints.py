@@ -108,7 +108,7 @@ def test_a_gpipe_checkpoint_resumes_under_interleaved_to_the_same_losses(tmp_pat
   (the library entry point), to share the start-up."""
   from shardlab.config import to_config
   from shardlab.run import train
-  base = [*PIPE, "mesh.tensor=2", "progress=false"]
+  base = [*PIPE, "mesh.tensor=2", "progress=false", "figures=false"]
   inter = ["pipeline=interleaved", "pipeline.virtual_stages=2"]
   whole, resumed = tmp_path / "gpipe", tmp_path / "resumed"
   ref = train(to_config(compose(*base, "pipeline=gpipe", "train.steps=4")), whole)["losses"]
@@ -175,7 +175,7 @@ def test_a_second_sigterm_during_a_save_stops_as_interrupted_naming_the_complete
   error, while the checkpoint was complete. Then a save left unfinished (a kill -9 mid-save) is removed with one
   line when the run resumes, not warned about again by orbax."""
   run = tmp_path / "run"
-  r = subprocess.run([sys.executable, "-c", TWICE, "progress=false", "tensorboard=false", "train.steps=4",
+  r = subprocess.run([sys.executable, "-c", TWICE, "progress=false", "figures=false", "tensorboard=false", "train.steps=4",
                       f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -259,6 +259,36 @@ def test_a_users_tp_contraction_trains_like_the_reference_and_is_priced(tp, monk
   assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"{tp}: ")
   assert MM.breakdown(resolve(to_config(compose("mesh=2x4", f"schedule.tp={tp}")))) == \
       MM.breakdown(resolve(to_config(compose("mesh=2x4", "schedule.tp=allgather"))))
+
+
+# A user's weights part (schedule.weights) is the same kind of thing as the built-in one: trained equal to the plain
+# reference, inside a pipeline too, and priced by its class's own terms.
+@pytest.mark.parametrize("weights,shape,pipeline", [
+    ("user_parts:CastFirst", {"pipeline": 2, "fsdp": 2, "tensor": 2}, "1f1b"),
+    ("user_parts:ProtocolWeights", {"fsdp": 2, "tensor": 4}, None)], ids=["CastFirst-1f1b", "ProtocolWeights"])
+def test_a_users_weights_part_trains_like_the_reference_and_is_priced(weights, shape, pipeline, monkeypatch):
+  """Loss and every gradient against the plain reference (prefetch 1 without a pipeline); the closed forms' bytes
+  per gathered element and the memory breakdown from the part's own terms: the cast-first part's are those of
+  gather_dtype=compute under bf16, the delegating part's the built-in's."""
+  from shardlab import testing
+  from shardlab.analysis import closed_forms as CF, memory_model as MM
+  from shardlab.composition import resolve
+  from shardlab.config import to_config
+  from shardlab.testing import assert_trees_close
+  from conftest import reference_loss_and_grads
+  monkeypatch.syspath_prepend(TESTS)
+  model = {"n_layers": 4}
+  knobs = {"weights": weights, **({} if pipeline else {"prefetch": 1})}
+  pipe = None if pipeline is None else {"impl": pipeline, "microbatches": 4}
+  _, (loss, grads) = testing.compile_schedule(knobs, {"fsdp": 1, "tensor": 1, **shape}, model, pipeline=pipe)
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"{weights}: ")
+  at = lambda *o: resolve(to_config(compose("mesh=2x4", "precision=bf16", "schedule.prefetch=1", *o)))
+  ours = at(f"schedule.weights={weights}")
+  same = at("schedule.gather_dtype=compute") if weights.endswith("CastFirst") else at()
+  assert CF.comm_bytes(ours) == CF.comm_bytes(same) and MM.breakdown(ours) == MM.breakdown(same)
+  assert (CF.comm_bytes(ours)[0] == 2) == weights.endswith("CastFirst")   # bf16 elements, not float32's
 
 
 # Every pair of parts that can run together, on 8 devices, against the plain reference (loss and every gradient,

@@ -183,8 +183,8 @@ def test_failed_resume_keeps_the_interrupted_runs_files(sweep, tmp_path):
 
 
 def _python_c(code, *args):
-  """`python -c CODE progress=false ARGS` (CODE ends in shardlab.run.cli()) as a real process."""
-  return subprocess.run([sys.executable, "-c", code, "progress=false", *args], cwd=ROOT, env=ENV,
+  """`python -c CODE progress=false figures=false ARGS` (CODE ends in shardlab.run.cli()) as a real process."""
+  return subprocess.run([sys.executable, "-c", code, "progress=false", "figures=false", *args], cwd=ROOT, env=ENV,
                         capture_output=True, text=True, timeout=300)
 
 

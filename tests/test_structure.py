@@ -146,6 +146,22 @@ def test_the_analysis_asks_the_parts_not_their_names():
   assert not found, found
 
 
+def test_the_weights_knobs_are_read_by_the_weights_part_only():
+  """schedule.prefetch, reshard_after_forward, gather_dtype and grad_reduce configure the weights part
+  (schedules/weights.py); the explicit schedule and the analysis ask the part (its stage, its cost terms), so a
+  user's `schedule.weights=module:Class` runs and is priced by its own class. By hand: grep -rnE
+  '\\.(prefetch|reshard_after_forward|gather_dtype|grad_reduce)\\b' shardlab/analysis shardlab/schedules/explicit.py"""
+  import ast
+  knobs = {"prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce"}
+  root = ROOT / "shardlab"
+  found = [f"{p.relative_to(root.parent)}:{node.lineno} reads .{node.attr}"
+           for p in [*sorted((root / "analysis").glob("*.py")), root / "plan.py", root / "schedules" / "explicit.py",
+                     root / "schedules" / "pipeline.py"]
+           for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.Attribute) and node.attr in knobs]
+  assert not found, found
+
+
 def test_errors_live_in_a_leaf_module():
   """ConfigError and RunError are defined in shardlab/errors.py, which imports nothing of shardlab's, and every
   module of shardlab raises them from there: raising an error never pulls in the mesh (or JAX)."""

@@ -224,7 +224,7 @@ def test_every_target_preset_compiles_a_tiny_step_for_its_own_target(preset, tmp
   from shardlab.config import to_config
   from shardlab.trainer import train
   cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false",
-                          "precision=bf16", "schedule=fsdp_prefetch"))
+                          "figures=false", "precision=bf16", "schedule=fsdp_prefetch"))
   if importlib.util.find_spec("libtpu" if cfg.hardware.target_platform == "tpu" else "jax_cuda12_plugin") is None:
     pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
   summary = train(cfg, tmp_path / "run")
@@ -269,7 +269,8 @@ def test_the_context_search_answer_runs_as_printed_and_its_memory_is_the_compile
   ctx = run([*base, "context_search=true"])["context"]
   best = ctx["candidates"][0]
   assert best["label"] == ctx["best"]
-  cfg = to_config(compose(*base, *best["overrides"], "compile_for=target", "dry_run=true", "progress=false"))
+  cfg = to_config(compose(*base, *best["overrides"], "compile_for=target", "dry_run=true", "progress=false",
+                          "figures=false"))
   summary = train(cfg, tmp_path / "run")
   assert summary["status"] == "ok" and summary["target"]["platform"] == "gpu"
   compiled = summary["memory"]["peak"]
@@ -588,7 +589,7 @@ def test_gspmd_baseline_compiles_for_each_target_with_its_attention_kernel(prese
   attention = "dot_product" if preset == "h100" else "blockwise"
   dump = [f"+xla.flags.xla_dump_to={tmp_path / 'dump'}"] if preset == "h100" else []
   cfg = to_config(compose(f"hardware={preset}", "compile_for=target", "dry_run=true", "progress=false",
-                          "precision=bf16", "schedule=gspmd", f"model.attention={attention}", *dump))
+                          "figures=false", "precision=bf16", "schedule=gspmd", f"model.attention={attention}", *dump))
   if importlib.util.find_spec("libtpu" if cfg.hardware.target_platform == "tpu" else "jax_cuda12_plugin") is None:
     pytest.skip(f"hardware={preset} compiles with the {cfg.hardware.target_platform} extra, not installed")
   summary = train(cfg, tmp_path / "run")
@@ -608,7 +609,7 @@ def test_moe_ragged_dispatch_compiles_to_ragged_all_to_all_on_h100(tmp_path):
   from shardlab.config import to_config
   from shardlab.trainer import train
   cfg = to_config(compose("hardware=h100", "compile_for=target", "dry_run=true", "progress=false", "model=tiny_moe",
-                          "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "expert=ragged"))
+                          "figures=false", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "expert=ragged"))
   summary = train(cfg, tmp_path / "run")
   assert summary["status"] == "ok"
   # 2 layers x (dispatch, combine) x (forward, backward); 4 instructions in the two layer loops

@@ -120,7 +120,7 @@ def check_case(i: int, base) -> str:
     run.mkdir(parents=True)
     (run / "notes.txt").write_text("an earlier file")
   before = checksums(run)
-  code, err = run_cli(["progress=false", "train.steps=1", f"hydra.run.dir={run}", *overrides])
+  code, err = run_cli(["progress=false", "figures=false", "train.steps=1", f"hydra.run.dir={run}", *overrides])
   lines = [l for l in err.splitlines() if l.strip()]
   if "Traceback" in err or not (code == 2 and len(lines) == 1 and lines[0].startswith("shardlab: error: ")):
     return f"exit {code}, stderr {err[-2000:]!r}"

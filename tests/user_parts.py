@@ -4,6 +4,7 @@ name (tests/test_joints.py)."""
 from shardlab import collectives as C
 from shardlab.schedules.context import AllGatherKV, Ring
 from shardlab.schedules.tp import SEQ_DIM, TENSOR, AllGatherTP
+from shardlab.schedules.weights import FSDPWeights, itemsize
 
 
 class AllGatherCopy(AllGatherTP):
@@ -107,3 +108,41 @@ class Unpriced:
   def parts(self, shape): return self._kv.parts(shape)
   def check(self, shape): return self._kv.check(shape)
   def attend(self, q, k, v, positions): return self._kv.attend(q, k, v, positions)
+
+
+class CastFirst(FSDPWeights):
+  """A weights part of a user's: every shard cast to the compute dtype before its gather, whatever
+  schedule.gather_dtype says (half the bytes under bf16), and the cost terms that say so."""
+
+  def gather(self, shard, decl, stacked=False):
+    return super().gather(shard.astype(self.dtype), decl, stacked)
+
+  def element_bytes(self, precision):
+    return itemsize(precision.compute_dtype)
+
+  def cast_bytes(self, precision):
+    pb, cb = itemsize(precision.param_dtype), itemsize(precision.compute_dtype)
+    return cb if cb != pb else 0
+
+
+class ProtocolWeights:
+  """A weights part written from the protocol alone (schedules/protocol.py: WeightsPart), no shardlab base class:
+  every method delegates to the FSDP part, cost terms included."""
+
+  def __init__(self, model, layout, cfg, tp, compute_dtype):
+    self.cfg, self._w = cfg, FSDPWeights(model, layout, cfg, tp, compute_dtype)
+
+  def honours(self, axis_names): return self._w.honours(axis_names)
+  def gather(self, shard, decl, stacked=False): return self._w.gather(shard, decl, stacked)
+  def reduce_grad(self, grad, shard, decl, stacked=False): return self._w.reduce_grad(grad, shard, decl, stacked)
+  def stage(self, layer_fn, gather, reduce, policy): return self._w.stage(layer_fn, gather, reduce, policy)
+
+  @property
+  def once_per_step(self): return self._w.once_per_step
+
+  @property
+  def regathers(self): return self._w.regathers
+
+  def element_bytes(self, precision): return self._w.element_bytes(precision)
+  def live_layers(self, n): return self._w.live_layers(n)
+  def cast_bytes(self, precision): return self._w.cast_bytes(precision)

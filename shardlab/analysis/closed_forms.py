@@ -252,14 +252,13 @@ def block_costs(c: Composition, w_x: float, w_y: float, data: int = 1, w_d: floa
       tensor_per_token=2 * sublayers * a_bytes * m.d_model * (y - 1) / w_y if y > 1 else 0.0,
       tensor_floor=2 * sublayers * hw.hop_latency_s * hops.get(TENSOR, y / 2) if y > 1 else 0.0,
       data=2 * collective_time(w_bytes * shard / x, data, w_d, hw.hop_latency_s, hops.get(DATA)),
-      fsdp_bwd_passes=2 if c.schedule.reshard_after_forward else 1)
+      fsdp_bwd_passes=1 + c.weights.regathers)
 
 
 def comm_bytes(c: Composition) -> tuple[int, int]:
-  """(bytes per weight element gathered / gradient reduced, bytes per activation element moved by TP)."""
-  cb = dtype_bytes(c.precision.compute_dtype)
-  wb = dtype_bytes(c.precision.param_dtype) if c.schedule.gather_dtype == "param" else cb
-  return wb, cb
+  """(bytes per weight element gathered / gradient reduced: the weights part's, bytes per activation element moved
+  by TP)."""
+  return c.weights.element_bytes(c.precision), dtype_bytes(c.precision.compute_dtype)
 
 
 def fsdp_tensor_bandwidth(c: Composition) -> tuple[float, float]:

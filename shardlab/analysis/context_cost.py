@@ -278,7 +278,10 @@ def predict(c: Composition, skips_masked: bool | None = None) -> dict:
   t_dense = dense / (hw.peak_flops * hw.gemm_efficiency)
   t_attn = k * m.n_layers * lt.attention_s
   exposed = k * m.n_layers * lt.exposed_s
-  gb = dtype_bytes(c.precision.param_dtype if s.gather_dtype == "param" else c.precision.compute_dtype)
+  gb = c.weights.element_bytes(c.precision)
+  # the weights' gathers (forward, and a re-gather in backward) and gradient reduce-scatter, per microbatch or
+  # (gathered once per step) per step: the weights part's terms
+  passes = (1 if c.weights.once_per_step else k) * (2 + c.weights.regathers)
   layer_w = PL.layer_params(m) / T
   over = math.prod(c.sizes[x] for x in c.layout.rule("embed", c.names))    # the axes weights are sharded over
   replicas = C if CONTEXT not in c.layout.rule("embed", c.names) else 1   # gradient all-reduced over context
@@ -292,7 +295,7 @@ def predict(c: Composition, skips_masked: bool | None = None) -> dict:
       "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
       "exposed_comm_s": exposed, "context_comm_s": k * m.n_layers * lt.comm_s,
       "bytes_per_step": {CONTEXT: k * m.n_layers * (lt.bytes["forward"] + lt.bytes["backward"]),
-                         FSDP: k * m.n_layers * 3 * (over - 1) / over * layer_w * gb,
+                         FSDP: passes * m.n_layers * (over - 1) / over * layer_w * gb,
                          f"{CONTEXT} (gradient all-reduce)": 2 * (replicas - 1) / replicas * PL.param_count(m)
                          / (over * T) * 4},
       "bytes_per_layer": lt.bytes, "context_bandwidth": bw,

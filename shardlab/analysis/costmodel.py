@@ -219,11 +219,13 @@ def needed_bytes(memory: dict) -> int:
   return max(memory["peak"], (memory.get("allocated") or {}).get("total", 0))
 
 
-def predict_run(compiled, mesh, c: Composition, out_dir, analysis: dict, built: dict | None = None, prog=None) -> dict:
+def predict_run(compiled, mesh, c: Composition, out_dir, analysis: dict, built: dict | None = None, prog=None,
+                figures: bool = True) -> dict:
   """For run.py: summary.json's `prediction`, `memory` with its analytic breakdown, and `ledger` (collectives by
   kind, axis and dtype with forward and backward bytes, from the traced program and from the compiled HLO, and
-  where they differ); timeline.json and timeline.png in out_dir (process 0). `c`: the run's composition. `built`: run.build's step and abstract
-  inputs, to trace the program (without it, the compiled ledger only)."""
+  where they differ); timeline.json and (with `figures`) timeline.png and a pipeline's pipeline.png in out_dir
+  (process 0). `c`: the run's composition. `built`: run.build's step and abstract inputs, to trace the program
+  (without it, the compiled ledger only)."""
   import jax
   from shardlab import params as PM
   from shardlab.analysis import memory_model
@@ -256,8 +258,9 @@ def predict_run(compiled, mesh, c: Composition, out_dir, analysis: dict, built: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "timeline.json").write_text(json.dumps(TL.chrome_trace(evs, pred)))
-    TL.plot(evs, out / "timeline.png", title(c, pred))
-    if pipe is not None:
+    if figures:
+      TL.plot(evs, out / "timeline.png", title(c, pred))
+    if pipe is not None and figures:
       pipeline_cost.draw(replayed, out / "pipeline.png", c, extra["pipeline_prediction"])
   led = {"program": None, "compiled": ledger.nested(rows), "rewrites": None, "differences": None, "per_axis": None}
   audit = dict(analysis.get("audit") or prog.audit())

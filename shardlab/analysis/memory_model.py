@@ -7,7 +7,7 @@ ZeRO-3 (arXiv:1910.02054): fp32 master weights, fp32 gradients and two fp32 Adam
 sharded over every device (ZeRO-3); the compute-dtype copy, the gathered weights (one layer at prefetch 0, k+1 at
 depth k, every layer when they are kept for backward or gathered once per step) and the activations come on top.
 Local sizes here are exact (from the parameter declarations and the mesh). Activations: with one layer's
-residuals read off the traced step (run.lower, schedules.explicit.Stage.residual_bytes: the shapes and dtypes AD keeps
+residuals read off the traced step (run.lower, schedules.stage.Stage.residual_bytes: the shapes and dtypes AD keeps
 on a device), n_layers x the saved set + one layer's set without remat (held while that layer's backward runs);
 without a trace (the planner, the preflight check), a per-token estimate
 (activation_elements_per_token, below), divided over `tensor` except, under the all-reduce (Megatron)
@@ -121,9 +121,11 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
   per_layer = sum(local(d, True) for d in leaves if d[2] == "layers") // layers_here
   layer_shard = sum(local(d) for d in leaves if d[2] == "layers") // layers_here
   top = sum(local(d, True) for d in leaves if d[2] != "layers")
-  deferred = s.grad_reduce == "deferred"
+  wp = c.weights                                 # the weights part's terms (schedules/weights.py)
+  deferred = wp.once_per_step
   step_gather = P > 1 and c.pipeline.gather == "step"
-  live = layers_here if deferred or step_gather or not s.reshard_after_forward else min(layers_here, s.prefetch + 1)
+  live = layers_here if step_gather else wp.live_layers(layers_here)
+  gb = wp.element_bytes(c.precision)             # a layer's whole gradient, before its reduction
   tokens = c.local_tokens
   t = c.mesh.tensor
   tp = c.tp
@@ -159,7 +161,7 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
       # per step, their gathered gradients until the step's reduce-scatter
       "grads": shard * pb + accum + (top * cb + (layers_here * per_layer * cb if step_gather else 0) if P > 1 else 0),
       "optimizer": 2 * shard * pb,                                # Adam mu and nu
-      "compute_params": shard * cb if s.gather_dtype == "compute" and cb != pb else 0,   # the cast shard
+      "compute_params": shard * wp.cast_bytes(c.precision),     # the cast shard
       "gathered_weights": (live * per_layer + top) * cb,          # embed/unembed stay gathered for backward
       # One layer's whole weight gradient W[D, N_tp], produced by its backward before the reduce-scatter over
       # fsdp takes its shard (in the gather's dtype); deferred reduction holds the stack instead (in grads).
@@ -167,13 +169,13 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
       # dtype) and XLA fuses their sum, so every partial is live at once: partial_products - 1 more copies.
       # A pipeline slot's backward returns its chunk's k layers of gradient shards at once (the stage unit's
       # stacked dW), which it adds into the gradients.
-      "layer_gradient": ((0 if deferred or step_gather else per_layer * (cb if s.gather_dtype == "compute" else pb))
+      "layer_gradient": ((0 if deferred or step_gather else per_layer * gb)
                          + (getattr(tp, "partial_products", lambda t: 1)(t) - 1) * per_layer * cb
                          + (m.n_layers // (P * c.pipeline.virtual_stages) * layer_shard * pb if P > 1 else 0)),
       # The largest weight outside the layers (the embedding or the unembedding, [V, D]): its whole gradient,
       # made in backward before the reduce-scatter over fsdp takes its shard, as a layer's is (layer_gradient).
       "top_gradient": max((local(d, True) for d in leaves if d[2] != "layers"), default=0)
-                      * (cb if s.gather_dtype == "compute" else pb),
+                      * gb,
       "activations": acts,
   }
   out["total"] = peak(out, logits, P == 1 and micro == 1)
@@ -228,7 +230,7 @@ def pipeline_buffers(c: Composition) -> dict:
   pipeline.py: Plan): `res`, microbatch-chunks of residuals (each k layers'
   saved set); `x`, residual-stream blocks of one microbatch (every microbatch's embedding and its input
   gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of what
-  each layer's B leaves for its split-off weight gradient W (zero-bubble; schedules/explicit.py: Stage.held)."""
+  each layer's B leaves for its split-off weight gradient W (zero-bubble; schedules/stage.py: Stage.held)."""
   P, p = c.stages, c.pipeline
   return _buffers(p.impl, p.table, P, p.count(P), p.virtual_stages)
 

@@ -136,7 +136,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
   head = 0.0 if m.kind == "ffn" else 3 * 2 * m.vocab_size * m.d_model * b / hw.peak_flops
   t_f = k * block.forward(b) + head / V
-  regather = block.fsdp if c.schedule.reshard_after_forward else 0.0
+  regather = block.fsdp * c.weights.regathers
   if tab["split"]:
     t_b = k * max(block.math * b, regather, block.tensor_time(b))
     t_w = k * max(block.math * b, block.fsdp)

@@ -91,8 +91,6 @@ def check(c: Composition) -> None:
     raise ValueError("the global batch must hold at least one token (train.global_batch_tokens or batch_size)")
   if hw.peak_flops <= 0 or hw.ici_bandwidth <= 0 or hw.hbm_bytes <= 0:
     raise ValueError("hardware.peak_flops, ici_bandwidth and hbm_bytes must be > 0")
-  if c.schedule.gather_dtype not in ("param", "compute"):
-    raise ValueError(f"schedule.gather_dtype={c.schedule.gather_dtype!r} must be param or compute")
 
 
 # ------------------------------------------------------------------------------------------------------ the plan
@@ -119,7 +117,7 @@ def plan(c: Composition) -> dict[str, Any]:
   critical, binding = block_costs(c, w_x, w_y).critical_batch()
   window = batch_window(c)
   # The embedding / unembedding are gathered over fsdp like a layer; their TP traffic (logits) is left out.
-  emb_fsdp = ((3 if c.schedule.reshard_after_forward else 2) * collective_time(
+  emb_fsdp = ((2 + c.weights.regathers) * collective_time(
       w_bytes * embed_params(m) / y, x, w_x, hw.hop_latency_s))
   t_math = 6 * p * tokens / (n * hw.peak_flops)
   t_comm = {FSDP: m.n_layers * per_layer[FSDP] + emb_fsdp, TENSOR: m.n_layers * per_layer[TENSOR]}

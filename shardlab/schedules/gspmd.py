@@ -92,7 +92,7 @@ class GSPMDSchedule:
   def __init__(self, cfg: ScheduleConfig, model: ModelConfig, compute_dtype=jnp.float32, layout: Layout | None = None,
                context=None, expert=None):   # context: no sequence split here (honours: length -> none)
     default = ScheduleConfig()
-    for knob in ("prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce"):
+    for knob in ("prefetch", "reshard_after_forward", "gather_dtype", "grad_reduce", "weights"):
       if getattr(cfg, knob) != getattr(default, knob):
         raise ConfigError(f"schedule.{knob}={getattr(cfg, knob)}: the gspmd schedule leaves communication to the "
                           f"compiler; it takes only tp, microbatches and remat")

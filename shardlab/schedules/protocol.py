@@ -110,6 +110,40 @@ class ExpertDispatcher(Protocol):
     ...
 
 
+@runtime_checkable
+class WeightsPart(Protocol):
+  """How a device's parameter shard becomes the weights its layers compute with and how their gradients return
+  to it (`schedule.weights`, schedules/weights.py: FSDP / HSDP / data parallel). Built as `cls(model: ModelConfig,
+  layout: Layout, cfg: ScheduleConfig, tp: TPContraction, compute_dtype)`; subclassing
+  schedules.weights.FSDPWeights gives the knob checks and the cost terms."""
+  cfg: Any   # the ScheduleConfig it was built with (prefetch, reshard_after_forward, gather_dtype, grad_reduce)
+
+  def honours(self, axis_names) -> dict:
+    """The layout rules it can honour on a mesh of `axis_names`: {"embed": [...], "batch": [...]}."""
+    ...
+
+  def gather(self, shard, decl, stacked: bool = False):
+    """Inside shard_map: W[D_fsdp, ..] -> W[D, ..] in the compute dtype, varying over the residual axes."""
+    ...
+
+  def reduce_grad(self, grad, shard, decl, stacked: bool = False):
+    """The gradient of gather(shard) -> the gradient of `shard`, fully reduced (the same sum as gather's
+    transpose)."""
+    ...
+
+  def stage(self, layer_fn, gather, reduce, policy):
+    """The layer loop's stage unit (schedules/stage.py: Stage) for the schedule's per-layer gather and reduce."""
+    ...
+
+  once_per_step: bool   # every weight gathered once per step, every gradient reduced once (deferred)
+
+  # Its cost terms, what the analysis asks (schedules/weights.py's docstring):
+  def element_bytes(self, precision) -> int: ...
+  regathers: int
+  def live_layers(self, n: int) -> int: ...
+  def cast_bytes(self, precision) -> int: ...
+
+
 class ContextCost(Protocol):
   """A context strategy's cost terms (optional: schedules/context.py's classes have them, and a subclass inherits
   them): what the analysis evaluates to price it (analysis/context_cost.py, memory_model.py), so a user's
