@@ -36,12 +36,12 @@ class MeshConfig:
   expert: int = 1          # size of the `expert` mesh axis: a MoE layer's experts (the batch elsewhere)
   context: int = 1         # size of the `context` mesh axis: the sequence of every activation
   tensor: int = 2          # size of the `tensor` mesh axis: heads, d_ff, vocab (and sequence, when sequence-parallel)
-  fsdp_ici_axes: int = 1
-  tensor_ici_axes: int = 1
-  data_ici_axes: int = 1
-  pipeline_ici_axes: int = 1
-  context_ici_axes: int = 1
-  expert_ici_axes: int = 1
+  fsdp_ici_axes: float = 1        # 0.5: one slice axis without wraparound (a line: hardware.torus_wrap)
+  tensor_ici_axes: float = 1
+  data_ici_axes: float = 1
+  pipeline_ici_axes: float = 1
+  context_ici_axes: float = 1
+  expert_ici_axes: float = 1
 
   @property
   def sizes(self) -> dict:
@@ -65,7 +65,7 @@ class MeshConfig:
     from shardlab.axes import label
     return label(self.shape)
 
-  def ici_axes(self, axis: str) -> int:
+  def ici_axes(self, axis: str) -> float:
     """Physical interconnect axes `axis` spans (mesh.<axis>_ici_axes; 1 for an axis with no such setting)."""
     return getattr(self, f"{axis}_ici_axes", 1)
 

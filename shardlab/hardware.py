@@ -6,6 +6,10 @@ Bandwidth of one mesh axis (what the planner divides bytes by), `axis_bandwidth(
   * TPU (`torus: true`): `ici_bandwidth` is W_ici, the bidirectional bandwidth of one ICI link (both directions of
     a wraparound ring). A mesh axis laid over m physical torus axes uses m such rings at once, so it gets
     W_ici * m. This is the Scaling Book's M_X / M_Y (training.md: "T_comms is reduced by a factor of M_Y").
+    A slice's axis closes into a ring only where the slice is long enough (`torus_wrap`; tpus.md: "on inference
+    chips when we have a full 16 axis, or on training chips (v*p) when we have an axis which is a multiple of
+    4"); a shorter one is a line, whose collectives move data one way at a time (sharding.md's pop quiz 2: a
+    4-chip v5e axis, 3 hops of the shard at the one-way bandwidth), so it counts as half a ring: m = 0.5.
   * GPU (`torus: false`): `ici_bandwidth` is the per-GPU egress bandwidth of the switched fabric (NVLink within a
     node; the node's NIC egress beyond it). Every GPU reaches every other through the switch at that rate, however
     the mesh axis is laid out, so the axis gets `ici_bandwidth` and m is ignored (Scaling Book gpus.md).
@@ -28,6 +32,8 @@ class HardwareConfig:
   hbm_bytes: float = 80e9           # memory per device
   hbm_bandwidth: float = 3.35e12    # bytes/s
   torus: bool = False               # TPU torus (bandwidth scales with the physical axes a mesh axis spans)
+  torus_wrap: int = 0               # a slice axis of a multiple of this many chips closes into a ring (wraparound):
+                                    # 4 on v4/v5p, 16 on v5e/v6e (only a full axis); 0: every axis (idealised)
   source: str = ""
   domain_devices: int = 0           # devices that share the fast interconnect (8: one NVLink node; 0: no limit)
   note: str = ""                    # caveat printed by the planner (e.g. "nominal numbers")
@@ -64,13 +70,19 @@ class HardwareConfig:
     norm = {"cuda": "gpu", "rocm": "gpu"}
     return bool(self.measured_on) and norm.get(platform, platform) == norm.get(self.measured_on, self.measured_on)
 
-  def axis_bandwidth(self, physical_axes: int = 1) -> float:
-    """Bytes/s one device moves on a mesh axis spanning `physical_axes` interconnect axes (see module doc)."""
-    return self.ici_bandwidth * (max(1, physical_axes) if self.torus else 1)
+  def axis_bandwidth(self, physical_axes: float = 1) -> float:
+    """Bytes/s one device moves on a mesh axis spanning `physical_axes` interconnect axes (see module doc; a
+    line without wraparound counts 0.5)."""
+    return self.ici_bandwidth * self.physical_axes(physical_axes)
 
-  def physical_axes(self, physical_axes: int) -> int:
-    """The M the Scaling Book's formulas should see: the mesh config's value on a torus, 1 on a switch."""
-    return max(1, physical_axes) if self.torus else 1
+  def physical_axes(self, physical_axes: float) -> float:
+    """The M the Scaling Book's formulas should see: the mesh config's value on a torus (at least one line,
+    0.5; 0 or unset: 1), 1 on a switch."""
+    return max(0.5, physical_axes or 1) if self.torus else 1
+
+  def wraps(self, chips: int) -> bool:
+    """Whether a slice axis of `chips` chips has its wraparound link, i.e. is a ring (torus_wrap)."""
+    return not self.torus_wrap or chips % self.torus_wrap == 0
 
   def peak(self) -> "HardwareConfig":
     """This preset with every achieved rate at its peak: the ceiling the calibrated model is compared with."""

@@ -180,7 +180,7 @@ def check_run_dir_unused(cfg: Config, out_dir) -> None:
 
 # Settings that say how a run is launched, watched and saved, not what it computes: a requeued run or sweep may
 # change them (checkpoint.resume is the one a requeue adds).
-RUN_CONTROL = ("checkpoint", "progress", "tensorboard", "profile", "distributed", "cpu_devices")
+RUN_CONTROL = ("checkpoint", "progress", "tensorboard", "figures", "profile", "distributed", "cpu_devices")
 
 
 def is_run_control(key: str) -> bool:

@@ -25,7 +25,8 @@ def _divides(what: str, value: int, by: str, size: int, why: str) -> None:
 RANGES = [
     ("cpu_devices", 1, None, "fake CPU devices of this process"),
     *[(f"mesh.{a}", 1, None, f"size of the {a} mesh axis: {X.get(a).doc}") for a in MeshConfig().sizes],
-    *[(f"mesh.{a}_ici_axes", 1, None, f"physical interconnect axes the {a} axis spans")
+    *[(f"mesh.{a}_ici_axes", 0.5, None, f"physical interconnect axes the {a} axis spans (0.5: one without "
+                                       f"wraparound)")
       for a in MeshConfig().sizes],
     ("model.d_model", 1, None, "model width"),
     ("model.d_ff", 1, None, "feed-forward width"),

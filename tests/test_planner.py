@@ -359,6 +359,34 @@ def _book_exercise(seq_len=32_768):
                 train=TrainConfig(global_batch_tokens=3_000_000, mfu=0.4)))
 
 
+def test_a_slice_axis_without_wraparound_is_a_line():
+  """tpus.md: a TPU slice's axis has its wraparound link "on inference chips when we have a full 16 axis, or on
+  training chips (v*p) when we have an axis which is a multiple of 4"; a shorter one is a line. A mesh axis over
+  a whole line gets half a ring's bandwidth (M = 0.5) and n - 1 hops; the run's replay reads the slice as built
+  when the mesh sets no *_ici_axes."""
+  v5e, v5p = compose(["hardware=tpu_v5e"]).hardware, compose(["hardware=tpu_v5p"]).hardware
+  assert links.torus_axes([16, 16], (16, 16), v5e.wraps) == [(1, 8.0), (1, 8.0)]
+  assert links.torus_axes([4, 2], (4, 2), v5e.wraps) == [(0.5, 3), (0.5, 1)]           # v5e-8: a 2D mesh
+  assert links.torus_axes([4, 16], (4, 4, 4), v5p.wraps) == [(1, 2.0), (2, 4.0)]      # a full cube: rings
+  assert links.torus_axes([2, 4], (2, 2, 2), v5p.wraps) == [(0.5, 1), (1.0, 2)]       # v5p-16: lines
+  assert links.torus_axes([4, 2], (4, 2)) == [(1, 2.0), (1, 1.0)]                      # unsaid: every axis a ring
+  # sharding.md, pop quiz 2: an AllGather of 34 MB over a 4-chip v5e axis "can't do a fully bidirectional
+  # AllGather": 3 hops of the 8.4 MB shard at 4.5e10 B/s one way, about 560 us (377 us with wraparound)
+  t = links.collective_seconds("all-gather", 34e6 * 3 / 4, 4, "tensor", v5e.peak(), {"tensor": 0.5})
+  assert t == pytest.approx(560e-6, rel=0.02)
+  assert links.collective_seconds("all-gather", 34e6 * 3 / 4, 4, "tensor", v5e.peak(), {"tensor": 1}) == \
+      pytest.approx(t / 2)
+  # the run's own mesh on the slice its target compiles: fsdp 2 x tensor 4 on a v5e 4x2 is two lines; on a
+  # v5p 4x4x4, tensor 4 and fsdp 16 are rings (M 1 and 2); a mesh that sets its M keeps it
+  c = resolve(compose(["hardware=tpu_v5e", "mesh.fsdp=2", "mesh.tensor=4"]))
+  assert {a: links.mesh_links(c)[0][a] for a in ("fsdp", "tensor")} == {"fsdp": 0.5, "tensor": 0.5}
+  assert links.mesh_links(c)[1]["tensor"] == v5e.ici_bandwidth / 2
+  c = resolve(compose(["hardware=tpu_v5p", "mesh.fsdp=16", "mesh.tensor=4"]))
+  assert {a: links.mesh_links(c)[0][a] for a in ("fsdp", "tensor")} == {"fsdp": 2, "tensor": 1}
+  c = resolve(compose(["hardware=tpu_v5e", "mesh.fsdp=2", "mesh.tensor=4", "mesh.fsdp_ici_axes=2"]))
+  assert {a: links.mesh_links(c)[0][a] for a in ("fsdp", "tensor")} == {"fsdp": 2, "tensor": 1}
+
+
 def test_torus_placement_and_gpu_switch_bandwidths():
   assert links.default_torus(V5P, 4096) == (16, 16, 16)
   # tensor 4 inside one torus axis, fsdp 1024 over the rest: the book's M_X = 2, M_Y = 1 (sqrt(... * 2 ...)).

@@ -111,7 +111,7 @@ def placements(c: Composition, devices: int | None = None, torus: tuple[int, ...
   names_ = (TENSOR, FSDP, DATA) + ((PIPELINE,) if pipeline > 1 else ())
   for data, fsdp, tensor in factorizations(n // pipeline):
     sizes = [tensor, fsdp, data] + ([pipeline] if pipeline > 1 else [])    # innermost first
-    placed = torus_axes(sizes, dims) if dims is not None else None
+    placed = torus_axes(sizes, dims, hw.wraps) if dims is not None else None
     if placed:
       axes, hops = [a for a, _ in placed], dict(zip(names_, [h for _, h in placed]))
       bws = [hw.axis_bandwidth(a) for a in axes]

@@ -29,25 +29,34 @@ def default_torus(hw, n: int) -> tuple[int, ...]:
   return tuple(sorted(dims, reverse=True))
 
 
-def torus_axes(sizes: list[int], dims: tuple[int, ...]) -> list[tuple[int, float]] | None:
+def torus_axes(sizes: list[int], dims: tuple[int, ...], wraps=None) -> list[tuple[float, float]] | None:
   """(M, hops) of each mesh axis (sizes innermost first) laid out in order over the torus. M: the whole torus
   axes (wraparound rings) it covers, at least 1; tensor 4, fsdp 1024 on 16x16x16: tensor takes 4 of the first
   axis (M_Y = 1), fsdp the other 4 of it and the two other axes (M_X = 2), the book's M_X M_Y = 2 for X = 1024,
   Y = 4. hops: the latency of one collective, a ring per physical axis spanned, the sum of their sizes / 2.
-  None when the sizes do not tile the dims."""
+  `wraps(n)`: whether a whole slice axis of n chips has its wraparound (HardwareConfig.wraps; default every
+  one); a whole axis that does not is a line: half a ring's bandwidth (M += 0.5) and n - 1 hops (tpus.md,
+  sharding.md). A part of an axis counts as the book counts it (M at least 1, n / 2 hops). None when the sizes
+  do not tile the dims."""
+  wraps = wraps or (lambda n: True)
   left, out = list(dims), []
   for size in sizes:
-    need, whole, hops = size, 0, 0.0
+    need, rings, lines, part, hops = size, 0, 0, False, 0.0
     for i, r in enumerate(left):
       g = math.gcd(need, r)
       if g > 1:
-        whole += g == dims[i]
-        hops += g / 2
+        if g == dims[i] and not wraps(g):
+          lines += 1
+          hops += g - 1
+        else:
+          rings += g == dims[i]
+          part |= g != dims[i]
+          hops += g / 2
         left[i] //= g
         need //= g
     if need != 1:
       return None
-    out.append((max(1, whole), hops))
+    out.append((max(rings + lines / 2, 1 if part or not (rings or lines) else 0), hops))
   return out
 
 
@@ -66,16 +75,33 @@ def switch_bandwidths(hw, sizes: list[int]) -> list[float]:
   return out
 
 
-def mesh_links(c) -> tuple[dict[str, int], dict[str, float]]:
+def slice_dims(hw, n: int) -> tuple[int, ...]:
+  """The shape of a TPU slice of n chips: hardware.topology where it names one of n chips ("4x4x4" or
+  "v5p:4x4x4"), else the most nearly cubic torus of the preset's rank (default_torus)."""
+  named = hw.topology.rpartition(":")[2]
+  if named:
+    dims = tuple(int(d) for d in named.split("x"))
+    if math.prod(dims) == n:
+      return tuple(sorted(dims, reverse=True))
+  return default_torus(hw, n)
+
+
+def mesh_links(c) -> tuple[dict[str, float], dict[str, float]]:
   """({axis: physical interconnect axes it spans (mesh.<axis>_ici_axes)}, {axis: bytes/s}) for every axis of
   c.mesh's classic three and any other it has (> 1), innermost first: on a switch each axis gets
   switch_bandwidths' share (an outer axis the nodes' NICs once it spans nodes), on a torus its links
-  (hardware.axis_bandwidth)."""
+  (hardware.axis_bandwidth). On a torus preset that says which slice axes close into rings (hardware.torus_wrap)
+  and a mesh that sets no `*_ici_axes`, each axis's M is read off the slice as built: the mesh's axes laid
+  innermost first over slice_dims (torus_axes), a whole axis without wraparound a line (0.5)."""
   mesh, hw = c.mesh, c.hardware
   sizes = {**{a: 1 for a in CLASSIC}, **mesh.shape}
   inner_first = [a for a in reversed(names()) if a in sizes]
   ici = {a: mesh.ici_axes(a) for a in inner_first}
   if hw.torus:
+    if hw.torus_wrap and all(m == 1 for m in ici.values()):
+      placed = torus_axes([sizes[a] for a in inner_first], slice_dims(hw, mesh.n_devices), hw.wraps)
+      if placed:
+        ici = {a: m for a, (m, _) in zip(inner_first, placed)}
     return ici, {a: hw.axis_bandwidth(n) for a, n in ici.items()}
   return ici, dict(zip(inner_first, switch_bandwidths(hw, [sizes[a] for a in inner_first])))
 
@@ -104,14 +130,17 @@ def transfer_seconds(nbytes: float, bandwidth: float, hw, hops: float = 1) -> fl
 def collective_seconds(kind: str, nbytes: float, n: int, axis: str, hw, ici_axes: dict) -> float:
   """One collective among n devices over mesh `axis`, `nbytes` sent per device (ledger.py's bytes: V (n-1)/n
   for an all-gather or reduce-scatter of V, twice that for an all-reduce): a bidirectional ring's hop floor
-  n / 2 hops (an all-reduce's two phases: n); a ring ppermute one hop, over one direction of a torus link (W / 2;
-  on a switch the device's egress, W). transfer_seconds does the rest."""
+  n / 2 hops (an all-reduce's two phases: n), n - 1 on a torus line without wraparound (M = 0.5: torus_axes); a
+  ppermute one hop, over one direction of a torus link (W / 2, on a line as on a ring; on a switch the device's
+  egress, W).
+  transfer_seconds does the rest."""
   if n <= 1:
     return 0.0
   w = axis_bandwidth(axis, hw, ici_axes)
-  if kind == "collective-permute":
-    return transfer_seconds(nbytes, w / 2 if hw.torus else w, hw, 1)
-  return transfer_seconds(nbytes, w, hw, n / 2 * (2 if kind == "all-reduce" else 1))
+  line = hw.torus and not ici_axes.get("bytes_per_s") and sum(ici_axes.get(a, 1) for a in axis.split("+")) < 1
+  if kind == "collective-permute":   # one direction of one link, a line's as a ring's
+    return transfer_seconds(nbytes, (hw.ici_bandwidth if line else w) / 2 if hw.torus else w, hw, 1)
+  return transfer_seconds(nbytes, w, hw, (n - 1 if line else n / 2) * (2 if kind == "all-reduce" else 1))
 
 
 def axis_bandwidth(axis: str, hw, ici_axes: dict) -> float:
