@@ -87,9 +87,29 @@ def devices(hw: HardwareConfig, n_devices: int) -> list:
   return devs
 
 
+_KERNELS: list[str] = []
+
+
+def kernel_cache_file() -> str:
+  """This process's file for the GPU compiler's kernel cache (XLA's `xla_gpu_kernel_cache_file`): a kernel that a
+  later target compile in the process shares with an earlier one (the same model's fusions under another schedule,
+  layout or batch: the planner's top-K, a test module) is reused instead of generated and assembled again. The
+  program is the same either way (its HLO, schedule and memory analysis, checked on five schedules' H100
+  programs); on this VM's tiny programs it saves about a third of a compile. One file per process (XLA appends to
+  it after each compile; processes do not share it), removed at exit. libtpu takes the option and ignores it."""
+  if not _KERNELS:
+    import atexit
+    import tempfile
+    path = Path(tempfile.gettempdir()) / f"shardlab-gpu-kernels-{os.getpid()}.bin"
+    atexit.register(lambda: path.unlink(missing_ok=True))
+    _KERNELS.append(str(path))
+  return _KERNELS[0]
+
+
 def compile_(lowered, flags: dict | None = None):
   """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
-  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/). JAX decides
+  cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/), beside this
+  process's GPU kernel cache (kernel_cache_file; a flags entry of its own wins). JAX decides
   once per process whether it uses the cache (jax 0.10.2: compilation_cache.is_cache_used), so in a process that
   compiled before (a test worker, a run's local step) the switch alone does not hold: no entry is written either
   (the minimum compile time to write one set beyond reach), so none is found and failed to load later."""
@@ -98,7 +118,7 @@ def compile_(lowered, flags: dict | None = None):
   jax.config.update("jax_enable_compilation_cache", False)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
-    return compile_with(lowered, flags)
+    return compile_with(lowered, {"xla_gpu_kernel_cache_file": kernel_cache_file(), **(flags or {})})
   finally:
     jax.config.update("jax_enable_compilation_cache", was[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])

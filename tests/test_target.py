@@ -306,11 +306,23 @@ def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tm
   assert f"step time           {human_seconds(pred['step_s'])} predicted" in numbers(summary)[2]
 
 
+_SMALL: dict = {}
+
+
 def small_target(schedule: str, mesh: dict | None = None, pipeline: dict | None = None,
                  context: dict | None = None, **model):
   """A small bf16 transformer's train step compiled for 4x2 H100 (Config built directly, no Hydra): its
   composition, the compiled step and one layer's traced residual bytes. `mesh`, `pipeline`, `context`: MeshConfig,
-  PipelineConfig and ContextConfig settings instead of fsdp=4 x tensor=2, none and all_gather."""
+  PipelineConfig and ContextConfig settings instead of fsdp=4 x tensor=2, none and all_gather. Compiled once per
+  worker for each set of arguments (the memory test's program is the folded-loop test's too)."""
+  import json
+  key = json.dumps([schedule, mesh, pipeline, context, model], sort_keys=True)
+  if key not in _SMALL:
+    _SMALL[key] = _small_target(schedule, mesh, pipeline, context, **model)
+  return _SMALL[key]
+
+
+def _small_target(schedule: str, mesh: dict | None, pipeline: dict | None, context: dict | None, **model):
   from conftest import load_preset
   from shardlab import target as TG
   from shardlab.composition import resolve
