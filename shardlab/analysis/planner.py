@@ -23,6 +23,7 @@ from shardlab.analysis.closed_forms import (  # noqa: F401  (re-exported)
 from shardlab.analysis.layout_search import (  # noqa: F401  (re-exported)
     CHOICE, RANKING, REMAT_BY_RECOMPUTE, choose, evaluate_layout, placements, rank, search, this_layout)
 from shardlab.analysis.memory_model import dtype_bytes
+from shardlab.analysis.links import mesh_links
 from shardlab.analysis.pipeline_search import (  # noqa: F401  (re-exported)
     PIPELINE_MICROBATCHES, evaluate_pipeline, given_pipeline, pipeline_batch_range, pipeline_layouts, pipeline_memory,
     pipeline_search_summary, pipeline_shapes, pipeline_stage_counts, pipeline_table, pipeline_virtual_stages,
@@ -109,7 +110,8 @@ def plan(c: Composition) -> dict[str, Any]:
   tokens = c.global_tokens
   p = param_count(m)
   a = alpha(hw)
-  m_x, m_y = hw.physical_axes(mesh.fsdp_ici_axes), hw.physical_axes(mesh.tensor_ici_axes)
+  ici = mesh_links(c)[0]           # the configured M, or on a TPU preset the slice's own (links.mesh_links)
+  m_x, m_y = hw.physical_axes(ici[FSDP]), hw.physical_axes(ici[TENSOR])
   w_bytes, a_bytes = comm_bytes(c)
 
   per_layer = layer_times(c)
