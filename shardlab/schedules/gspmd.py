@@ -6,6 +6,12 @@ what hand placement buys. Knobs: `tp` (allgather: sequence-parallel activations 
 (every expert on this program's tokens, dropless: schedules/parallel.py, plain_experts) with the expert weights
 where the layout puts them (`experts -> expert`), and the partitioner places the dispatch: no dispatcher of
 schedules/expert.py runs (`dispatches = False`), so `expert.impl` names none and a capacity is refused.
+
+As a part it states what it can run beside (`pipelines = False`, `dispatches = False`, `shard_mapped = False`) and
+honours its layout rules (honours); the weights part's knobs are refused (the compiler places those collectives),
+so the analysis prices it with the weights part at its defaults (schedules/weights.py: gathered before use,
+re-gathered in backward, reduced per layer), the closed forms' estimate; what the partitioner really placed is
+the compiled program's ledger (summary.json `audit.placed_by: compiler`).
 """
 from __future__ import annotations
 
