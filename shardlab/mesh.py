@@ -45,9 +45,12 @@ def guard_persistent_cache() -> None:
   every collective of a CPU program has channel_id 1, and they wait for each other until the rendezvous times out
   and aborts the process (the pipeline executor's tick loop, loaded from the cache: 40 s, then "Fatal Python error: Aborted").
   Those programs compile afresh in every process; the others are cached as before. set_cpu_devices calls it."""
-  from shardlab.analysis.hlo import collective_computations
+  from shardlab.analysis.hlo import COLLECTIVES, collective_computations
   from shardlab.jax_private import skip_cache_writes
-  skip_cache_writes(lambda platform, text: platform == "cpu" and len(collective_computations(text)) > 1)
+
+  def refuse(platform: str, text: str) -> bool:    # a program with no collective at all is kept without a parse
+    return platform == "cpu" and any(k in text for k in COLLECTIVES) and len(collective_computations(text)) > 1
+  skip_cache_writes(refuse)
 
 
 def accelerator_present() -> bool:

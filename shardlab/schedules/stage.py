@@ -291,9 +291,11 @@ class Stage:
     """One layer's residual bytes per device (one microbatch), from abstract traces that emit nothing: {"saved":
     what the remat policy keeps for backward, gathered weights left out (memory_model counts them as
     gathered_weights), "unremat": all a layer's backward needs without remat, which its backward holds,
-    recomputed or saved, while it runs}. memory_model.breakdown counts activations from them."""
-    return {"saved": _read_residual_bytes(self.f, self.gather, x, stacked),
-            "unremat": _read_residual_bytes(self.layer_fn, self.gather, x, stacked)}
+    recomputed or saved, while it runs}. memory_model.breakdown counts activations from them. Without a remat
+    policy the two are one trace."""
+    unremat = _read_residual_bytes(self.layer_fn, self.gather, x, stacked)
+    saved = unremat if self.f is self.layer_fn else _read_residual_bytes(self.f, self.gather, x, stacked)
+    return {"saved": saved, "unremat": unremat}
 
   def __call__(self, x, stacked):
     @jax.custom_vjp
