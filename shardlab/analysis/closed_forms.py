@@ -13,7 +13,7 @@ compute-bound when max(T_fsdp, T_tp) < T_math, giving B/N > alpha^2 / (M_X M_Y F
 
 Bytes. The book moves bf16 (2 bytes) weights and activations; its closed forms below take `w_bytes` (weights
 gathered and gradients reduced) and `a_bytes` (activations moved by TP) and reduce to the book at 2 and 2.
-`plan` passes the configured dtypes (schedule.gather_dtype, precision.compute_dtype).
+`plan` passes the configured dtypes (the weights part's element_bytes, precision.compute_dtype).
 
 Shapes of the shardlab model (per layer): norm [D], W_q [D,H,K], W_kv [D,2,G,K] (G key/value heads, = H without
 grouped-query attention), W_o [H,K,D], norm [D], W_in [D,2,F], W_out [F,D]; plus embed [V,D], final norm [D],
