@@ -141,9 +141,8 @@ class ExplicitSchedule:
   @property
   def residual_axes(self) -> tuple[str, ...]:
     """Mesh axes the residual stream varies over: the batch axes and, when sequence-parallel, `tensor` (the
-    sequence). Read at trace time, inside shard_map, from the mesh being traced."""
-    names = jax.sharding.get_abstract_mesh().axis_names
-    return self.layout.token_axes(names) + ((TENSOR,) if self.ops.seq_sharded else ())
+    sequence; weights.residual_axes). Read at trace time, inside shard_map."""
+    return WT.residual_axes(self.layout, self.ops)
 
   def gather(self, shard, decl, stacked: bool = False):
     """W[D_fsdp, ..] -> W[D, ..] in the compute dtype, varying over the residual axes: the weights part's gather

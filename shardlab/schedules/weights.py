@@ -47,6 +47,13 @@ def itemsize(dtype: str) -> int:
   return jnp.dtype(dtype).itemsize
 
 
+def residual_axes(layout: Layout, tp) -> tuple[str, ...]:
+  """Mesh axes the residual stream varies over: the batch axes and, when `tp` is sequence-parallel, `tensor`.
+  Read at trace time, inside shard_map, from the mesh being traced."""
+  names = jax.sharding.get_abstract_mesh().axis_names
+  return layout.token_axes(names) + ((TENSOR,) if tp.seq_sharded else ())
+
+
 class FSDPWeights:
   """FSDP / ZeRO-3 over the axes the layout's `embed` rule names, HSDP over the batch axes the weights are not
   split over, plain data parallelism where `embed` is replicated (module doc)."""
@@ -78,10 +85,7 @@ class FSDPWeights:
 
   # ------------------------------------------------------------------------------------------- in the step
   def residual_axes(self) -> tuple[str, ...]:
-    """Mesh axes the residual stream varies over: the batch axes and, when sequence-parallel, `tensor`. Read at
-    trace time, inside shard_map, from the mesh being traced."""
-    names = jax.sharding.get_abstract_mesh().axis_names
-    return self.layout.token_axes(names) + ((TENSOR,) if self.tp.seq_sharded else ())
+    return residual_axes(self.layout, self.tp)
 
   def gather(self, shard, decl, stacked: bool = False):
     """W[D_fsdp, ..] -> W[D, ..] in the compute dtype (gathered over the axes the layout's rule for that dim names
