@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "results"
-RUNS = [("h200_stock_corrected", "NVIDIA H200 (jax 0.11.2)"), ("cpu", "this 2-core CPU VM (jax 0.10.2)")]
+RUNS = [("h100_stock_corrected", "NVIDIA H100 (jax 0.11.2)"), ("h200_stock_corrected", "NVIDIA H200 (jax 0.11.2)"),
+        ("cpu", "this 2-core CPU VM (jax 0.10.2)")]
 
 
 def main() -> None:
