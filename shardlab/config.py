@@ -167,6 +167,8 @@ class ContextConfig:
   name: str = "all_gather"
   impl: str = "all_gather"        # all_gather | ring | ulysses | package.module:Class
   load_balance: bool = False      # causal load balancing: each device holds sequence chunks r and 2C-1-r (data.zigzag)
+  kernel: str = "auto"            # ring's per-step kernel: auto (the Pallas kernel in a program lowered for a GPU,
+                                  # pure JAX elsewhere) | jax | pallas (everywhere: Pallas's interpreter off a GPU)
 
   def order(self, seq_len: int, parts: int):
     """The order the data holds a sequence's tokens in over `parts` context devices (None: as they come)."""

@@ -231,6 +231,17 @@ def _validate_attention(cfg: Config) -> None:
                       f"(blockwise attention splits the sequence into blocks); choose a block dividing seq_len")
   if m.head_dim % 2:
     raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
+  from shardlab.schedules.context import KERNELS
+  if cfg.context.kernel not in KERNELS:
+    raise ConfigError(f"context.kernel={cfg.context.kernel}: choose one of {', '.join(KERNELS)}")
+  if (cfg.context.kernel == "pallas" and cfg.compile_for == "target" and cfg.hardware.target_platform == "cuda"
+          and cfg.mesh.sizes.get("context", 1) > 1):
+    from shardlab.flash_kernel import usable
+    local = m.seq_len // cfg.mesh.sizes["context"]
+    why = usable(local, local, m.head_dim)
+    if why:
+      raise ConfigError(f"context.kernel=pallas: the Pallas kernel's Triton tiles do not fit this run ({why}); use "
+                        f"context.kernel=auto (the kernel where it fits, pure JAX elsewhere) or jax")
 
 
 def validate_launch(cfg: Config) -> None:

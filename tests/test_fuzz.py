@@ -110,6 +110,7 @@ BAD = [
     (["schedule.impl=mine"], "schedule.impl=mine: unknown; known: explicit, gspmd, or package.module:Class"),
     (["schedule.grad_reduce=later"], "schedule.grad_reduce=later"),
     (["schedule.remat=everything"], "schedule.remat=everything"),
+    (["context.kernel=triton"], "context.kernel=triton: choose one of auto, jax, pallas"),
     (["schedule=deferred_reduce", "train.batch_size=10", "mesh=2x4"], "mesh.fsdp * schedule.microbatches"),
     (["hardware.peak_flops=-1"], "hardware.peak_flops=-1.0"),
     (["hardware.ici_bandwidth=0"], "hardware.ici_bandwidth=0.0"),

@@ -437,6 +437,34 @@ def test_ring_shifts_run_behind_their_steps_and_memory_is_explained():
   assert abs(got["working"]["error"]) < 0.10 and abs(got["peak"]["error"]) < 0.10, got
 
 
+def test_the_ring_runs_its_pallas_kernels_on_the_gpu_target():
+  """context.kernel=auto (the default): in the program compiled for the H100 target every ring step is
+  shardlab's Pallas kernels (flash_kernel.py: Triton custom calls, forward, backward dK/dV and dQ), and no pure-JAX
+  ring is left; each states its FLOPs, the block pairs of the busiest device (kernel_pairs) times a pair's
+  matmuls, which the cost model reads as an attention kernel's. The same compiled step as
+  test_ring_shifts_run_behind_their_steps_and_memory_is_explained (shifts hidden, memory explained)."""
+  import re
+  from shardlab import flash_kernel as F
+  from shardlab.analysis import hlo
+  from shardlab.schedules.context import kernel_pairs
+  cfg, compiled, _ = small_target("baseline", mesh={"fsdp": 2, "context": 4, "tensor": 1},
+                                  context={"name": "ring", "impl": "ring"}, attention_block=32)
+  comps, _ = hlo.parse(compiled.as_text())
+  calls = [i for c in comps.values() for i in c if hlo.stated_flops(i) is not None]
+  assert calls and all('custom_call_target="__gpu$xla.gpu.triton"' in i.attrs for i in calls)
+  assert not any(re.search(r"ring_(fwd|bwd)_step", i.op_name) and i.opcode == "while"
+                 for c in comps.values() for i in c)                    # the pure ring's scans are gone
+  b, h, local, k = 16 // 2, 4, 256 // 4, 64        # per device: batch over fsdp, every head, L / C tokens
+  pairs = kernel_pairs(4, local, False)
+  per_pair = {"fwd": 4, "bwd_dkv": 8, "bwd_dq": 6}  # FLOPs per (query, key, head dim) element of a visited pair
+  bq, bk = min(F.BLOCK_Q, local), min(F.BLOCK_K, local)
+  for kind, n in per_pair.items():
+    got = sorted({hlo.stated_flops(i) for i in calls if f"shardlab_flash_{kind}_" in i.op_name})
+    assert got == sorted({n * b * h * p * bq * bk * k for p in pairs}), (kind, got)
+  flops = hlo.flops_fn(comps)
+  assert all(hlo.is_attention_call(i) and flops(i, {}) == hlo.stated_flops(i) for i in calls)
+
+
 def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   """model.attention=dot_product in bf16 lowers to cuDNN's fused attention for the H100 target (jax.nn's default
   would be XLA's), and the cost model counts its FLOPs (causal: half the 4 B H L^2 K of the forward)."""

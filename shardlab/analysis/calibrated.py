@@ -9,7 +9,8 @@ stream (NCCL runs collectives one after another on its own stream):
               operands' dtype (HardwareConfig.gemm_rate: measured by shardlab.calibrate, else C gemm_efficiency),
               q the wave-quantization of its output tiles over the device's compute units, or its bytes at HBM
               rate if that is longer;
-              fused attention (cuDNN): FLOPs / (C attention_efficiency), causal blocks skipped;
+              fused attention (cuDNN's; shardlab's Pallas kernel, flash_kernel.py, at the FLOPs its name
+              states): FLOPs / (C attention_efficiency), causal blocks skipped;
               any other kernel: bytes accessed / (hbm_bandwidth hbm_efficiency); each + kernel_launch_s
   -start      the collective starts when the compute stream issues it and the collective stream is free, and
               takes collective_latency_s + bytes / (W link_efficiency r(bytes)), r(S) = S / (S + link_half_bytes)
@@ -240,7 +241,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
       else:
         fl = f(ins, shapes)
         nbytes = kernel_bytes(ins, shapes, comps)
-        if hlo.is_attention_call(ins):             # cuDNN flash attention: its own achieved rate
+        if hlo.is_attention_call(ins):             # a fused flash-attention kernel: its own achieved rate
           d = max(fl / (hw.peak_flops * hw.attention_efficiency), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
         else:
           d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw, operand_dtype(ins, shapes, comps)) if fl > 0 else

@@ -232,7 +232,8 @@ def predict_run(compiled, mesh, c: Composition, out_dir, analysis: dict, built: 
   program, residuals = None, None
   if built is not None:
     traced = built.get("traced") or built["step_fn"].trace(built["abstract_state"], built["abstract_batch"])
-    program = ledger.from_program(traced.jaxpr)   # the trace trainer.lower lowered (traced again without it)
+    platform = mesh.devices.flat[0].platform    # what the program was lowered for: its branch of a
+    program = ledger.from_program(traced.jaxpr, platform={"gpu": "cuda"}.get(platform, platform))  # platform choice
     residuals = built.get("layer_residuals")      # one layer's residual bytes, read off that trace by trainer.lower
   n_params = PM.count_active(c.model)          # a MoE token computes with its top k experts only
   tokens = c.train.batch_size * c.model.seq_len

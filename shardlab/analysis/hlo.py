@@ -99,12 +99,13 @@ def parse(text: str) -> tuple[dict, str]:
   return comps, entry
 
 
-RUNS = re.compile(r"pipeline_(\w+?)_runs_(\d+)_of_(\d+)")
+RUNS = re.compile(r"(?:pipeline|flash)_(\w+?)_runs_(\d+)_of_(\d+)")
 
 
 def declared_runs(op_name: str):
-  """(slot, n, of) of the innermost pipeline slot scope in an op_name or name stack (pipeline_tables.py: runs):
-  the conditional there runs its branch n times in `of` executions of its context; None if it declares none."""
+  """(slot, n, of) of the innermost pipeline slot scope in an op_name or name stack (pipeline_tables.py: runs), or
+  of a Pallas kernel's block-skipping branch when interpreted (flash_kernel.py: flash_visit_runs_n_of_m): the
+  conditional there runs its branch n times in `of` executions of its context; None if it declares none."""
   found = RUNS.findall(op_name)
   return (found[-1][0], int(found[-1][1]), int(found[-1][2])) if found else None
 
@@ -491,8 +492,21 @@ def is_gemm_call(ins: Instr) -> bool:
 
 
 def is_attention_call(ins: Instr) -> bool:
-  """cuDNN's fused (flash) attention, forward or backward (`__cudnn$fmhaSoftmax`, `...Backward`)."""
-  return ins.opcode == "custom-call" and "__cudnn$fmha" in ins.attrs
+  """A fused (flash) attention kernel, forward or backward: cuDNN's (`__cudnn$fmhaSoftmax`, `...Backward`) or
+  shardlab's Pallas kernel (flash_kernel.py: a custom call named `shardlab_flash_<kind>_<FLOPs>f`)."""
+  return ins.opcode == "custom-call" and ("__cudnn$fmha" in ins.attrs or stated_flops(ins) is not None)
+
+
+STATED = re.compile(r"shardlab_flash_\w+?_(\d+)f/")
+
+
+def stated_flops(ins: Instr) -> float | None:
+  """The FLOPs a shardlab Pallas kernel states in its name (flash_kernel.py: the matmuls of the block pairs it
+  visits; a Triton custom call carries no cost of its own), None for any other instruction."""
+  if ins.opcode != "custom-call":
+    return None
+  m = STATED.search(ins.op_name)
+  return float(m.group(1)) if m else None
 
 
 @dataclass
@@ -602,10 +616,13 @@ def gemm_call_flops(ins: Instr, shapes: dict) -> float:
 
 
 def attention_call_flops(ins: Instr) -> float:
-  """A cuDNN fused attention call: 4 B H Lq Lk K for the forward's two matmuls (scores, then probabilities x
+  """A fused attention call: shardlab's Pallas kernel states its FLOPs (stated_flops); cuDNN's: 4 B H Lq Lk K for the forward's two matmuls (scores, then probabilities x
   values), 2.5 times that for the backward's five (FlashAttention-2's count, arXiv:2307.08691), half of it under a
   causal mask (the masked blocks are skipped). B H Lq Lk: the backend config's intermediate_tensor_shape; K: the
   output's last dimension."""
+  stated = stated_flops(ins)
+  if stated is not None:
+    return stated
   m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*"dimensions":\s*\[([^\]]*)\]', ins.attrs)
   if not m:
     return 0.0

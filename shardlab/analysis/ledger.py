@@ -64,10 +64,11 @@ def _nbytes(aval) -> int:
   return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def from_program(closed_jaxpr, axis_order=None) -> list[Row]:
+def from_program(closed_jaxpr, axis_order=None, platform: str = "cpu") -> list[Row]:
   """Every collective equation of a traced step (`jax.make_jaxpr(step)(*args)`), with its trip count.
   Collectives over axes of size 1 move nothing and are dropped (XLA removes them too). Axes are named in the
-  order of the mesh the shard_map runs over (or `axis_order`)."""
+  order of the mesh the shard_map runs over (or `axis_order`). `platform`: what the program is lowered for (cpu,
+  cuda, tpu): of a jax.lax.platform_dependent choice only that platform's branch is walked (only it is lowered)."""
   from jax.extend.core import jaxprs_in_params
   rows = []
 
@@ -82,6 +83,11 @@ def from_program(closed_jaxpr, axis_order=None) -> list[Row]:
       inner = [j for j in jaxprs_in_params(eqn.params)]
       if name == "while" and any(_has_collective(j) for j in inner):
         raise ValueError(f"{name} at {where}: collectives under it have no static count")
+      if name == "cond" and eqn.params.get("branches_platforms"):     # platform_dependent: one branch lowered
+        lists = eqn.params["branches_platforms"]
+        hit = [i for i, ps in enumerate(lists) if ps is not None and platform in ps] or [lists.index(None)]
+        walk(eqn.params["branches"][hit[0]].jaxpr, times, sizes, where)
+        continue
       if name == "cond" and any(_has_collective(j) for j in inner):   # a declared pipeline slot
         n = hlo.branch_times(times, where, f"cond at {where}")
         for sub in inner:

@@ -12,9 +12,10 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               over `context`. Bytes per device per layer: (C-1)/C of the gathered K/V forward, the same backward;
               GQA moves only its G K/V heads. The attention is the plain one (scores [B, H, L/C, L]).
   ring        ring attention: K/V blocks rotated by ppermute, an online softmax over them, a custom VJP that
-              rotates K/V again with dK/dV (no other device's K/V kept). Each step attends its block in
-              sub-blocks (a flash kernel in pure JAX: scores of [B, H, n, n] at most) and skips the sub-block
-              pairs the causal mask hides wholly, so a causal ring step costs what its visible keys cost: the
+              rotates K/V again with dK/dV (no other device's K/V kept). Each step attends its block with a flash
+              kernel (context.kernel: shardlab's Pallas kernel, flash_kernel.py, in a program lowered for a GPU;
+              elsewhere pure JAX in sub-blocks, scores of [B, H, n, n] at most) that skips the block pairs the
+              causal mask hides wholly, so a causal ring step costs what its visible keys cost: the
               busiest device of a contiguous ring does C - 1/2 blocks, every device of a zigzag one (C+1)/2 or
               less (ring_plan). Bytes per device per layer: (C-1) blocks of K and V forward, the same and C blocks
               of dK and dV backward; each step's K/V shift depends only on the block that step reads, and its
@@ -40,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardlab import attention as A
 from shardlab import collectives as C
+from shardlab import flash_kernel as F
 from shardlab.config import ContextConfig, ModelConfig
 from shardlab.data import zigzag
 from shardlab.layout import Layout
@@ -238,12 +240,23 @@ class Ring(AllGatherKV):
     if len(axes) > 1:
       raise ConfigError(f"layout rule length -> {' x '.join(axes)}: context=ring rotates over one mesh axis")
 
+  def kernel(self, local: int, head_dim: int) -> str:
+    """The per-step kernel of this run: `jax`, `pallas`, or `auto` (the Pallas kernel where the program is lowered
+    for a GPU and its tiles fit these shapes, pure JAX elsewhere)."""
+    kernel = getattr(self.cfg, "kernel", "auto")
+    return "jax" if kernel == "auto" and F.usable(local, local, head_dim) else kernel
+
   def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
     axis = self.context_axis()
     if axis is None:
       return self.own(q_BLHK, k_BLGK, v_BLGK)
-    plan = ring_plan(C.axis_size(axis), q_BLHK.shape[SEQ_DIM], self.model.attention_block, self.cfg.load_balance)
-    return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan), A.ATTN_OUT)
+    local = q_BLHK.shape[SEQ_DIM]
+    parts = C.axis_size(axis)
+    plan = ring_plan(parts, local, self.model.attention_block, self.cfg.load_balance)
+    kernel = self.kernel(local, q_BLHK.shape[-1])
+    if kernel != "jax":
+      plan = (*plan, kernel_pairs(parts, local, self.cfg.load_balance))
+    return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan, kernel), A.ATTN_OUT)
 
   def bytes_per_layer(self, a) -> dict:
     """C-1 shifts of the K, V block, (C-1) x 2 b (L/C) G K e, forward; backward the same and C shifts of dK, dV
@@ -300,6 +313,18 @@ def ring_plan(parts: int, local: int, block: int, balanced: bool) -> tuple:
   return n, tuple(visible)
 
 
+KERNELS = ("auto", "jax", "pallas")
+
+
+def kernel_pairs(parts: int, local: int, balanced: bool, block_q: int = F.BLOCK_Q, block_k: int = F.BLOCK_K) -> tuple:
+  """Per ring step, how many of the Pallas kernel's (query block, key block) pairs the busiest device visits (the
+  blocks with a key at or before a query, flash_kernel.pair_counts), from the positions the data gives each device:
+  the FLOPs each step's kernels state (the work of the pace-setting device, as ring_plan's counts are)."""
+  order = np.asarray(zigzag(local * parts, parts) if balanced else np.arange(local * parts)).reshape(parts, local)
+  return tuple(max(F.pair_counts(order[r], order[(r - step) % parts], block_q, block_k) for r in range(parts))
+               for step in range(parts))
+
+
 def _visible_pairs(pq_b, pk_b, count: int):
   """The (query sub-block, key sub-block) pairs a step computes, as two int32 arrays of length `count`: those
   with a key at or before a query first (i-major), then wholly masked ones; from this device's positions."""
@@ -315,10 +340,10 @@ def _sub_scores(q_BNGRK, k_BMGK, pq_N, pk_M):
   return s / np.sqrt(q_BNGRK.shape[-1]), pq_N[:, None] >= pk_M[None, :]
 
 
-def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
+def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan):
   """The ring's forward: per step, a scan over the step's sub-block pairs (`_visible_pairs`), an online softmax
-  per query sub-block carried in place."""
-  n, visible = plan
+  per query sub-block carried in place. pos_all: every device's positions (_positions)."""
+  n, visible = plan[:2]
   B, L, H, K = q_BLHK.shape
   G = k_BLGK.shape[2]
   R, nb = H // G, L // n
@@ -326,7 +351,6 @@ def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
   axes = A.varying(q_BLHK, k_BLGK, v_BLGK, pos_L)
   m = A.varying_zeros((nb, B, G, R, n), axes, -jnp.inf)                     # running max, sum of p, sum of p v
   l, acc = A.varying_zeros((nb, B, G, R, n), axes), A.varying_zeros((nb, B, G, R, n, K), axes)
-  pos_all = _positions(pos_L, axis)
   kv = jnp.stack([k_BLGK, v_BLGK])            # K and V travel as one array: one shift per step
   for step in range(len(visible)):
     kb, vb, pk = A.blocks(kv[0], n), A.blocks(kv[1], n), _block_positions(pos_all, axis, step, nb)
@@ -354,7 +378,7 @@ def _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
       kv, m, l, acc = jax.lax.optimization_barrier((kv, m, l, acc))
   o = jnp.einsum("ibgrnk->ibngrk", acc / l[..., None])
   lse = m + jnp.log(l)             # every query sees at least itself: m is finite
-  return A.unblocks(o).reshape(B, L, H, K).astype(q_BLHK.dtype), lse, pos_all
+  return A.unblocks(o).reshape(B, L, H, K).astype(q_BLHK.dtype), lse
 
 
 def _positions(pos_L, axis):
@@ -369,25 +393,110 @@ def _block_positions(pos_all, axis, step: int, nb: int):
   return A.at(pos_all, (jax.lax.axis_index(axis) - step) % parts).reshape(nb, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan, kernel="jax"):
   """Causal attention of the local queries against every device's keys along `axis`, K/V rotated by ppermute;
-  plan = ring_plan(...) (sub-block size, pairs per step)."""
-  return _ring_forward(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan)[0]
+  plan = ring_plan(...) (sub-block size, pairs per step; with the Pallas kernel, kernel_pairs(...) after them);
+  kernel: jax, pallas or auto (Ring.kernel)."""
+  return _ring_fwd(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan, kernel)[0]
 
 
-def _ring_fwd(q, k, v, pos, axis, plan):
-  o, lse, pos_all = _ring_forward(q, k, v, pos, axis, plan)
+def _by_platform(kernel: str, pure, fused, *args):
+  """pure(*args), the pure-JAX ring, or fused(*args, interpret=...), the ring of Pallas kernels, as `kernel` says:
+  jax, pure everywhere; auto, fused where the program is lowered for a GPU (Triton) and pure elsewhere; pallas,
+  fused everywhere (Pallas's interpreter off a GPU). jax.lax.platform_dependent lowers one branch only: the
+  program for each platform holds one ring."""
+  if kernel == "jax":
+    return pure(*args)
+  other = functools.partial(fused, interpret=True) if kernel == "pallas" else pure
+  return jax.lax.platform_dependent(*args, cuda=functools.partial(fused, interpret=False), default=other)
+
+
+def _ring_fwd(q, k, v, pos, axis, plan, kernel):
+  pos_all = _positions(pos, axis)     # outside the platform choice: a remat that recomputes it reruns no ring
+  o, lse = _by_platform(kernel, lambda *a: _ring_forward(*a, axis, plan),
+                        lambda *a, interpret: _ring_forward_fused(*a, axis, plan, interpret), q, k, v, pos, pos_all)
   # local blocks only, O(L / C) per device (and the L positions); the output and its log-sum-exp named as the
   # blockwise kernel names them, so a remat policy that keeps the attention output does not rerun the ring
   return o, (q, k, v, pos, pos_all, checkpoint_name(o, A.ATTN_OUT), checkpoint_name(lse, A.ATTN_OUT))
 
 
-def _ring_bwd(axis, plan, res, do_BLHK):
+def _lse_blocks(lse_BHL, G: int, n: int):
+  """lse[B, H, L] (the Pallas kernel's) -> [L/n, B, G, R, n] (the pure ring's residual layout), and back."""
+  B, H, L = lse_BHL.shape
+  return jnp.transpose(lse_BHL.reshape(B, G, H // G, L // n, n), (3, 0, 1, 2, 4))
+
+
+def _lse_rows(lse_b):
+  nb, B, G, R, n = lse_b.shape
+  return jnp.transpose(lse_b, (1, 2, 3, 0, 4)).reshape(B, G * R, nb * n)
+
+
+def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, interpret: bool):
+  """The ring with one fused kernel per step (flash_kernel.block_attention: the step's output and log-sum-exp),
+  merged into the running output by their log-sum-exps (the online softmax across steps); the shifts placed as in
+  the pure ring (_ring_forward)."""
+  n, visible, pairs = plan
+  L = pos_L.shape[0]
+  kv = jnp.stack([k_BLGK, v_BLGK])
+  o = lse = None
+  for step in range(len(visible)):
+    k, v = kv[0], kv[1]
+    pk = _block_positions(pos_all, axis, step, 1).reshape(L)
+    with jax.named_scope(f"ring_fwd_step{step}"):
+      if step < len(visible) - 1:
+        kv = C.ring_shift(kv, axis, +1, name="cp_ring")
+      o_s, lse_s = F.block_attention(q_BLHK, k, v, pos_L, pk, pairs=pairs[step], interpret=interpret)
+      if o is None:               # the device's own block: every query sees at least itself
+        o, lse = o_s, lse_s
+      else:
+        new = jnp.logaddexp(lse, lse_s)
+        w = lambda x: jnp.transpose(jnp.exp(x - new), (0, 2, 1))[..., None]    # [B, H, L] -> [B, L, H, 1]
+        o, lse = o * w(lse) + o_s * w(lse_s), new
+      kv, o, lse = jax.lax.optimization_barrier((kv, o, lse))
+  return o.astype(q_BLHK.dtype), _lse_blocks(lse, k_BLGK.shape[2], n)
+
+
+def _ring_bwd(axis, plan, kernel, res, do_BLHK):
+  """The ring's backward (_ring_bwd_pure, or _ring_bwd_fused with the Pallas kernel), and no cotangent for the
+  positions."""
+  grads = _by_platform(kernel, lambda *a: _ring_bwd_pure(axis, plan, a[:-1], a[-1]),
+                       lambda *a, interpret: _ring_bwd_fused(axis, plan, a[:-1], a[-1], interpret), *res, do_BLHK)
+  return (*grads, np.zeros(res[3].shape, jax.dtypes.float0))
+
+
+def _ring_bwd_fused(axis, plan, res, do_BLHK, interpret: bool):
+  """The pure ring's backward (_ring_bwd_pure) with one pair of fused kernels per step
+  (flash_kernel.block_attention_bwd: the step's dQ, dK, dV from the final log-sum-exp), the shifts placed alike."""
+  n, visible, pairs = plan
+  q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, o_BLHK, lse_b = res
+  L = pos_L.shape[0]
+  lse = _lse_rows(lse_b)
+  delta = jnp.einsum("blhk,blhk->bhl", do_BLHK.astype(jnp.float32), o_BLHK.astype(jnp.float32))
+  dq = None
+  kv, dkv = jnp.stack([k_BLGK, v_BLGK]), None
+  for step in range(len(visible)):
+    k, v = kv[0], kv[1]
+    pk = _block_positions(pos_all, axis, step, 1).reshape(L)
+    with jax.named_scope(f"ring_bwd_step{step}"):
+      if step < len(visible) - 1:
+        kv = C.ring_shift(kv, axis, +1, name="cp_ring")
+      dq_s, dk_s, dv_s = F.block_attention_bwd(q_BLHK, k, v, pos_L, pk, lse, do_BLHK, delta, pairs=pairs[step],
+                                               interpret=interpret)
+      dq = dq_s if dq is None else dq + dq_s
+      kv, dq, dkv_step = jax.lax.optimization_barrier((kv, dq, jnp.stack([dk_s, dv_s])))
+      dkv = dkv_step if dkv is None else dkv + dkv_step
+      if step == len(visible) - 1:    # complete: home in K's dtype
+        dkv = dkv.astype(k_BLGK.dtype)
+      dkv = C.ring_shift(dkv, axis, +1, name="cp_ring_grad")
+  return dq.astype(q_BLHK.dtype), dkv[0].astype(k_BLGK.dtype), dkv[1].astype(v_BLGK.dtype)
+
+
+def _ring_bwd_pure(axis, plan, res, do_BLHK):
   """FlashAttention's backward per ring step, over the same sub-block pairs as forward: p recomputed from the
   log-sum-exp, dq accumulated at home, dK/dV accumulated on the block as it travels (and shifted home after the
   last step)."""
-  n, visible = plan
+  n, visible = plan[:2]
   q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, o_BLHK, lse = res
   B, L, H, K = q_BLHK.shape
   G = k_BLGK.shape[2]
@@ -430,9 +539,8 @@ def _ring_bwd(axis, plan, res, do_BLHK):
       if step == len(visible) - 1:    # complete: home in K's dtype (bf16 K/V: half the bytes of the sums)
         dkv = dkv.astype(k_BLGK.dtype)
       dkv = C.ring_shift(dkv, axis, +1, name="cp_ring_grad")   # dK and dV as one array; the last shift: home
-  zero_pos = np.zeros(pos_L.shape, jax.dtypes.float0)
   return (A.unblocks(dq).reshape(B, L, H, K).astype(q_BLHK.dtype), A.unblocks(dkv[0]).astype(k_BLGK.dtype),
-          A.unblocks(dkv[1]).astype(v_BLGK.dtype), zero_pos)
+          A.unblocks(dkv[1]).astype(v_BLGK.dtype))
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,259 @@
+"""A fused flash-attention kernel for one block of queries against one block of keys, written with Pallas: the ring's
+per-step kernel on GPU targets (schedules/context.py).
+
+  block_attention(q, k, v, pq, pk)          -> o, lse        forward: the step's output (normalised, float32) and
+                                                               its log-sum-exp, for the ring's online merge
+  block_attention_bwd(q, k, v, pq, pk, lse, do, delta) -> dq, dk, dv   backward from the FINAL log-sum-exp and
+                                                               delta = rowsum(dO * O) (FlashAttention-2's)
+
+q[B, Lq, H, K] attends to k, v[B, Lk, G, K] (H query heads share G key/value heads, head h reads h // (H / G)); query
+n sees key m where pq[n] >= pk[m] (token positions: any placement, contiguous, zigzag or striped). A block pair
+whose keys all follow its queries is skipped at run time (`lax.cond` on the blocks' positions), so a causal step
+does the work of its visible blocks. Rows that see no key get lse = -inf and o = 0.
+
+Three Pallas kernels (Tri Dao, FlashAttention-2, arXiv:2307.08691: Algorithms 1 and 2): the forward, one grid cell
+per (query block, batch, head) looping over key blocks with an online softmax; the backward's dK/dV, one cell per
+(key block, batch, head) looping over query blocks; its dQ, one cell per (query block, batch, head) looping over
+key blocks. dK and dV come out per query head and are summed over each group outside the kernel.
+
+On a GPU target they lower to Triton (`__gpu$xla.gpu.triton` custom calls); anywhere else `interpret=True` runs the
+same kernels through Pallas's interpreter (the CPU tests; tests/test_flash_kernel.py holds them to the pure-JAX
+kernels of attention.py). The FLOPs each call does are stated in its name (`shardlab_flash_<kind>_<FLOPs>f`, the
+matmuls of the block pairs it visits, `pair_counts`): Triton's custom call carries no cost estimate, and the
+calibrated replay prices the call from that figure at the preset's attention efficiency (analysis/hlo.py,
+`stated_flops`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+NAME = "shardlab_flash"           # the kernels' names start with this (analysis/hlo.py reads their stated FLOPs)
+BLOCK_Q, BLOCK_K = 64, 64         # tile sizes on a GPU: [64, 64] float32 scores per cell; powers of two >= 16
+WARPS, STAGES = 4, 2
+
+
+def _pow2(n: int) -> bool:
+  return n >= 16 and not n & (n - 1)
+
+
+def usable(lq: int, lk: int, head_dim: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> str | None:
+  """Why the kernel cannot run these shapes as Triton tiles (None: it can): blocks of min(block, length) tokens
+  that divide the lengths, and blocks and the head dimension powers of two of at least 16."""
+  bq, bk = min(block_q, lq), min(block_k, lk)
+  if lq % bq or lk % bk or not (_pow2(bq) and _pow2(bk)):
+    return f"{lq} queries and {lk} keys do not cut into blocks of a power of two >= 16 tokens (at most {block_q})"
+  if not _pow2(head_dim):
+    return f"head dimension {head_dim} is not a power of two >= 16"
+  return None
+
+
+def pair_counts(pq: np.ndarray, pk: np.ndarray, block_q: int, block_k: int) -> int:
+  """How many (query block, key block) pairs have a key at or before a query: the blocks the kernels visit, from
+  positions known ahead (the ring's plan)."""
+  bq, bk = min(block_q, len(pq)), min(block_k, len(pk))
+  hi = np.asarray(pq).reshape(-1, bq).max(1)
+  lo = np.asarray(pk).reshape(-1, bk).min(1)
+  return int((hi[:, None] >= lo[None, :]).sum())
+
+
+def _mm(a, b, ta: bool = False, tb: bool = False):
+  """a @ b (a or b transposed) with float32 accumulation: a tensor-core matmul in a Triton kernel."""
+  dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _varying(*xs):
+  """The inputs made varying over the union of their varying mesh axes (inside shard_map), and that type for the
+  outputs: a Pallas call's outputs vary as its inputs do."""
+  from shardlab import collectives as C
+  axes = tuple(sorted(frozenset().union(*(C.varying_axes(x) for x in xs))))
+  xs = [C.pvary(x, axes, name="flash_inputs") for x in xs]
+  return xs, jax.typeof(xs[0]).manual_axis_type
+
+
+def _out(shape, dtype, mat):
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+def _rows(ref, interpret: bool):
+  """rows(start, size): ref[start:start + size] along its first axis, read inside the kernel's loop. Interpreted,
+  the whole block is read once before the loop and sliced as a value: the interpreter, in jax 0.10.2, loses a
+  ref's varying mesh axes (shard_map's check_vma) when the ref is read inside a loop."""
+  if not interpret:
+    return lambda start, size: ref[pl.ds(start, size)]
+  whole = ref[...]
+  return lambda start, size: lax.dynamic_slice_in_dim(whole, start, size, 0)
+
+
+def _visit(pairs: int, total: int):
+  """The scope of a kernel's block-skipping branch, declaring how often it is taken: `pairs` of the `total` block
+  pairs (analysis/hlo.py: declared_runs; it counts a branch under a conditional only where it is declared, and an
+  interpreted kernel's branch is a conditional of the program)."""
+  return jax.named_scope(f"flash_visit_runs_{pairs}_of_{total}")
+
+
+def _name(kind: str, flops: float) -> str:
+  return f"{NAME}_{kind}_{int(flops)}f"
+
+
+def _compiler_params(interpret: bool):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as plgpu
+  return plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES)
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+def _fwd_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, o_ref, lse_ref, *, block_k: int, scale: float,
+                interpret: bool, runs: tuple):
+  q, pq = q_ref[...], pq_ref[...]                      # [bq, K], [bq]
+  bq, K = q.shape
+  top = jnp.max(pq)
+  k_rows, v_rows, pk_rows = (_rows(r, interpret) for r in (k_ref, v_ref, pk_ref))
+
+  def body(j, carry):
+    def visit(carry):
+      m, l, acc = carry
+      k, v, pk = k_rows(j * block_k, block_k), v_rows(j * block_k, block_k), pk_rows(j * block_k, block_k)
+      s = _mm(q, k, tb=True) * scale
+      s = jnp.where(pq[:, None] >= pk[None, :], s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # a row with no visible key yet
+      p = jnp.exp(s - m_safe[:, None])
+      corr = jnp.exp(m - m_safe)
+      pv = _mm(p.astype(v.dtype), v)
+      return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
+    with _visit(*runs):
+      return lax.cond(top >= jnp.min(pk_rows(j * block_k, block_k)), visit, lambda c: c, carry)
+
+  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, K), jnp.float32))
+  m, l, acc = lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
+  seen = l > 0
+  o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def block_attention(q, k, v, pq, pk, *, pairs: int | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+                    interpret: bool = False):
+  """o[B, Lq, H, K] (float32, normalised over this block's keys) and lse[B, H, Lq] (float32). `pairs`: the visible
+  block pairs (pair_counts) this call is stated to compute (default: all of them)."""
+  B, Lq, H, K = q.shape
+  Lk, G = k.shape[1], k.shape[2]
+  R = H // G
+  bq, bk = min(block_q, Lq), min(block_k, Lk)
+  pairs = (Lq // bq) * (Lk // bk) if pairs is None else pairs
+  flops = 4.0 * B * H * pairs * bq * bk * K
+  runs = (pairs, (Lq // bq) * (Lk // bk))
+  kernel = functools.partial(_fwd_kernel, block_k=bk, scale=1.0 / math.sqrt(K), interpret=interpret, runs=runs)
+  args, mat = _varying(q, k, v, pq.astype(jnp.int32), pk.astype(jnp.int32))
+  return pl.pallas_call(
+      kernel, grid=(Lq // bq, B, H),
+      in_specs=[pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0)),
+                pl.BlockSpec((None, Lk, None, K), lambda i, b, h: (b, 0, h // R, 0)),
+                pl.BlockSpec((None, Lk, None, K), lambda i, b, h: (b, 0, h // R, 0)),
+                pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+                pl.BlockSpec((Lk,), lambda i, b, h: (0,))],
+      out_specs=[pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+      out_shape=[_out((B, Lq, H, K), jnp.float32, mat), _out((B, H, Lq), jnp.float32, mat)],
+      compiler_params=_compiler_params(interpret), interpret=interpret, name=_name("fwd", flops),
+  )(*args)
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+def _probs(q, k, pq, pk, lse, scale):
+  """p[bq, bk] = exp(s - lse) where the key is visible, 0 elsewhere (s recomputed from q, k)."""
+  s = _mm(q, k, tb=True) * scale
+  return jnp.where(pq[:, None] >= pk[None, :], jnp.exp(s - lse[:, None]), 0.0)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, dk_ref, dv_ref, *, block_q: int,
+                scale: float, interpret: bool, runs: tuple):
+  k, v, pk = k_ref[...], v_ref[...], pk_ref[...]       # [bk, K], [bk]
+  low = jnp.min(pk)
+  q_rows, do_rows, pq_rows, lse_rows, delta_rows = (_rows(r, interpret)
+                                                    for r in (q_ref, do_ref, pq_ref, lse_ref, delta_ref))
+
+  def body(i, carry):
+    def visit(carry):
+      dk, dv = carry
+      at = (i * block_q, block_q)
+      q, do, pq = q_rows(*at), do_rows(*at), pq_rows(*at)
+      p = _probs(q, k, pq, pk, lse_rows(*at), scale)
+      dv = dv + _mm(p.astype(do.dtype), do, ta=True)
+      dp = _mm(do, v, tb=True)
+      ds = (p * (dp - delta_rows(*at)[:, None]) * scale).astype(q.dtype)
+      return dk + _mm(ds, q, ta=True), dv
+    with _visit(*runs):
+      return lax.cond(jnp.max(pq_rows(i * block_q, block_q)) >= low, visit, lambda c: c, carry)
+
+  zero = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zero, zero))
+  dk_ref[...], dv_ref[...] = dk, dv
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, dq_ref, *, block_k: int,
+               scale: float, interpret: bool, runs: tuple):
+  q, do, pq, lse, delta = q_ref[...], do_ref[...], pq_ref[...], lse_ref[...], delta_ref[...]
+  top = jnp.max(pq)
+  k_rows, v_rows, pk_rows = (_rows(r, interpret) for r in (k_ref, v_ref, pk_ref))
+
+  def body(j, dq):
+    def visit(dq):
+      at = (j * block_k, block_k)
+      k, v = k_rows(*at), v_rows(*at)
+      p = _probs(q, k, pq, pk_rows(*at), lse, scale)
+      dp = _mm(do, v, tb=True)
+      ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
+      return dq + _mm(ds, k)
+    with _visit(*runs):
+      return lax.cond(top >= jnp.min(pk_rows(j * block_k, block_k)), visit, lambda c: c, dq)
+
+  dq_ref[...] = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
+
+
+def block_attention_bwd(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = None, block_q: int = BLOCK_Q,
+                        block_k: int = BLOCK_K, interpret: bool = False):
+  """dq[B, Lq, H, K], dk, dv[B, Lk, G, K] (float32) of this block pair's attention, given the final lse[B, H, Lq]
+  and delta[B, H, Lq] = rowsum(dO * O) of the whole attention the block is part of."""
+  B, Lq, H, K = q.shape
+  Lk, G = k.shape[1], k.shape[2]
+  R = H // G
+  bq, bk = min(block_q, Lq), min(block_k, Lk)
+  pairs = (Lq // bq) * (Lk // bk) if pairs is None else pairs
+  scale = 1.0 / math.sqrt(K)
+  runs = (pairs, (Lq // bq) * (Lk // bk))
+  args, mat = _varying(q, k, v, pq.astype(jnp.int32), pk.astype(jnp.int32), lse, do, delta)
+  params, f32 = _compiler_params(interpret), jnp.float32
+  whole_q = pl.BlockSpec((None, Lq, None, K), lambda j, b, h: (b, 0, h, 0))
+  kv_block = pl.BlockSpec((None, bk, None, K), lambda j, b, h: (b, j, h // R, 0))
+  dk, dv = pl.pallas_call(     # four matmuls per visited pair: s, dP, dV, dK
+      functools.partial(_dkv_kernel, block_q=bq, scale=scale, interpret=interpret, runs=runs), grid=(Lk // bk, B, H),
+      in_specs=[whole_q, kv_block, kv_block, pl.BlockSpec((Lq,), lambda j, b, h: (0,)),
+                pl.BlockSpec((bk,), lambda j, b, h: (j,)), pl.BlockSpec((None, None, Lq), lambda j, b, h: (b, h, 0)),
+                whole_q, pl.BlockSpec((None, None, Lq), lambda j, b, h: (b, h, 0))],
+      out_specs=[pl.BlockSpec((None, bk, None, K), lambda j, b, h: (b, j, h, 0))] * 2,
+      out_shape=[_out((B, Lk, H, K), f32, mat)] * 2,
+      compiler_params=params, interpret=interpret, name=_name("bwd_dkv", 8.0 * B * H * pairs * bq * bk * K),
+  )(*args)
+  q_block = pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0))
+  whole_kv = pl.BlockSpec((None, Lk, None, K), lambda i, b, h: (b, 0, h // R, 0))
+  row = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+  dq = pl.pallas_call(         # three matmuls per visited pair: s, dP, dQ
+      functools.partial(_dq_kernel, block_k=bk, scale=scale, interpret=interpret, runs=runs), grid=(Lq // bq, B, H),
+      in_specs=[q_block, whole_kv, whole_kv, pl.BlockSpec((bq,), lambda i, b, h: (i,)),
+                pl.BlockSpec((Lk,), lambda i, b, h: (0,)), row, q_block, row],
+      out_specs=q_block, out_shape=_out((B, Lq, H, K), f32, mat),
+      compiler_params=params, interpret=interpret, name=_name("bwd_dq", 6.0 * B * H * pairs * bq * bk * K),
+  )(*args)
+  group = lambda x: x.reshape(B, Lk, G, R, K).sum(3)
+  return dq, group(dk), group(dv)

@@ -1,0 +1,86 @@
+"""The ring's fused per-step kernel (shardlab/flash_kernel.py, Pallas): run by Pallas's interpreter on this CPU
+against plain attention, forward and backward, for any placement of query and key positions; the ring built of it
+(context.kernel=pallas) the same training as the unsharded reference; its stated FLOPs the causal count."""
+import numpy as np
+import pytest
+
+from conftest import reference_loss_and_grads
+from shardlab import testing
+from shardlab.testing import assert_trees_close
+
+
+def _attention(q, k, v, pq, pk):
+  """Plain attention of q[B, Lq, H, K] over k, v[B, Lk, G, K] where pq >= pk: the output and log-sum-exp."""
+  import jax
+  import jax.numpy as jnp
+  R = q.shape[2] // k.shape[2]
+  kk, vv = jnp.repeat(k, R, axis=2), jnp.repeat(v, R, axis=2)
+  s = jnp.einsum("blhk,bmhk->bhlm", q, kk) / np.sqrt(q.shape[-1])
+  mask = pq[:, None] >= pk[None, :]
+  lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
+  p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  return jnp.einsum("bhlm,bmhk->blhk", p, vv), lse
+
+
+def test_the_kernel_is_attention_forward_and_backward_for_any_positions():
+  """Grouped heads (4 query heads over 2 K/V heads), 32 queries against 48 keys in blocks of 16, at positions
+  drawn from 0..63 (queries) and 8..63 (keys): a query block that sees no key of a key block skips it, a query
+  before every key sees nothing (lse -inf, output 0); backward from the final log-sum-exp equals autodiff of plain
+  attention."""
+  import jax
+  import jax.numpy as jnp
+  from shardlab import flash_kernel as F
+  B, Lq, Lk, H, G, K = 2, 32, 48, 4, 2, 16
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(keys[0], (B, Lq, H, K))
+  k, v = (jax.random.normal(x, (B, Lk, G, K)) for x in keys[1:3])
+  pq = jnp.asarray(np.sort(np.random.RandomState(0).permutation(64)[:Lq]))
+  pk = jnp.asarray(8 + np.sort(np.random.RandomState(1).permutation(56)[:Lk]))
+  assert F.pair_counts(pq, pk, 16, 16) < 2 * 3          # some block pairs are skipped
+  o, lse = F.block_attention(q, k, v, pq, pk, block_q=16, block_k=16, interpret=True)
+  o_ref, lse_ref = _attention(q, k, v, pq, pk)
+  assert bool(jnp.any(jnp.isinf(lse_ref)))            # the case of a query with nothing to see is exercised
+  np.testing.assert_allclose(o, o_ref, atol=2e-6)
+  np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+  np.testing.assert_allclose(np.where(np.isinf(lse_ref), 0, lse), np.where(np.isinf(lse_ref), 0, lse_ref), atol=2e-6)
+  do = jax.random.normal(keys[3], o.shape)
+  grads = jax.grad(lambda q, k, v: jnp.sum(_attention(q, k, v, pq, pk)[0] * do), (0, 1, 2))(q, k, v)
+  delta = jnp.einsum("blhk,blhk->bhl", do, o_ref)
+  got = F.block_attention_bwd(q, k, v, pq, pk, jnp.where(jnp.isinf(lse_ref), 0.0, lse_ref), do, delta,
+                              block_q=16, block_k=16, interpret=True)
+  for name, a, b in zip("q k v".split(), got, grads):
+    np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"d{name}")
+
+
+def test_the_stated_pairs_are_the_causal_work_of_the_busiest_device():
+  """kernel_pairs: per ring step, the kernel's block pairs with a key at or before a query on the busiest
+  device. With blocks of one token it is the exact causal count (brute force over the token pairs); a zigzag
+  ring's steps are even, a contiguous ring's busiest device does every block."""
+  from shardlab.data import zigzag
+  from shardlab.schedules.context import kernel_pairs
+  C, local = 4, 8
+  for balanced in (False, True):
+    order = np.asarray(zigzag(C * local, C) if balanced else np.arange(C * local)).reshape(C, local)
+    exact = [max(int((order[r][:, None] >= order[(r - s) % C][None, :]).sum()) for r in range(C)) for s in range(C)]
+    assert list(kernel_pairs(C, local, balanced, 1, 1)) == exact
+  assert kernel_pairs(C, local, False, 8, 8) == (1, 1, 1, 1)                 # every step a whole block
+  assert kernel_pairs(C, local, True, 4, 4) == (3, 2, 2, 2)                  # zigzag: diagonal, then halves
+  assert sum(kernel_pairs(C, local, True, 1, 1)) < sum(kernel_pairs(C, local, False, 1, 1))
+
+
+MESHES = [({"context": 8}, True, {}), ({"fsdp": 2, "context": 4}, False, {}),
+          ({"fsdp": 2, "context": 2, "tensor": 2}, True, {"n_kv_heads": 2})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, balanced, model", MESHES,
+                         ids=[testing.mesh_id({"fsdp": 1, "tensor": 1, **m}) for m, _, _ in MESHES])
+def test_the_pallas_ring_equals_the_reference(shape, balanced, model):
+  """context=ring with context.kernel=pallas (the fused kernel per ring step, by Pallas's interpreter on this CPU):
+  loss and every gradient as the unsharded reference's, contiguous and zigzag, with grouped K/V heads."""
+  shape = {"fsdp": 1, "tensor": 1, **shape}
+  _, (loss, grads) = testing.compile_schedule(None, shape, model, context="ring", load_balance=balanced,
+                                              context_kernel="pallas")
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"pallas ring {testing.mesh_id(shape)}: ")
