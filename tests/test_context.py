@@ -117,7 +117,8 @@ def test_zigzag_order():
 
 def test_ring_moves_kv_blocks_by_ppermute_and_keeps_only_local_residuals():
   """Per layer and device: forward C-1 shifts of the K/V block (K and V as one array); backward the same and C
-  shifts of the dK/dV block (the last takes them home); no K/V all-gathered over context, only the token positions
+  shifts of the dK/dV block (the last takes them home), C-2 of them in one collective with a K/V shift; no K/V
+  all-gathered over context, only the token positions
   (int32, once per layer at most: XLA hoists it out of the layer loop). GQA (2 K/V heads) on context 8, each
   device's 4 tokens in sub-blocks of 2 (the step's flash kernel with more than one sub-block pair)."""
   from shardlab.analysis import hlo
@@ -134,8 +135,12 @@ def test_ring_moves_kv_blocks_by_ppermute_and_keeps_only_local_residuals():
   gathers = [c for c in colls if c.kind == "all-gather" and c.axis == "context"]
   assert {c.dtype for c in gathers} == {"s32"} and 0 < sum(c.total_bytes for c in gathers) <= NL * pos_block * (C - 1)
   shifts = [c for c in colls if c.kind == "collective-permute" and c.axis == "context"]
-  assert {c.dtype for c in shifts} == {"f32"} and all(c.bytes_full == 2 * kv_block for c in shifts)
+  assert {c.dtype for c in shifts} == {"f32"}
+  assert sorted({(c.scope, c.bytes_full) for c in shifts}) == [
+      ("cp_ring", 2 * kv_block), ("cp_ring_grad", 2 * kv_block), ("cp_ring_home", 2 * kv_block),
+      ("cp_ring_kv_grad", 4 * kv_block)]
   assert sum(c.total_bytes for c in shifts) == NL * (2 * (C - 1) * 2 * kv_block + C * 2 * kv_block)
+  assert sum(c.count for c in shifts if c.scope == "cp_ring_kv_grad") == NL * (C - 2)
 
 
 def test_ring_skips_the_sub_blocks_the_causal_mask_hides():

@@ -179,13 +179,16 @@ class Program:
   def ring_steps(self, pairs: list[AsyncPair]) -> list[dict]:
     """Per shift of ring attention (schedules/context.py: Ring, each step under the scope ring_fwd_stepS or
     ring_bwd_stepS): the ring steps of the same pass whose attention (matmuls) the compiler scheduled between
-    the shift's start and done, and whether that includes the step the shift can hide behind: a K/V shift leaving
-    after step s depends only on the block step s reads (behind step s); a dK/dV shift is step s's result
-    (behind step s + 1, which starts its block's dK/dV from zero and adds the arriving one after)."""
+    the shift's start and done, and whether that includes the step the shift can hide behind, the step that
+    issues it: a K/V shift carries the block the next step reads, a backward step's shift also the dK/dV of the
+    block held before (one collective, `cp_ring_kv_grad`; the last step's alone), which its next holder adds after
+    its own compute. The last shift takes the dK/dV home after the last step: no ring step follows it, any kernel
+    can hide it."""
     tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
+    shifts = {"cp_ring": "K/V", "cp_ring_kv_grad": "K/V + dK/dV", "cp_ring_grad": "dK/dV", "cp_ring_home": "dK/dV home"}
     rows = []
     for p in pairs:
-      found = tag.findall(p.coll.op_name) if p.coll.scope in ("cp_ring", "cp_ring_grad") else []
+      found = tag.findall(p.coll.op_name) if p.coll.scope in shifts else []
       if not found:
         continue
       pas, step = found[-1]
@@ -196,16 +199,12 @@ class Program:
         got = tag.findall(i.op_name)
         if got and got[-1][0] == pas and self.issued(i, p.computation)[0]:
           steps.add(int(got[-1][1]))
-      grad = p.coll.scope == "cp_ring_grad"
-      behind = int(step) + (1 if grad else 0)
+      home = p.coll.scope == "cp_ring_home"
+      behind = None if home else int(step)
       rows.append({"pass": "forward" if pas == "fwd" else "backward", "step": int(step),
-                   "shift": "dK/dV" if grad else "K/V", "name": p.coll.name, "count": p.coll.count,
+                   "shift": shifts[p.coll.scope], "name": p.coll.name, "count": p.coll.count,
                    "steps_between": sorted(steps), "can_hide_behind": behind,
-                   "hidden": behind in steps, "kernels_between": p.kernels})
-    last = max((r["step"] for r in rows if r["pass"] == "backward"), default=None)
-    for r in rows:     # the last dK/dV shift takes them home: no ring step follows; any kernel can hide it
-      if r["shift"] == "dK/dV" and r["step"] == last:
-        r["can_hide_behind"], r["hidden"] = None, r["kernels_between"] > 0
+                   "hidden": p.kernels > 0 if home else behind in steps, "kernels_between": p.kernels})
     return rows
 
 

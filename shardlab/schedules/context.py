@@ -18,9 +18,11 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               causal mask hides wholly, so a causal ring step costs what its visible keys cost: the
               busiest device of a contiguous ring does C - 1/2 blocks, every device of a zigzag one (C+1)/2 or
               less (ring_plan). Bytes per device per layer: (C-1) blocks of K and V forward, the same and C blocks
-              of dK and dV backward; each step's K/V shift depends only on the block that step reads, and its
-              dK/dV shift is only added after the next step's compute, so a GPU can run every shift behind a
-              step's attention (the H100 target's overlap report says which it did: `ring_steps`).
+              of dK and dV backward; each step's K/V shift depends only on the block that step reads, and a
+              backward step sends the next K/V block and the dK/dV of the block held before in one collective
+              (added by its next holder after its own compute), so a GPU runs every shift behind a step's
+              attention under XLA's default of one collective in flight (the H100 target's overlap report says
+              which it did: `ring_steps`).
   ulysses     DeepSpeed-Ulysses: Q, K and V all-to-all'd from sequence-sharded to head-sharded ([B, L/C, H, K]
               -> [B, L, H/C, K]), attention over the whole sequence on H/C heads (the model's own kernel:
               plain, blockwise or cuDNN's), the output all-to-all'd back. Backward (AD): the same all-to-alls the
@@ -259,10 +261,11 @@ class Ring(AllGatherKV):
     return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan, kernel), A.ATTN_OUT)
 
   def bytes_per_layer(self, a) -> dict:
-    """C-1 shifts of the K, V block, (C-1) x 2 b (L/C) G K e, forward; backward the same and C shifts of dK, dV
-    (float32: the custom VJP accumulates them in float32), + C x 2 b (L/C) G K 4."""
+    """C-1 shifts of the K, V block, (C-1) x 2 b (L/C) G K e, forward; backward the same and C shifts of dK, dV:
+    C-1 in float32 (the custom VJP accumulates them in float32), + (C-1) x 2 b (L/C) G K 4, the last home in K's
+    dtype, + 2 b (L/C) G K e."""
     f = (a.C - 1) * 2 * a.block * a.e
-    return {"forward": f, "backward": f + a.C * 2 * a.block * 4}
+    return {"forward": f, "backward": f + (a.C - 1) * 2 * a.block * 4 + 2 * a.block * a.e}
 
   def skips_masked(self) -> bool:
     """A flash kernel per step that skips the sub-block pairs the mask hides wholly (ring_plan)."""
@@ -278,7 +281,7 @@ class Ring(AllGatherKV):
     merge_f, merge_b = cost.merge_s()
     tf, cf = cost.ring_pass(fwd, merge_f, kv)
     tb, cb = cost.ring_pass(bwd, merge_b, kv_dkv)
-    home = cost.transfer(2 * a.block * 4)
+    home = cost.transfer(2 * a.block * a.e)
     return {"attention_s": cf + cb, "comm_s": (a.C - 1) * (kv + kv_dkv) + home, "exposed_s": tf + tb + home - cf - cb}
 
   def transient_bytes(self, a) -> float:
@@ -479,16 +482,11 @@ def _ring_bwd_fused(axis, plan, res, do_BLHK, interpret: bool):
     k, v = kv[0], kv[1]
     pk = _block_positions(pos_all, axis, step, 1).reshape(L)
     with jax.named_scope(f"ring_bwd_step{step}"):
-      if step < len(visible) - 1:
-        kv = C.ring_shift(kv, axis, +1, name="cp_ring")
+      kv, arrived = _bwd_shifts(kv, dkv, step, len(visible), axis)
       dq_s, dk_s, dv_s = F.block_attention_bwd(q_BLHK, k, v, pos_L, pk, lse, do_BLHK, delta, pairs=pairs[step],
                                                interpret=interpret)
       dq = dq_s if dq is None else dq + dq_s
-      kv, dq, dkv_step = jax.lax.optimization_barrier((kv, dq, jnp.stack([dk_s, dv_s])))
-      dkv = dkv_step if dkv is None else dkv + dkv_step
-      if step == len(visible) - 1:    # complete: home in K's dtype
-        dkv = dkv.astype(k_BLGK.dtype)
-      dkv = C.ring_shift(dkv, axis, +1, name="cp_ring_grad")
+      kv, dq, dkv = _bwd_after(kv, dq, arrived, jnp.stack([dk_s, dv_s]), step, len(visible), axis, k_BLGK.dtype)
   return dq.astype(q_BLHK.dtype), dkv[0].astype(k_BLGK.dtype), dkv[1].astype(v_BLGK.dtype)
 
 
@@ -529,18 +527,52 @@ def _ring_bwd_pure(axis, plan, res, do_BLHK):
               A.set_at(dv, A.at(dv, j) + mm("bgrnm,bngrk->bmgk", p.astype(dt), do_i), j)), None
 
     with jax.named_scope(f"ring_bwd_step{step}"):
-      if step < len(visible) - 1:
-        kv = C.ring_shift(kv, axis, +1, name="cp_ring")
+      kv, arrived = _bwd_shifts(kv, dkv, step, len(visible), axis)
       # this step's dK/dV for the block it holds, from zero: the step does not wait for the dK/dV arriving with
       # the block (added after), so that shift runs behind this step's compute as the K/V shift does
       (dq, dk_step, dv_step), _ = jax.lax.scan(pair, (dq, zero_kv, zero_kv), _visible_pairs(pq, pk, visible[step]))
-      kv, dq, dkv_step = jax.lax.optimization_barrier((kv, dq, jnp.stack([dk_step, dv_step])))
-      dkv = dkv_step if dkv is None else dkv + dkv_step
-      if step == len(visible) - 1:    # complete: home in K's dtype (bf16 K/V: half the bytes of the sums)
-        dkv = dkv.astype(k_BLGK.dtype)
-      dkv = C.ring_shift(dkv, axis, +1, name="cp_ring_grad")   # dK and dV as one array; the last shift: home
-  return (A.unblocks(dq).reshape(B, L, H, K).astype(q_BLHK.dtype), A.unblocks(dkv[0]).astype(k_BLGK.dtype),
-          A.unblocks(dkv[1]).astype(v_BLGK.dtype))
+      kv, dq, dkv = _bwd_after(kv, dq, arrived, jnp.stack([A.unblocks(dk_step), A.unblocks(dv_step)]), step,
+                               len(visible), axis, k_BLGK.dtype)
+  return (A.unblocks(dq).reshape(B, L, H, K).astype(q_BLHK.dtype), dkv[0].astype(k_BLGK.dtype),
+          dkv[1].astype(v_BLGK.dtype))
+
+
+def _bwd_shifts(kv, pending, step: int, steps: int, axis):
+  """The shifts a backward ring step issues as it starts, every one of them behind this step's attention: the next
+  step's K/V block and the dK/dV summed so far for the block held in the step before (its next holder holds it
+  now, and adds its own after its compute). Both travel in one collective (_shift_together), so XLA's default of
+  one collective in flight on a GPU hides both; step 0 has no dK/dV yet, the last step no K/V to send. Returns
+  (K/V for the next step, the dK/dV arriving for the block held now, or None)."""
+  if pending is None:
+    return (kv if step == steps - 1 else C.ring_shift(kv, axis, +1, name="cp_ring")), None
+  if step == steps - 1:
+    return kv, C.ring_shift(pending, axis, +1, name="cp_ring_grad")
+  return _shift_together(kv, pending, axis)
+
+
+def _bwd_after(kv, dq, arrived, dkv_step, step: int, steps: int, axis, dtype):
+  """After a backward ring step's attention: its results and the shifts' tied together (the next step's shifts
+  leave once this step's compute is done: one collective in flight behind each step), the block's dK/dV summed
+  with the arriving one; after the last step, complete, sent home in K's dtype (bf16 K/V: half the bytes of the
+  sums). Returns (K/V, dq, the dK/dV to send on: at the end, this device's own)."""
+  kv, dq, arrived, dkv_step = jax.lax.optimization_barrier((kv, dq, arrived, dkv_step))
+  dkv = dkv_step if arrived is None else arrived + dkv_step
+  if step == steps - 1:
+    dkv = C.ring_shift(dkv.astype(dtype), axis, +1, name="cp_ring_home")
+  return kv, dq, dkv
+
+
+def _shift_together(kv, dkv, axis):
+  """K/V (the compute dtype) and dK/dV (float32) shifted by one collective: K/V's bits as float32 words (two
+  bfloat16 per word; a bit cast, no conversion and no extra bytes) beside dK/dV. K/V of another width travel alone."""
+  width = kv.dtype.itemsize
+  if width not in (2, 4) or dkv.dtype != jnp.float32:
+    return C.ring_shift(kv, axis, +1, name="cp_ring"), C.ring_shift(dkv, axis, +1, name="cp_ring_grad")
+  words = jax.lax.bitcast_convert_type(kv.reshape(*kv.shape[:-1], -1, 4 // width) if width == 2 else kv,
+                                       jnp.float32)
+  both = C.ring_shift(jnp.concatenate([words, dkv], axis=-1), axis, +1, name="cp_ring_kv_grad")
+  words, dkv = both[..., :words.shape[-1]], both[..., words.shape[-1]:]
+  return jax.lax.bitcast_convert_type(words, kv.dtype).reshape(kv.shape), dkv
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
