@@ -168,6 +168,18 @@ def block_attention(q, k, v, pq, pk, *, pairs: int | None = None, block_q: int =
   )(*args)
 
 
+def lse_blocks(lse_BHL, G: int, n: int):
+  """lse[B, H, L] (the kernel's) -> [L/n, B, G, R, n] (the pure-JAX kernels' residual layout: attention.py's
+  blockwise, the ring's), n their block size; lse_rows is the way back."""
+  B, H, L = lse_BHL.shape
+  return jnp.transpose(lse_BHL.reshape(B, G, H // G, L // n, n), (3, 0, 1, 2, 4))
+
+
+def lse_rows(lse_b):
+  nb, B, G, R, n = lse_b.shape
+  return jnp.transpose(lse_b, (1, 2, 3, 0, 4)).reshape(B, G * R, nb * n)
+
+
 # ----------------------------------------------------------------------------------------------- backward
 
 def _probs(q, k, pq, pk, lse, scale):

@@ -68,6 +68,26 @@ def test_the_stated_pairs_are_the_causal_work_of_the_busiest_device():
   assert sum(kernel_pairs(C, local, True, 1, 1)) < sum(kernel_pairs(C, local, False, 1, 1))
 
 
+def test_blockwise_by_the_kernel_is_blockwise():
+  """model.attention=blockwise in a program lowered for a GPU runs the Pallas kernel (attention._fused_forward,
+  _fused_backward): interpreted here, the same output, log-sum-exp (in blockwise's residual layout) and gradients
+  as the pure-JAX blockwise kernel, grouped heads, 64 tokens in blocks of 16."""
+  import jax
+  import jax.numpy as jnp
+  from shardlab import attention as A
+  keys = jax.random.split(jax.random.PRNGKey(1), 4)
+  q = jax.random.normal(keys[0], (2, 64, 4, 16))
+  k, v = (jax.random.normal(x, (2, 64, 2, 16)) for x in keys[1:3])
+  o, lse = A._flash_forward(16, q, k, v)
+  o_f, lse_f = A._fused_forward(16, q, k, v, interpret=True)
+  np.testing.assert_allclose(o_f, o, atol=2e-6)
+  np.testing.assert_allclose(lse_f, lse, atol=2e-6)
+  do = jax.random.normal(keys[3], o.shape)
+  res = (q, k, v, o, lse)
+  for name, a, b in zip("q k v".split(), A._fused_backward(16, res, do, interpret=True), A._flash_backward(16, res, do)):
+    np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"d{name}")
+
+
 MESHES = [({"context": 8}, True, {}), ({"fsdp": 2, "context": 4}, False, {}),
           ({"fsdp": 2, "context": 2, "tensor": 2}, True, {"n_kv_heads": 2})]
 

@@ -424,17 +424,6 @@ def _ring_fwd(q, k, v, pos, axis, plan, kernel):
   return o, (q, k, v, pos, pos_all, checkpoint_name(o, A.ATTN_OUT), checkpoint_name(lse, A.ATTN_OUT))
 
 
-def _lse_blocks(lse_BHL, G: int, n: int):
-  """lse[B, H, L] (the Pallas kernel's) -> [L/n, B, G, R, n] (the pure ring's residual layout), and back."""
-  B, H, L = lse_BHL.shape
-  return jnp.transpose(lse_BHL.reshape(B, G, H // G, L // n, n), (3, 0, 1, 2, 4))
-
-
-def _lse_rows(lse_b):
-  nb, B, G, R, n = lse_b.shape
-  return jnp.transpose(lse_b, (1, 2, 3, 0, 4)).reshape(B, G * R, nb * n)
-
-
 def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, interpret: bool):
   """The ring with one fused kernel per step (flash_kernel.block_attention: the step's output and log-sum-exp),
   merged into the running output by their log-sum-exps (the online softmax across steps); the shifts placed as in
@@ -457,7 +446,7 @@ def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, inte
         w = lambda x: jnp.transpose(jnp.exp(x - new), (0, 2, 1))[..., None]    # [B, H, L] -> [B, L, H, 1]
         o, lse = o * w(lse) + o_s * w(lse_s), new
       kv, o, lse = jax.lax.optimization_barrier((kv, o, lse))
-  return o.astype(q_BLHK.dtype), _lse_blocks(lse, k_BLGK.shape[2], n)
+  return o.astype(q_BLHK.dtype), F.lse_blocks(lse, k_BLGK.shape[2], n)
 
 
 def _ring_bwd(axis, plan, kernel, res, do_BLHK):
@@ -474,7 +463,7 @@ def _ring_bwd_fused(axis, plan, res, do_BLHK, interpret: bool):
   n, visible, pairs = plan
   q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, o_BLHK, lse_b = res
   L = pos_L.shape[0]
-  lse = _lse_rows(lse_b)
+  lse = F.lse_rows(lse_b)
   delta = jnp.einsum("blhk,blhk->bhl", do_BLHK.astype(jnp.float32), o_BLHK.astype(jnp.float32))
   dq = None
   kv, dkv = jnp.stack([k_BLGK, v_BLGK]), None
