@@ -235,9 +235,9 @@ def _validate_attention(cfg: Config) -> None:
   if cfg.context.kernel not in KERNELS:
     raise ConfigError(f"context.kernel={cfg.context.kernel}: choose one of {', '.join(KERNELS)}")
   if (cfg.context.kernel == "pallas" and cfg.compile_for == "target" and cfg.hardware.target_platform == "cuda"
-          and cfg.mesh.sizes.get("context", 1) > 1):
+          and cfg.mesh.sizes.get(X.CONTEXT, 1) > 1):
     from shardlab.flash_kernel import usable
-    local = m.seq_len // cfg.mesh.sizes["context"]
+    local = m.seq_len // cfg.mesh.sizes[X.CONTEXT]
     why = usable(local, local, m.head_dim)
     if why:
       raise ConfigError(f"context.kernel=pallas: the Pallas kernel's Triton tiles do not fit this run ({why}); use "

@@ -104,3 +104,16 @@ def test_the_pallas_ring_equals_the_reference(shape, balanced, model):
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_trees_close(grads, ref_grads, rtol=2e-5, atol=2e-5, label=f"pallas ring {testing.mesh_id(shape)}: ")
+
+
+def test_forcing_the_kernel_where_its_tiles_do_not_fit_is_one_line():
+  """context.kernel=pallas for a GPU target whose local lengths or head dimension the Triton tiles cannot take
+  (here 8 tokens per device) is refused before anything is built; auto falls back to pure JAX."""
+  from shardlab.config import compose
+  from shardlab.errors import ConfigError
+  from shardlab.validate import validate
+  base = ["compile_for=target", "hardware=h100", "mesh.context=8", "mesh.fsdp=1", "mesh.tensor=1", "context=ring"]
+  with pytest.raises(ConfigError, match=r"context.kernel=pallas: the Pallas kernel's Triton tiles do not fit this "
+                                        r"run \(8 queries and 8 keys do not cut into blocks of a power of two"):
+    validate(compose(base + ["context.kernel=pallas", "model.seq_len=64"]))
+  validate(compose(base + ["model.seq_len=64"]))
