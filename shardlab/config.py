@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from shardlab.data import zigzag
+from shardlab.data import striped, zigzag
 from shardlab.hardware import HardwareConfig
 from shardlab.layout import LayoutConfig
 
@@ -166,13 +166,35 @@ class ContextConfig:
   """Context parallelism (`mesh.context=C`): how attention works across the sequence's split (schedules/context.py)."""
   name: str = "all_gather"
   impl: str = "all_gather"        # all_gather | ring | ulysses | package.module:Class
-  load_balance: bool = False      # causal load balancing: each device holds sequence chunks r and 2C-1-r (data.zigzag)
+  load_balance: Any = False       # causal load balancing: false (contiguous chunks) | true or zigzag (device r holds
+                                  # chunks r and 2C-1-r, data.zigzag) | striped (tokens r, r+C, r+2C, ..., data.striped)
   kernel: str = "auto"            # ring's per-step kernel: auto (the Pallas kernel in a program lowered for a GPU,
                                   # pure JAX elsewhere) | jax | pallas (everywhere: Pallas's interpreter off a GPU)
 
   def order(self, seq_len: int, parts: int):
     """The order the data holds a sequence's tokens in over `parts` context devices (None: as they come)."""
-    return zigzag(seq_len, parts) if self.load_balance and parts > 1 else None
+    if parts <= 1 or self.placement == "none":
+      return None
+    return striped(seq_len, parts) if self.placement == "striped" else zigzag(seq_len, parts)
+
+  @property
+  def placement(self) -> str:
+    """none, zigzag or striped (context.load_balance: false, true or zigzag, striped); anything else as given."""
+    return placement_of(self.load_balance)
+
+  @property
+  def balanced(self) -> bool:
+    """The tokens placed so that every device does about the same causal work (zigzag or striped)."""
+    return self.placement != "none"
+
+
+PLACEMENTS = ("none", "zigzag", "striped")
+
+
+def placement_of(load_balance) -> str:
+  """context.load_balance's placement: false -> none, true or zigzag -> zigzag, striped -> striped."""
+  v = str(load_balance).lower()
+  return {"false": "none", "none": "none", "true": "zigzag"}.get(v, v)
 
 
 @dataclass
@@ -374,7 +396,8 @@ def parallel_label(mesh, pipeline, context, expert=None) -> str:
   pipe = Path(str(pipeline["table"])).stem if pipeline.get("table") else cls(pipeline)   # a CSV table: its file's
   out = f"-{pipe}" if int(mesh.get(PIPELINE, 1)) > 1 else ""
   if int(mesh.get(CONTEXT, 1)) > 1:
-    out += f"-{cls(context)}" + ("-zigzag" if context["load_balance"] else "")
+    place = placement_of(context["load_balance"])
+    out += f"-{cls(context)}" + (f"-{place}" if place != "none" else "")
   if expert is not None and int(mesh.get(EXPERT, 1)) > 1:
     out += f"-{cls(expert)}"
   return out

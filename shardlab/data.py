@@ -54,6 +54,16 @@ def zigzag(seq_len: int, parts: int) -> np.ndarray:
   return np.concatenate([np.concatenate([chunks[r], chunks[2 * parts - 1 - r]]) for r in range(parts)])
 
 
+def striped(seq_len: int, parts: int) -> np.ndarray:
+  """Causal load balancing by round robin (Striped Attention, Brandon et al., arXiv:2311.09431): device r holds
+  tokens r, r + parts, r + 2 parts, ...; its positions rise along its local sequence, so a kernel that skips blocks
+  by their positions skips the upper half of every ring step's blocks, on every device alike. Returns the order
+  of the original positions, as zigzag does."""
+  if seq_len % parts:
+    raise ValueError(f"striped: {seq_len} tokens do not split over {parts} devices")
+  return np.arange(seq_len).reshape(seq_len // parts, parts).T.reshape(-1)
+
+
 def successor_table(seed: int, vocab_size: int, branching: int):
   return jax.random.randint(jax.random.fold_in(jax.random.key(seed), 0), (vocab_size, branching), 0, vocab_size)
 

@@ -231,6 +231,10 @@ def _validate_attention(cfg: Config) -> None:
                       f"(blockwise attention splits the sequence into blocks); choose a block dividing seq_len")
   if m.head_dim % 2:
     raise ConfigError(f"model.d_model / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
+  from shardlab.config import PLACEMENTS
+  if cfg.context.placement not in PLACEMENTS:
+    raise ConfigError(f"context.load_balance={cfg.context.load_balance}: choose false, true (zigzag), zigzag or "
+                      f"striped")
   from shardlab.schedules.context import KERNELS
   if cfg.context.kernel not in KERNELS:
     raise ConfigError(f"context.kernel={cfg.context.kernel}: choose one of {', '.join(KERNELS)}")

@@ -85,27 +85,48 @@ def test_ulysses_needs_heads_the_context_axis_divides():
     testing.compile_schedule(None, {"fsdp": 1, "context": 8, "tensor": 1}, {"n_kv_heads": 2}, context="ulysses")
 
 
+@pytest.mark.parametrize("placement", [True, "striped"], ids=["zigzag", "striped"])
 @pytest.mark.parametrize("strategy", ["all_gather", "ring", "ulysses"])
 @pytest.mark.parametrize("shape", [{"context": 8}, {"fsdp": 2, "context": 2, "tensor": 2}],
                          ids=["c8", "f2xc2xt2"])
-def test_causal_load_balancing_is_the_same_training(shape, strategy):
-  """context.load_balance=true: each device holds chunks r and 2C-1-r of every sequence (data.zigzag), the
-  positions with them (RoPE and the causal mask read them): loss and every gradient as the reference's."""
+def test_causal_load_balancing_is_the_same_training(shape, strategy, placement):
+  """context.load_balance=true (zigzag): each device holds chunks r and 2C-1-r of every sequence (data.zigzag);
+  striped: tokens r, r+C, r+2C, ... (data.striped); the positions with them (RoPE and the causal mask read them):
+  loss and every gradient as the reference's."""
   shape = {"fsdp": 1, "tensor": 1, **shape}
-  _, (loss, grads) = testing.compile_schedule(None, shape, context=strategy, load_balance=True)
+  _, (loss, grads) = testing.compile_schedule(None, shape, context=strategy, load_balance=placement)
   ref_loss, ref_grads = reference_loss_and_grads()
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
-  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{strategy}, balanced: ")
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{strategy}, {placement}: ")
 
 
-def test_ulysses_balanced_runs_its_kernel_in_index_order():
-  """Ulysses with the blockwise kernel and load balancing: the gathered sequence is put back in index order for
-  the kernel's own causal mask, and the output back in the data's order."""
+def test_striped_placement_is_even_at_every_ring_step():
+  """data.striped: device r holds tokens r, r+C, ...; its positions rise along its local sequence, so the ring's
+  block skipping works (ring_plan, kernel_pairs) and every step costs about half the blocks on every device,
+  as zigzag's do, where contiguous chunks cost the last device every block after the first step."""
+  import numpy as np
+  from shardlab.data import striped
+  from shardlab.schedules.context import kernel_pairs, ring_plan
+  assert striped(8, 4).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+  C, local = 4, 64
+  order = striped(C * local, C)
+  pairs = kernel_pairs(C, local, order, 16, 16)
+  assert max(pairs) - min(pairs) <= 1 and max(pairs) <= (4 * 5) // 2 + 4          # about the lower triangle
+  assert kernel_pairs(C, local, None, 16, 16)[1:] == (16, 16, 16)                  # contiguous: whole blocks
+  n, visible = ring_plan(C, local, 16, order)
+  assert n == 16 and visible == pairs
+  assert np.sort(order).tolist() == list(range(C * local))
+
+
+@pytest.mark.parametrize("placement", [True, "striped"], ids=["zigzag", "striped"])
+def test_ulysses_balanced_runs_its_kernel_in_index_order(placement):
+  """Ulysses with the blockwise kernel and load balancing (zigzag or striped): the gathered sequence is put back
+  in index order for the kernel's own causal mask, and the output back in the data's order."""
   model = {"attention": "blockwise", "attention_block": 8}
   _, (loss, grads) = testing.compile_schedule(None, {"fsdp": 2, "context": 4, "tensor": 1}, model,
-                                              context="ulysses", load_balance=True)
+                                              context="ulysses", load_balance=placement)
   ref_loss, ref_grads = reference_loss_and_grads(model)
-  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="ulysses, blockwise, balanced: ")
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"ulysses, blockwise, {placement}: ")
 
 
 def test_zigzag_order():

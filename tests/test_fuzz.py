@@ -111,6 +111,7 @@ BAD = [
     (["schedule.grad_reduce=later"], "schedule.grad_reduce=later"),
     (["schedule.remat=everything"], "schedule.remat=everything"),
     (["context.kernel=triton"], "context.kernel=triton: choose one of auto, jax, pallas"),
+    (["context.load_balance=spiral"], "context.load_balance=spiral: choose false, true (zigzag), zigzag or striped"),
     (["schedule=deferred_reduce", "train.batch_size=10", "mesh=2x4"], "mesh.fsdp * schedule.microbatches"),
     (["hardware.peak_flops=-1"], "hardware.peak_flops=-1.0"),
     (["hardware.ici_bandwidth=0"], "hardware.ici_bandwidth=0.0"),

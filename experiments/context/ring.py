@@ -2,7 +2,7 @@
 Ulysses beside them, the ring's Pallas kernel (context.kernel=auto, the default) against its pure-JAX kernel, and
 per ring step whether the compiler put each K/V (dK/dV) shift behind a step's attention.
 
-  python experiments/context/ring.py            # 6 target dry runs, ~3 min on 2 cores: writes ring.json, ring.md
+  python experiments/context/ring.py            # 7 target dry runs, ~3 min on 2 cores: writes ring.json, ring.md
 
 Every configuration: llama3_8b with 2 layers (the per-layer picture; a step's layers are alike), one sequence of
 65536 tokens over context 8 (8192 tokens per H100, one node), bf16, remat save_qkv_attn_out. Each run is
@@ -28,6 +28,7 @@ LIMIT2 = "+xla.flags.xla_gpu_experimental_parallel_collective_overlap_limit=2"
 RUNS = [("ring, contiguous", ["context=ring", "context.load_balance=false"]),
         ("ring, zigzag", ["context=ring", "context.load_balance=true"]),
         ("ring, zigzag, 2 collectives in flight", ["context=ring", "context.load_balance=true", LIMIT2]),
+        ("ring, striped", ["context=ring", "context.load_balance=striped"]),
         ("ring, zigzag, pure-JAX kernel", ["context=ring", "context.load_balance=true", "context.kernel=jax"]),
         ("ring, zigzag, pure-JAX kernel, sub-blocks of 2048", ["context=ring", "context.load_balance=true",
                                                                "context.kernel=jax", "model.attention_block=2048"]),
@@ -96,7 +97,8 @@ def main() -> None:
         f"Load-balanced causal ring over the plain one at C = 8 (prediction over the compiled programs): "
         f"{plain / zig:.2f}x. The zigzag ring's predicted step over Ulysses': {zig / rows[-1]['predicted_step_s']:.2f}; "
         f"over its analytic flash-kernel figure: {zig / rows[1]['analytic']['t_step_s']:.2f}; the pure-JAX kernel's "
-        f"over the Pallas kernel's: {rows[3]['predicted_step_s'] / zig:.2f}x.", "",
+        f"over the Pallas kernel's: {rows[4]['predicted_step_s'] / zig:.2f}x; striped over zigzag: "
+        f"{rows[3]['predicted_step_s'] / zig:.2f}.", "",
         "Per ring step, zigzag (default XLA: one collective in flight) and with two in flight:", "",
         "| pass | step | shift | steps between start and done | can hide behind step | hidden |", "|---|---:|---|---|---:|---|",
         steps(rows[1]), "", "| pass | step | shift | steps between start and done | can hide behind step | hidden |",

@@ -38,7 +38,7 @@ from shardlab.analysis.closed_forms import divisors
 from shardlab.analysis.memory_model import dtype_bytes
 from shardlab.analysis.links import mesh_links, transfer_seconds
 from shardlab.axes import CONTEXT, FSDP
-from shardlab.config import ContextConfig, ModelConfig
+from shardlab.config import ContextConfig, ModelConfig, placement_of
 from shardlab.composition import Composition
 from shardlab.layout import Layout
 from shardlab.errors import ConfigError
@@ -273,7 +273,7 @@ def predict(c: Composition, skips_masked: bool | None = None) -> dict:
   tokens = c.local_tokens                                   # of one microbatch
   a = attn_of(m, tokens // (m.seq_len // C), C, T, e)
   bw = mesh_links(c)[1].get(CONTEXT, hw.ici_bandwidth)
-  lt = layer_time(strategy or c.cp, a, hw, bw, c.context.load_balance, skips)
+  lt = layer_time(strategy or c.cp, a, hw, bw, c.context.balanced, skips)
   dense = 6.0 * k * tokens * (m.n_layers * PL.layer_params(m) + m.vocab_size * m.d_model) / T
   t_dense = dense / (hw.peak_flops * hw.gemm_efficiency)
   t_attn = k * m.n_layers * lt.attention_s
@@ -317,7 +317,7 @@ def attention_transient_bytes(strategy, a: Attn, model) -> float:
 def why_not(c: Composition, C: int, strategy) -> str | None:
   """Why shardlab cannot run `strategy` at context C for c (one line), or None: a sequence that does not cut
   into the chunks, or what the strategy itself says it cannot split (its `why_not`: Ulysses' heads)."""
-  m, chunks = c.model, 2 * C if c.context.load_balance else C
+  m, chunks = c.model, 2 * C if c.context.placement == "zigzag" else C
   if m.seq_len % chunks:
     return f"the sequence ({m.seq_len}) does not cut into {chunks} chunks"
   if C == 1:
@@ -383,8 +383,9 @@ def choose(c: Composition, devices: int | None = None, degrees: tuple[int, ...] 
     X = devices // (T * C)
     for strategy in (strategies if C > 1 else ("none",)):
       for balanced in placements(c, C):
-        label = (f"{strategy}{' zigzag' if balanced else ''} C={C}" if C > 1 else "no context (C=1)")
-        first = f"{strategy}{' zigzag' if not balanced else ''} C={C}"     # the other placement's label
+        named = lambda p: "" if placement_of(p) == "none" else f" {placement_of(p)}"
+        label = f"{strategy}{named(balanced)} C={C}" if C > 1 else "no context (C=1)"
+        first = f"{strategy}{named(placements(c, C)[0])} C={C}"     # the placement priced first's label
         sub, why = None, f"fsdp {X} does not divide the batch of {c.train.batch_size} sequences"
         if X * T * C == devices and c.train.batch_size % X == 0:
           sub, why = runnable(c, C, c.context.impl if C == 1 else strategy, balanced, X)

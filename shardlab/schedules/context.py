@@ -67,7 +67,7 @@ class AllGatherKV:
   def check_balance(self, shape: dict) -> None:
     """With load balancing, a sequence that cuts into 2 C chunks."""
     c = self.parts(shape)
-    if self.cfg.load_balance and c > 1 and self.model.seq_len % (2 * c):
+    if self.cfg.placement == "zigzag" and c > 1 and self.model.seq_len % (2 * c):
       raise ConfigError(f"model.seq_len={self.model.seq_len} is not divisible by 2 * mesh.context={2 * c} "
                         f"(context.load_balance=true cuts each sequence into 2 C chunks); choose seq_len a multiple "
                         f"of {2 * c} or context.load_balance=false")
@@ -192,8 +192,8 @@ class Ulysses(AllGatherKV):
     if self.model.attention == "plain":     # the causal mask from the gathered positions
       pos_M = C.all_gather(positions_L, axis, 0, name="cp_positions")
       o = checkpoint_name(A.plain(q, k, v, pos_M[:, None] >= pos_M[None, :]), A.ATTN_OUT)
-    elif self.cfg.load_balance:   # the whole sequence in the data's zigzag order: back to index order for the
-      order = zigzag(q.shape[SEQ_DIM], q.shape[SEQ_DIM] // q_BLHK.shape[SEQ_DIM])   # kernel, and back after
+    elif self.cfg.balanced:   # the whole sequence in the data's order (zigzag, striped): back to index order for
+      order = self.cfg.order(q.shape[SEQ_DIM], q.shape[SEQ_DIM] // q_BLHK.shape[SEQ_DIM])  # the kernel, and back
       back = np.argsort(order)
       o = jnp.take(self.own(*(jnp.take(x, back, axis=SEQ_DIM) for x in (q, k, v))), order, axis=SEQ_DIM)
     else:   # the whole sequence, in index order: the kernel's own causal mask
@@ -254,10 +254,11 @@ class Ring(AllGatherKV):
       return self.own(q_BLHK, k_BLGK, v_BLGK)
     local = q_BLHK.shape[SEQ_DIM]
     parts = C.axis_size(axis)
-    plan = ring_plan(parts, local, self.model.attention_block, self.cfg.load_balance)
+    order = self.cfg.order(local * parts, parts)
+    plan = ring_plan(parts, local, self.model.attention_block, order)
     kernel = self.kernel(local, q_BLHK.shape[-1])
     if kernel != "jax":
-      plan = (*plan, kernel_pairs(parts, local, self.cfg.load_balance))
+      plan = (*plan, kernel_pairs(parts, local, order))
     return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan, kernel), A.ATTN_OUT)
 
   def bytes_per_layer(self, a) -> dict:
@@ -295,18 +296,19 @@ class Ring(AllGatherKV):
     return "blockwise"
 
 
-def ring_plan(parts: int, local: int, block: int, balanced: bool) -> tuple:
+def ring_plan(parts: int, local: int, block: int, order=None) -> tuple:
   """(n, visible): the sub-block size of a ring step (the largest divisor of `local` tokens per device, of half
-  of it when balanced, that is at most `block`: a zigzag device's two chunks never share a sub-block) and, per
-  ring step, how many of its (L/C/n)^2 sub-block pairs have a key at or before a query on the busiest device,
-  from the positions the data gives each device (contiguous, or zigzag when balanced: ContextConfig.order).
+  of it for zigzag's placement, that is at most `block`: a zigzag device's two chunks never share a sub-block) and,
+  per ring step, how many of its (L/C/n)^2 sub-block pairs have a key at or before a query on the busiest device,
+  from the positions the data gives each device (`order`, ContextConfig.order: None for contiguous chunks, or
+  zigzag's or striped's; True is zigzag's, as the setting reads).
   Step s runs a loop of exactly visible[s] pairs on every device: the visible ones first, then (on a device with
   fewer) wholly masked ones that add nothing. A static trip count, no branch: the program holds the count, and
   a step takes its busiest device's work, the pace a ring runs at. The count assumes the data's order: positions
   in another order could have more visible pairs than it and lose the rest."""
-  half = local // 2 if balanced else local
+  order = _order(parts, local, order)
+  half = local // 2 if _is_zigzag(order, parts) else local
   n = max(d for d in range(1, min(block, half) + 1) if half % d == 0)
-  order = zigzag(local * parts, parts) if balanced else np.arange(local * parts)
   blocks = np.asarray(order).reshape(parts, local // n, n)
   last, first = blocks.max(-1), blocks.min(-1)                        # [rank, sub-block]
   visible = []
@@ -319,11 +321,25 @@ def ring_plan(parts: int, local: int, block: int, balanced: bool) -> tuple:
 KERNELS = ("auto", "jax", "pallas")
 
 
-def kernel_pairs(parts: int, local: int, balanced: bool, block_q: int = F.BLOCK_Q, block_k: int = F.BLOCK_K) -> tuple:
+def _order(parts: int, local: int, order) -> np.ndarray:
+  """The positions each device holds, in a row per device: `order` (None: contiguous; True: zigzag)."""
+  if order is None or order is False:
+    order = np.arange(local * parts)
+  elif order is True:
+    order = zigzag(local * parts, parts)
+  return np.asarray(order).reshape(parts, local)
+
+
+def _is_zigzag(order: np.ndarray, parts: int) -> bool:
+  return parts > 1 and order.size % (2 * parts) == 0 and np.array_equal(order.reshape(-1), zigzag(order.size, parts))
+
+
+def kernel_pairs(parts: int, local: int, order=None, block_q: int = F.BLOCK_Q, block_k: int = F.BLOCK_K) -> tuple:
   """Per ring step, how many of the Pallas kernel's (query block, key block) pairs the busiest device visits (the
-  blocks with a key at or before a query, flash_kernel.pair_counts), from the positions the data gives each device:
-  the FLOPs each step's kernels state (the work of the pace-setting device, as ring_plan's counts are)."""
-  order = np.asarray(zigzag(local * parts, parts) if balanced else np.arange(local * parts)).reshape(parts, local)
+  blocks with a key at or before a query, flash_kernel.pair_counts), from the positions the data gives each device
+  (`order`, as ring_plan takes it): the FLOPs each step's kernels state (the work of the pace-setting device, as
+  ring_plan's counts are)."""
+  order = _order(parts, local, order)
   return tuple(max(F.pair_counts(order[r], order[(r - step) % parts], block_q, block_k) for r in range(parts))
                for step in range(parts))
 
