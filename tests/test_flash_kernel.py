@@ -73,7 +73,6 @@ def test_blockwise_by_the_kernel_is_blockwise():
   _fused_backward): interpreted here, the same output, log-sum-exp (in blockwise's residual layout) and gradients
   as the pure-JAX blockwise kernel, grouped heads, 64 tokens in blocks of 16."""
   import jax
-  import jax.numpy as jnp
   from shardlab import attention as A
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
   q = jax.random.normal(keys[0], (2, 64, 4, 16))
