@@ -8,8 +8,8 @@ query head h reads key/value head h // R, R = H / G (Llama's `repeat_kv` order).
                recurrence, arXiv:2205.14135): queries and keys in blocks, an online softmax over key blocks; a
                custom_vjp saves only the output and the log-sum-exp and recomputes each block's scores in
                backward, so memory is O(L) in forward and backward; only the block pairs on or below the
-               causal diagonal are computed. Compiles anywhere (CPU included); in a program lowered for a GPU,
-               where the shapes fit its tiles, the same computation by shardlab's fused Pallas kernel
+               causal diagonal are computed. Compiles anywhere (CPU included); in a program lowered for a GPU
+               or a TPU, where the shapes fit its tiles, the same computation by shardlab's fused Pallas kernels
                (flash_kernel.py, the ring's), residuals alike.
   dot_product  jax.nn.dot_product_attention(is_causal=True): cuDNN flash attention in programs lowered for a
                GPU (bf16/fp16), XLA's own implementation elsewhere (which materialises the scores, like plain)
@@ -82,7 +82,7 @@ def blockwise(q_BLHK, k_BLGK, v_BLGK, block: int = 512):
   n = block_size(L, block)
   if L % n:
     raise ValueError(f"blockwise attention: sequence length {L} is not a multiple of the block size {n}")
-  return _flash(n, F.usable(L, L, K) is None, q_BLHK, k_BLGK, v_BLGK)
+  return _flash(n, F.platforms(L, L, K), q_BLHK, k_BLGK, v_BLGK)
 
 
 def blocks(x, n):
@@ -118,47 +118,41 @@ def _flash(n, fusable, q_BLHK, k_BLGK, v_BLGK):
   return _flash_fwd(n, fusable, q_BLHK, k_BLGK, v_BLGK)[0]
 
 
-def _by_platform(fusable: bool, pure, fused, *args):
-  """pure(*args), or where the program is lowered for a GPU and the shapes fit its tiles (`fusable`), the same
-  computation by shardlab's Pallas kernel (flash_kernel.py): fused(*args). jax.lax.platform_dependent lowers one."""
-  if not fusable:
-    return pure(*args)
-  return jax.lax.platform_dependent(*args, cuda=fused, default=pure)
-
-
 def _flash_fwd(n, fusable, q_BLHK, k_BLGK, v_BLGK):
   """The output and the log-sum-exp, named ATTN_OUT: a remat policy that keeps them does not rerun this."""
-  o_BLHK, lse_b = _by_platform(fusable, functools.partial(_flash_forward, n), functools.partial(_fused_forward, n),
-                               q_BLHK, k_BLGK, v_BLGK)
+  o_BLHK, lse_b = F.on_platforms(fusable, functools.partial(_flash_forward, n), functools.partial(_fused_forward, n),
+                                 q_BLHK, k_BLGK, v_BLGK)
   o_BLHK = checkpoint_name(o_BLHK, ATTN_OUT)
   lse_b = checkpoint_name(lse_b, ATTN_OUT)                       # lse[L/n, B, G, R, n]
   return o_BLHK, (q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b)        # O(L) residuals; o is the output itself
 
 
 def _flash_bwd(n, fusable, res, do_BLHK):
-  return _by_platform(fusable, lambda *a: _flash_backward(n, a[:-1], a[-1]),
-                      lambda *a: _fused_backward(n, a[:-1], a[-1]), *res, do_BLHK)
+  return F.on_platforms(fusable, lambda *a: _flash_backward(n, a[:-1], a[-1]),
+                        lambda *a, backend, interpret: _fused_backward(n, a[:-1], a[-1], backend, interpret),
+                        *res, do_BLHK)
 
 
-def _fused_forward(n, q_BLHK, k_BLGK, v_BLGK, interpret: bool = False):
-  """_flash_forward by the Pallas kernel (causal: positions in index order; it skips the blocks above the
-  diagonal), the log-sum-exp in _flash_forward's layout."""
+def _fused_forward(n, q_BLHK, k_BLGK, v_BLGK, backend: str = "triton", interpret: bool = False):
+  """_flash_forward by the Pallas kernel of `backend` (flash_kernel.KERNELS; causal: positions in index order, the
+  blocks above the diagonal skipped), the log-sum-exp in _flash_forward's layout."""
   L = q_BLHK.shape[1]
   pos = jnp.arange(L, dtype=jnp.int32)
-  o, lse = F.block_attention(q_BLHK, k_BLGK, v_BLGK, pos, pos, interpret=interpret,
-                             pairs=F.pair_counts(np.arange(L), np.arange(L), F.BLOCK_Q, F.BLOCK_K))
+  forward, _, blocks = F.KERNELS[backend]
+  o, lse = forward(q_BLHK, k_BLGK, v_BLGK, pos, pos, interpret=interpret,
+                   pairs=F.pair_counts(np.arange(L), np.arange(L), *blocks))
   return o.astype(q_BLHK.dtype), F.lse_blocks(lse, k_BLGK.shape[2], n)
 
 
-def _fused_backward(n, res, do_BLHK, interpret: bool = False):
-  """_flash_backward by the Pallas kernel."""
+def _fused_backward(n, res, do_BLHK, backend: str = "triton", interpret: bool = False):
+  """_flash_backward by the Pallas kernel of `backend`."""
   q_BLHK, k_BLGK, v_BLGK, o_BLHK, lse_b = res
   L = q_BLHK.shape[1]
   pos = jnp.arange(L, dtype=jnp.int32)
   delta = jnp.einsum("blhk,blhk->bhl", do_BLHK.astype(jnp.float32), o_BLHK.astype(jnp.float32))
-  dq, dk, dv = F.block_attention_bwd(q_BLHK, k_BLGK, v_BLGK, pos, pos, F.lse_rows(lse_b), do_BLHK, delta,
-                                     interpret=interpret,
-                                     pairs=F.pair_counts(np.arange(L), np.arange(L), F.BLOCK_Q, F.BLOCK_K))
+  _, backward, blocks = F.KERNELS[backend]
+  dq, dk, dv = backward(q_BLHK, k_BLGK, v_BLGK, pos, pos, F.lse_rows(lse_b), do_BLHK, delta, interpret=interpret,
+                        pairs=F.pair_counts(np.arange(L), np.arange(L), *blocks))
   return dq.astype(q_BLHK.dtype), dk.astype(k_BLGK.dtype), dv.astype(v_BLGK.dtype)
 
 

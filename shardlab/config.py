@@ -168,8 +168,8 @@ class ContextConfig:
   impl: str = "all_gather"        # all_gather | ring | ulysses | package.module:Class
   load_balance: Any = False       # causal load balancing: false (contiguous chunks) | true or zigzag (device r holds
                                   # chunks r and 2C-1-r, data.zigzag) | striped (tokens r, r+C, r+2C, ..., data.striped)
-  kernel: str = "auto"            # ring's per-step kernel: auto (the Pallas kernel in a program lowered for a GPU,
-                                  # pure JAX elsewhere) | jax | pallas (everywhere: Pallas's interpreter off a GPU)
+  kernel: str = "auto"            # ring's per-step kernel: auto (the Pallas kernel in a program lowered for a GPU
+                                  # or a TPU, pure JAX elsewhere) | jax | pallas (also here: Pallas's interpreter)
 
   def order(self, seq_len: int, parts: int):
     """The order the data holds a sequence's tokens in over `parts` context devices (None: as they come)."""

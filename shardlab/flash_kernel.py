@@ -16,8 +16,9 @@ per (query block, batch, head) looping over key blocks with an online softmax; t
 (key block, batch, head) looping over query blocks; its dQ, one cell per (query block, batch, head) looping over
 key blocks. dK and dV come out per query head and are summed over each group outside the kernel.
 
-On a GPU target they lower to Triton (`__gpu$xla.gpu.triton` custom calls); anywhere else `interpret=True` runs the
-same kernels through Pallas's interpreter (the CPU tests; tests/test_flash_kernel.py holds them to the pure-JAX
+On a GPU target they lower to Triton (`__gpu$xla.gpu.triton` custom calls); for a TPU target the same three are
+written for Mosaic (below: a grid over key blocks, the softmax in scratch; `on_platforms` picks per platform);
+`interpret=True` runs the kernels through Pallas's interpreter (the CPU tests; tests/test_flash_kernel.py holds them to the pure-JAX
 kernels of attention.py). The FLOPs each call does are stated in its name (`shardlab_flash_<kind>_<FLOPs>f`, the
 matmuls of the block pairs it visits, `pair_counts`): Triton's custom call carries no cost estimate, and the
 calibrated replay prices the call from that figure at the preset's attention efficiency (analysis/hlo.py,
@@ -269,3 +270,228 @@ def block_attention_bwd(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = 
   )(*args)
   group = lambda x: x.reshape(B, Lk, G, R, K).sum(3)
   return dq, group(dk), group(dv)
+
+
+# ------------------------------------------------------------------------------------------ TPU (Mosaic)
+#
+# The same forward for a TPU target. Mosaic wants 2-D tiles of (8, 128): the grid runs over (batch, head, query
+# block, key block) with the key blocks innermost and sequential ("arbitrary"), the online softmax in VMEM scratch
+# (its max and sum replicated over 128 lanes, as JAX's TPU flash kernel keeps them), the query positions as
+# [Lq, 128] (replicated over lanes) and the key positions as [8, Lk] (over sublanes), and whether a block pair has
+# a visible key decided from each block's extreme positions prefetched into scalar memory.
+
+LANES, SUBLANES, TPU_BLOCK = 128, 8, 128
+
+
+def usable_tpu(lq: int, lk: int, head_dim: int) -> str | None:
+  """Why the TPU kernel cannot take these shapes (None: it can): blocks of 128 tokens, a head dimension of 64 or a
+  multiple of 128."""
+  if lq % TPU_BLOCK or lk % TPU_BLOCK:
+    return f"{lq} queries or {lk} keys do not cut into blocks of {TPU_BLOCK}"
+  if head_dim != 64 and head_dim % LANES:
+    return f"head dimension {head_dim} is neither 64 nor a multiple of {LANES}"
+  return None
+
+
+def _lanes(x, width: int):
+  """A [rows, 128] lane-replicated column as [rows, width]."""
+  if width == LANES:
+    return x
+  if width < LANES:
+    return x[:, :width]
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.repeat(x, width // LANES, 1)
+
+
+def _fwd_tpu_kernel(qmax_ref, kmin_ref, q_ref, k_ref, v_ref, pq_ref, pk_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
+                    scale: float, runs: tuple):
+  i, j = pl.program_id(2), pl.program_id(3)
+  K = q_ref.shape[-1]
+
+  @pl.when(j == 0)
+  def _start():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  with _visit(*runs):
+    @pl.when(qmax_ref[i] >= kmin_ref[j])
+    def _block():
+      s = _mm(q_ref[...], k_ref[...], tb=True) * scale                       # [bq, bk]
+      s = jnp.where(pq_ref[...] >= pk_ref[...][:1, :], s, -jnp.inf)
+      m_prev = m_sc[...]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))         # [bq, 128]
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe)
+      corr = jnp.exp(m_prev - m_safe)
+      l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=1, keepdims=True)
+      acc_sc[...] = acc_sc[...] * _lanes(corr, K) + _mm(p.astype(v_ref.dtype), v_ref[...])
+      m_sc[...] = m_new
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _end():
+    l = l_sc[...]
+    seen = l > 0
+    o_ref[...] = (acc_sc[...] / _lanes(jnp.where(seen, l, 1.0), K)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _extremes(p, block: int, fn):
+  return fn(p.reshape(-1, block), axis=1).astype(jnp.int32)
+
+
+def _tpu_call(q, k, pq, pk, pairs):
+  """What both Mosaic calls start from: (B, Lq, H, K, Lk, G, R, nq, nk, pairs), and the position arguments: each
+  block's extreme positions (scalar-prefetched: query blocks' last, key blocks' first) and the positions replicated
+  over lanes (queries, [Lq, 128]) and over sublanes (keys, [8, Lk])."""
+  B, Lq, H, K = q.shape
+  Lk, G = k.shape[1], k.shape[2]
+  nq, nk = Lq // TPU_BLOCK, Lk // TPU_BLOCK
+  pq, pk = pq.astype(jnp.int32), pk.astype(jnp.int32)
+  where = [_extremes(pq, TPU_BLOCK, jnp.max), _extremes(pk, TPU_BLOCK, jnp.min),
+           jnp.broadcast_to(pq[:, None], (Lq, LANES)), jnp.broadcast_to(pk[None, :], (SUBLANES, Lk))]
+  return (B, Lq, H, K, Lk, G, H // G, nq, nk, nq * nk if pairs is None else pairs), where
+
+
+def _heads(x):
+  return jnp.transpose(x, (0, 2, 1, 3))                                      # [B, L, N, K] -> [B, N, L, K]
+
+
+def block_attention_tpu(q, k, v, pq, pk, *, pairs: int | None = None, interpret: bool = False):
+  """block_attention's forward by Mosaic (a TPU target): the same o[B, Lq, H, K] (float32) and lse[B, H, Lq]."""
+  from jax.experimental.pallas import tpu as pltpu
+  (B, Lq, H, K, Lk, G, R, nq, nk, pairs), (qmax, kmin, pq_rows, pk_rows) = _tpu_call(q, k, pq, pk, pairs)
+  bq = bk = TPU_BLOCK
+  args, mat = _varying(qmax, kmin, _heads(q), _heads(k), _heads(v), pq_rows, pk_rows)
+  grid = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=(B, H, nq, nk),
+      in_specs=[pl.BlockSpec((None, None, bq, K), lambda b, h, i, j, *_: (b, h, i, 0)),
+                pl.BlockSpec((None, None, bk, K), lambda b, h, i, j, *_: (b, lax.div(h, R), j, 0)),
+                pl.BlockSpec((None, None, bk, K), lambda b, h, i, j, *_: (b, lax.div(h, R), j, 0)),
+                pl.BlockSpec((bq, LANES), lambda b, h, i, j, *_: (i, 0)),
+                pl.BlockSpec((SUBLANES, bk), lambda b, h, i, j, *_: (0, j))],
+      out_specs=[pl.BlockSpec((None, None, bq, K), lambda b, h, i, j, *_: (b, h, i, 0)),
+                 pl.BlockSpec((None, None, bq, LANES), lambda b, h, i, j, *_: (b, h, i, 0))],
+      scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                      pltpu.VMEM((bq, K), jnp.float32)])
+  params = None if interpret else pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+  o, lse = pl.pallas_call(
+      functools.partial(_fwd_tpu_kernel, scale=1.0 / math.sqrt(K), runs=(pairs, nq * nk)), grid_spec=grid,
+      out_shape=[_out((B, H, Lq, K), jnp.float32, mat), _out((B, H, Lq, LANES), jnp.float32, mat)],
+      compiler_params=params, interpret=interpret, name=_name("fwd", 4.0 * B * H * pairs * bq * bk * K),
+  )(*args)
+  return _heads(o), lse[..., 0]
+
+
+def _dkv_tpu_kernel(qmax_ref, kmin_ref, q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, dk_ref,
+                    dv_ref, dk_sc, dv_sc, *, scale: float, runs: tuple):
+  j, i = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(i == 0)
+  def _start():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  with _visit(*runs):
+    @pl.when(qmax_ref[i] >= kmin_ref[j])
+    def _block():
+      q, do = q_ref[...], do_ref[...]
+      s = _mm(q, k_ref[...], tb=True) * scale                                # [bq, bk]
+      p = jnp.where(pq_ref[...] >= pk_ref[...][:1, :], jnp.exp(s - lse_ref[...]), 0.0)
+      dv_sc[...] += _mm(p.T.astype(do.dtype), do)
+      ds = (p * (_mm(do, v_ref[...], tb=True) - delta_ref[...]) * scale).astype(q.dtype)
+      dk_sc[...] += _mm(ds.T, q)
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _end():
+    dk_ref[...], dv_ref[...] = dk_sc[...], dv_sc[...]
+
+
+def _dq_tpu_kernel(qmax_ref, kmin_ref, q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, dq_ref, dq_sc,
+                   *, scale: float, runs: tuple):
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _start():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  with _visit(*runs):
+    @pl.when(qmax_ref[i] >= kmin_ref[j])
+    def _block():
+      k = k_ref[...]
+      s = _mm(q_ref[...], k, tb=True) * scale
+      p = jnp.where(pq_ref[...] >= pk_ref[...][:1, :], jnp.exp(s - lse_ref[...]), 0.0)
+      ds = (p * (_mm(do_ref[...], v_ref[...], tb=True) - delta_ref[...]) * scale).astype(k.dtype)
+      dq_sc[...] += _mm(ds, k)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _end():
+    dq_ref[...] = dq_sc[...]
+
+
+def block_attention_bwd_tpu(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = None, interpret: bool = False):
+  """block_attention_bwd by Mosaic (a TPU target): the same dq[B, Lq, H, K], dk, dv[B, Lk, G, K] (float32)."""
+  from jax.experimental.pallas import tpu as pltpu
+  (B, Lq, H, K, Lk, G, R, nq, nk, pairs), (qmax, kmin, pq_rows, pk_rows) = _tpu_call(q, k, pq, pk, pairs)
+  bq = bk = TPU_BLOCK
+  rows = lambda x: jnp.broadcast_to(x[..., None], (*x.shape, LANES))         # [B, H, Lq] -> [B, H, Lq, 128]
+  args, mat = _varying(qmax, kmin, _heads(q), _heads(k), _heads(v), pq_rows, pk_rows, rows(lse), _heads(do),
+                       rows(delta))
+  scale, runs, f32 = 1.0 / math.sqrt(K), (pairs, nq * nk), jnp.float32
+  params = None if interpret else pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+  def specs(q_at, kv_at):     # block index maps from (b, h, outer, inner) to the query and the key block
+    q_block = pl.BlockSpec((None, None, bq, K), lambda b, h, o, n, *_: (b, h, q_at(o, n), 0))
+    kv_block = pl.BlockSpec((None, None, bk, K), lambda b, h, o, n, *_: (b, lax.div(h, R), kv_at(o, n), 0))
+    row = pl.BlockSpec((None, None, bq, LANES), lambda b, h, o, n, *_: (b, h, q_at(o, n), 0))
+    return [q_block, kv_block, kv_block, pl.BlockSpec((bq, LANES), lambda b, h, o, n, *_: (q_at(o, n), 0)),
+            pl.BlockSpec((SUBLANES, bk), lambda b, h, o, n, *_: (0, kv_at(o, n))), row, q_block, row]
+
+  dk, dv = pl.pallas_call(     # per key block, the query blocks in turn
+      functools.partial(_dkv_tpu_kernel, scale=scale, runs=runs),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(B, H, nk, nq), in_specs=specs(lambda o, n: n, lambda o, n: o),
+          out_specs=[pl.BlockSpec((None, None, bk, K), lambda b, h, o, n, *_: (b, h, o, 0))] * 2,
+          scratch_shapes=[pltpu.VMEM((bk, K), f32), pltpu.VMEM((bk, K), f32)]),
+      out_shape=[_out((B, H, Lk, K), f32, mat)] * 2, compiler_params=params, interpret=interpret,
+      name=_name("bwd_dkv", 8.0 * B * H * pairs * bq * bk * K),
+  )(*args)
+  dq = pl.pallas_call(         # per query block, the key blocks in turn
+      functools.partial(_dq_tpu_kernel, scale=scale, runs=runs),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(B, H, nq, nk), in_specs=specs(lambda o, n: o, lambda o, n: n),
+          out_specs=pl.BlockSpec((None, None, bq, K), lambda b, h, o, n, *_: (b, h, o, 0)),
+          scratch_shapes=[pltpu.VMEM((bq, K), f32)]),
+      out_shape=_out((B, H, Lq, K), f32, mat), compiler_params=params, interpret=interpret,
+      name=_name("bwd_dq", 6.0 * B * H * pairs * bq * bk * K),
+  )(*args)
+  group = lambda x: _heads(x).reshape(B, Lk, G, R, K).sum(3)
+  return _heads(dq), group(dk), group(dv)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+
+KERNELS = {"triton": (block_attention, block_attention_bwd, (BLOCK_Q, BLOCK_K)),
+           "mosaic": (block_attention_tpu, block_attention_bwd_tpu, (TPU_BLOCK, TPU_BLOCK))}
+BACKEND = {"cuda": "triton", "tpu": "mosaic"}
+
+
+def platforms(lq: int, lk: int, head_dim: int) -> tuple:
+  """The platforms whose kernel takes these shapes: "cuda" (Triton tiles, `usable`), "tpu" (Mosaic, `usable_tpu`)."""
+  return tuple(p for p, why in (("cuda", usable(lq, lk, head_dim)), ("tpu", usable_tpu(lq, lk, head_dim)))
+               if why is None)
+
+
+def on_platforms(fused_on: tuple, pure, fused, *args):
+  """pure(*args), or where the program is lowered for a platform in `fused_on` the same computation by these
+  kernels: fused(*args, backend=..., interpret=...): "cuda" by Triton, "tpu" by Mosaic, "default" (every other
+  platform, this CPU) by Triton's kernels run by Pallas's interpreter. jax.lax.platform_dependent lowers one
+  branch: the program for each platform holds one of them."""
+  if not fused_on:
+    return pure(*args)
+  branches = {p: functools.partial(fused, backend=BACKEND[p], interpret=False) for p in ("cuda", "tpu")
+              if p in fused_on}
+  other = functools.partial(fused, backend="triton", interpret=True) if "default" in fused_on else pure
+  return jax.lax.platform_dependent(*args, **branches, default=other)

@@ -52,6 +52,34 @@ def test_the_kernel_is_attention_forward_and_backward_for_any_positions():
     np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"d{name}")
 
 
+def test_the_tpu_kernel_is_attention_forward_and_backward():
+  """The Mosaic kernels (flash_kernel.block_attention_tpu, block_attention_bwd_tpu: a grid over key blocks with
+  the online softmax in scratch, 128-token blocks, the blocks' extreme positions in scalar memory), interpreted:
+  plain attention's output, log-sum-exp and gradients, 2 query heads over 1 K/V head, 256 queries against 384 keys
+  at positions where some block pairs and some queries see nothing."""
+  import jax
+  import jax.numpy as jnp
+  from shardlab import flash_kernel as F
+  keys = jax.random.split(jax.random.PRNGKey(2), 4)
+  q = jax.random.normal(keys[0], (1, 256, 2, 64))
+  k, v = (jax.random.normal(x, (1, 384, 1, 64)) for x in keys[1:3])
+  pq = jnp.asarray(np.sort(np.random.RandomState(0).permutation(1024)[:256]))
+  pk = jnp.asarray(100 + np.sort(np.random.RandomState(1).permutation(900)[:384]))
+  assert F.pair_counts(pq, pk, 128, 128) < 2 * 3
+  o, lse = F.block_attention_tpu(q, k, v, pq, pk, interpret=True)
+  o_ref, lse_ref = _attention(q, k, v, pq, pk)
+  assert bool(jnp.any(jnp.isinf(lse_ref)))
+  np.testing.assert_allclose(o, o_ref, atol=2e-6)
+  np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+  np.testing.assert_allclose(np.where(np.isinf(lse_ref), 0, lse), np.where(np.isinf(lse_ref), 0, lse_ref), atol=2e-6)
+  do = jax.random.normal(keys[3], o.shape)
+  grads = jax.grad(lambda q, k, v: jnp.sum(_attention(q, k, v, pq, pk)[0] * do), (0, 1, 2))(q, k, v)
+  got = F.block_attention_bwd_tpu(q, k, v, pq, pk, jnp.where(jnp.isinf(lse_ref), 0.0, lse_ref), do,
+                                  jnp.einsum("blhk,blhk->bhl", do, o_ref), interpret=True)
+  for name, a, b in zip("q k v".split(), got, grads):
+    np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"d{name}")
+
+
 def test_the_stated_pairs_are_the_causal_work_of_the_busiest_device():
   """kernel_pairs: per ring step, the kernel's block pairs with a key at or before a query on the busiest
   device. With blocks of one token it is the exact causal count (brute force over the token pairs); a zigzag

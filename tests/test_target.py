@@ -469,6 +469,37 @@ def test_the_ring_runs_its_pallas_kernels_on_the_gpu_target():
   assert all(hlo.is_attention_call(i) and flops(i, {}) == hlo.stated_flops(i) for i in calls)
 
 
+def test_the_pallas_kernels_compile_for_the_tpu_target():
+  """flash_kernel's Mosaic kernels (forward, backward dK/dV and dQ) compile deviceless for a v5p chip, causal over
+  512 tokens, as custom calls named with the FLOPs they state: the 10 of 16 blocks of 128 x 128 on or below the
+  diagonal (pair_counts), what the cost model reads."""
+  import importlib.util
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from shardlab import flash_kernel as F, target as TG
+  from shardlab.analysis import hlo
+  from shardlab.analysis.predict import hardware_preset
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("needs the tpu extra: pip install 'shardlab[tpu]'")
+  B, L, H, G, K = 1, 512, 4, 2, 128
+  pos = jnp.arange(L, dtype=jnp.int32)
+  pairs = F.pair_counts(np.arange(L), np.arange(L), F.TPU_BLOCK, F.TPU_BLOCK)
+  assert pairs == 10
+
+  def step(q, k, v, do):
+    o, lse = F.block_attention_tpu(q, k, v, pos, pos, pairs=pairs)
+    delta = jnp.einsum("blhk,blhk->bhl", do.astype(jnp.float32), o)
+    return o, F.block_attention_bwd_tpu(q, k, v, pos, pos, lse, do, delta, pairs=pairs)
+  mesh = Mesh(TG.devices(hardware_preset("tpu_v5p"), 8)[:1], ("x",))
+  arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+  compiled = TG.compile_(jax.jit(step).lower(arg(B, L, H, K), arg(B, L, G, K), arg(B, L, G, K), arg(B, L, H, K)))
+  comps, _ = hlo.parse(compiled.as_text())
+  stated = sorted(hlo.stated_flops(i) for c in comps.values() for i in c if hlo.stated_flops(i) is not None)
+  assert stated == sorted(n * B * H * pairs * 128 * 128 * K for n in (4, 8, 6)), stated
+
+
 def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   """model.attention=dot_product in bf16 lowers to cuDNN's fused attention for the H100 target (jax.nn's default
   would be XLA's), and the cost model counts its FLOPs (causal: half the 4 B H L^2 K of the forward)."""

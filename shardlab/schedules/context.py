@@ -13,8 +13,8 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               GQA moves only its G K/V heads. The attention is the plain one (scores [B, H, L/C, L]).
   ring        ring attention: K/V blocks rotated by ppermute, an online softmax over them, a custom VJP that
               rotates K/V again with dK/dV (no other device's K/V kept). Each step attends its block with a flash
-              kernel (context.kernel: shardlab's Pallas kernel, flash_kernel.py, in a program lowered for a GPU;
-              elsewhere pure JAX in sub-blocks, scores of [B, H, n, n] at most) that skips the block pairs the
+              kernel (context.kernel: shardlab's Pallas kernels, flash_kernel.py, in a program lowered for a GPU
+              or a TPU; elsewhere pure JAX in sub-blocks, scores of [B, H, n, n] at most) that skips the block pairs the
               causal mask hides wholly, so a causal ring step costs what its visible keys cost: the
               busiest device of a contiguous ring does C - 1/2 blocks, every device of a zigzag one (C+1)/2 or
               less (ring_plan). Bytes per device per layer: (C-1) blocks of K and V forward, the same and C blocks
@@ -242,11 +242,14 @@ class Ring(AllGatherKV):
     if len(axes) > 1:
       raise ConfigError(f"layout rule length -> {' x '.join(axes)}: context=ring rotates over one mesh axis")
 
-  def kernel(self, local: int, head_dim: int) -> str:
-    """The per-step kernel of this run: `jax`, `pallas`, or `auto` (the Pallas kernel where the program is lowered
-    for a GPU and its tiles fit these shapes, pure JAX elsewhere)."""
+  def kernel(self, local: int, head_dim: int) -> tuple:
+    """The platforms on which this run's ring steps are the fused Pallas kernels (flash_kernel.on_platforms):
+    `auto`, a GPU (Triton) and a TPU (Mosaic) target where the kernel's tiles fit these shapes; `pallas`, those and
+    every other platform (this CPU: Triton's kernels by the interpreter); `jax`, none (the pure-JAX ring)."""
     kernel = getattr(self.cfg, "kernel", "auto")
-    return "jax" if kernel == "auto" and F.usable(local, local, head_dim) else kernel
+    if kernel == "jax":
+      return ()
+    return F.platforms(local, local, head_dim) + (("default",) if kernel == "pallas" else ())
 
   def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
     axis = self.context_axis()
@@ -257,8 +260,8 @@ class Ring(AllGatherKV):
     order = self.cfg.order(local * parts, parts)
     plan = ring_plan(parts, local, self.model.attention_block, order)
     kernel = self.kernel(local, q_BLHK.shape[-1])
-    if kernel != "jax":
-      plan = (*plan, kernel_pairs(parts, local, order))
+    if kernel:           # per step, the block pairs each kernel visits on the busiest device
+      plan = (*plan, tuple((name, kernel_pairs(parts, local, order, *F.KERNELS[name][2])) for name in F.KERNELS))
     return checkpoint_name(ring_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, plan, kernel), A.ATTN_OUT)
 
   def bytes_per_layer(self, a) -> dict:
@@ -413,38 +416,29 @@ def _block_positions(pos_all, axis, step: int, nb: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan, kernel="jax"):
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan, kernel=()):
   """Causal attention of the local queries against every device's keys along `axis`, K/V rotated by ppermute;
-  plan = ring_plan(...) (sub-block size, pairs per step; with the Pallas kernel, kernel_pairs(...) after them);
-  kernel: jax, pallas or auto (Ring.kernel)."""
+  plan = ring_plan(...) (sub-block size, pairs per step; with the Pallas kernels, each one's kernel_pairs(...) after
+  them); kernel: the platforms whose program runs the Pallas kernels (Ring.kernel; () none)."""
   return _ring_fwd(q_BLHK, k_BLGK, v_BLGK, pos_L, axis, plan, kernel)[0]
-
-
-def _by_platform(kernel: str, pure, fused, *args):
-  """pure(*args), the pure-JAX ring, or fused(*args, interpret=...), the ring of Pallas kernels, as `kernel` says:
-  jax, pure everywhere; auto, fused where the program is lowered for a GPU (Triton) and pure elsewhere; pallas,
-  fused everywhere (Pallas's interpreter off a GPU). jax.lax.platform_dependent lowers one branch only: the
-  program for each platform holds one ring."""
-  if kernel == "jax":
-    return pure(*args)
-  other = functools.partial(fused, interpret=True) if kernel == "pallas" else pure
-  return jax.lax.platform_dependent(*args, cuda=functools.partial(fused, interpret=False), default=other)
 
 
 def _ring_fwd(q, k, v, pos, axis, plan, kernel):
   pos_all = _positions(pos, axis)     # outside the platform choice: a remat that recomputes it reruns no ring
-  o, lse = _by_platform(kernel, lambda *a: _ring_forward(*a, axis, plan),
-                        lambda *a, interpret: _ring_forward_fused(*a, axis, plan, interpret), q, k, v, pos, pos_all)
+  o, lse = F.on_platforms(kernel, lambda *a: _ring_forward(*a, axis, plan),
+                          lambda *a, backend, interpret: _ring_forward_fused(*a, axis, plan, backend, interpret),
+                          q, k, v, pos, pos_all)
   # local blocks only, O(L / C) per device (and the L positions); the output and its log-sum-exp named as the
   # blockwise kernel names them, so a remat policy that keeps the attention output does not rerun the ring
   return o, (q, k, v, pos, pos_all, checkpoint_name(o, A.ATTN_OUT), checkpoint_name(lse, A.ATTN_OUT))
 
 
-def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, interpret: bool):
+def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, backend: str, interpret: bool):
   """The ring with one fused kernel per step (flash_kernel.block_attention: the step's output and log-sum-exp),
   merged into the running output by their log-sum-exps (the online softmax across steps); the shifts placed as in
   the pure ring (_ring_forward)."""
-  n, visible, pairs = plan
+  n, visible, pairs = plan[0], plan[1], dict(plan[2])[backend]
+  forward = F.KERNELS[backend][0]
   L = pos_L.shape[0]
   kv = jnp.stack([k_BLGK, v_BLGK])
   o = lse = None
@@ -454,7 +448,7 @@ def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, inte
     with jax.named_scope(f"ring_fwd_step{step}"):
       if step < len(visible) - 1:
         kv = C.ring_shift(kv, axis, +1, name="cp_ring")
-      o_s, lse_s = F.block_attention(q_BLHK, k, v, pos_L, pk, pairs=pairs[step], interpret=interpret)
+      o_s, lse_s = forward(q_BLHK, k, v, pos_L, pk, pairs=pairs[step], interpret=interpret)
       if o is None:               # the device's own block: every query sees at least itself
         o, lse = o_s, lse_s
       else:
@@ -468,15 +462,17 @@ def _ring_forward_fused(q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, axis, plan, inte
 def _ring_bwd(axis, plan, kernel, res, do_BLHK):
   """The ring's backward (_ring_bwd_pure, or _ring_bwd_fused with the Pallas kernel), and no cotangent for the
   positions."""
-  grads = _by_platform(kernel, lambda *a: _ring_bwd_pure(axis, plan, a[:-1], a[-1]),
-                       lambda *a, interpret: _ring_bwd_fused(axis, plan, a[:-1], a[-1], interpret), *res, do_BLHK)
+  grads = F.on_platforms(kernel, lambda *a: _ring_bwd_pure(axis, plan, a[:-1], a[-1]),
+                         lambda *a, backend, interpret: _ring_bwd_fused(axis, plan, a[:-1], a[-1], backend, interpret),
+                         *res, do_BLHK)
   return (*grads, np.zeros(res[3].shape, jax.dtypes.float0))
 
 
-def _ring_bwd_fused(axis, plan, res, do_BLHK, interpret: bool):
+def _ring_bwd_fused(axis, plan, res, do_BLHK, backend: str, interpret: bool):
   """The pure ring's backward (_ring_bwd_pure) with one pair of fused kernels per step
   (flash_kernel.block_attention_bwd: the step's dQ, dK, dV from the final log-sum-exp), the shifts placed alike."""
-  n, visible, pairs = plan
+  visible, pairs = plan[1], dict(plan[2])[backend]
+  backward = F.KERNELS[backend][1]
   q_BLHK, k_BLGK, v_BLGK, pos_L, pos_all, o_BLHK, lse_b = res
   L = pos_L.shape[0]
   lse = F.lse_rows(lse_b)
@@ -488,8 +484,8 @@ def _ring_bwd_fused(axis, plan, res, do_BLHK, interpret: bool):
     pk = _block_positions(pos_all, axis, step, 1).reshape(L)
     with jax.named_scope(f"ring_bwd_step{step}"):
       kv, arrived = _bwd_shifts(kv, dkv, step, len(visible), axis)
-      dq_s, dk_s, dv_s = F.block_attention_bwd(q_BLHK, k, v, pos_L, pk, lse, do_BLHK, delta, pairs=pairs[step],
-                                               interpret=interpret)
+      dq_s, dk_s, dv_s = backward(q_BLHK, k, v, pos_L, pk, lse, do_BLHK, delta, pairs=pairs[step],
+                                  interpret=interpret)
       dq = dq_s if dq is None else dq + dq_s
       kv, dq, dkv = _bwd_after(kv, dq, arrived, jnp.stack([dk_s, dv_s]), step, len(visible), axis, k_BLGK.dtype)
   return dq.astype(q_BLHK.dtype), dkv[0].astype(k_BLGK.dtype), dkv[1].astype(v_BLGK.dtype)
