@@ -333,3 +333,10 @@ def test_reconcile_names_each_compiler_rewrite_and_reports_the_rest():
   assert ledger.reconcile(rs, too_much).differences                                 # more than a shard: reported
   missing = ledger.reconcile(placed, compiled[:2])                                  # the tensor axis dropped
   assert missing.unexplained == {"tensor"} and all("placed that" in d for d in missing.differences)
+  # libtpu gathering the ring's positions once more than placed (beside a Mosaic kernel): named, counted
+  gathers = [_row("all-gather", "context", "s32", 8, 8192, count=4)]
+  again = ledger.reconcile(gathers, [_row("all-gather", "context", "s32", 8, 8192, count=5)])
+  assert again.differences == [] and [(r["rewrite"], r["elements"]) for r in again.rewrites] == [("duplicated", 2048)]
+  half = ledger.reconcile(gathers, [_row("all-gather", "context", "s32", 8, 8192, count=4),
+                                    _row("all-gather", "context", "s32", 8, 4096)])   # not a whole placed array
+  assert half.unexplained == {"context"}

@@ -174,6 +174,9 @@ def nested(rows: list[Row]) -> dict:
 # and, for what no pair explains on an axis whose compiled collectives are all explained:
 #   reduce-scatter padded ...     libtpu's padded all-reduce-scatter and the collective-permute that realigns its
 #                                 rows (reconcile: each bounded by one shard)
+#   duplicated                    a compiled collective of a kind and dtype placed on the axis, moving whole
+#                                 copies of one placed array: the compiler ran a placed collective again rather
+#                                 than keep its result (libtpu, the ring's positions beside a Mosaic kernel)
 #   all-reduce on fewer elements  XLA's AllReduceReassociate sums the operands of all-reduces whose results are
 #                                 added, then reduces once (the grad norm's partial sums, when a size-1 axis makes
 #                                 their groups equal); libtpu reduces a tensor-replicated gradient over `tensor`
@@ -254,6 +257,18 @@ def reconcile(program: list[Row], compiled: list[Row]) -> Reconciled:
         b["left"] = 0
         if ck == "collective-permute":
           b["extra_runs"] = b["count"]
+    sizes = {}                     # per (kind, dtype): the whole-array elements of each placed collective
+    for r in program:
+      if r.axis == axis:
+        sizes.setdefault((r.kind, r.dtype), set()).add(r.bytes_full // hlo.DTYPE_BYTES.get(r.dtype, 4))
+    for key, b in sorted(c.items()):
+      one = [e for e in sizes.get(key, ()) if e and b["left"] % e == 0]
+      if b["left"] and one and not any(a["left"] for a in p.values()):
+        rewrites.append({"rewrite": "duplicated", "axis": axis, "elements": b["left"],
+                         "program": {"kind": key[0], "dtype": key[1], "bytes": 0},
+                         "compiled": {"kind": key[0], "dtype": key[1], "bytes": b["bytes"] * b["left"] // b["elements"]}})
+        b["extra_runs"] = b.get("extra_runs", 0) + b["left"] // max(one)
+        b["left"] = 0
     if not any(b["left"] for b in c.values()):
       # (the greedy pairing may have given a reassociated all-reduce's compiled elements to a placed reduce-scatter
       # or all-gather of its dtype, "as all-reduce": the leftover then shows there, at most the placed all-reduces'
