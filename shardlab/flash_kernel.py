@@ -491,7 +491,7 @@ def on_platforms(fused_on: tuple, pure, fused, *args):
   branch: the program for each platform holds one of them."""
   if not fused_on:
     return pure(*args)
-  branches = {p: functools.partial(fused, backend=BACKEND[p], interpret=False) for p in ("cuda", "tpu")
-              if p in fused_on}
+  branches = {p: functools.partial(fused, backend=BACKEND[p], interpret=False) if p in fused_on else pure
+              for p in ("cuda", "tpu")}      # a GPU or TPU whose kernel does not take the shapes: pure JAX
   other = functools.partial(fused, backend="triton", interpret=True) if "default" in fused_on else pure
   return jax.lax.platform_dependent(*args, **branches, default=other)
