@@ -1,5 +1,5 @@
 """A fused flash-attention kernel for one block of queries against one block of keys, written with Pallas: the ring's
-per-step kernel on GPU targets (schedules/context.py).
+per-step kernel and blockwise attention on GPU and TPU targets (schedules/context.py, attention.py).
 
   block_attention(q, k, v, pq, pk)          -> o, lse        forward: the step's output (normalised, float32) and
                                                                its log-sum-exp, for the ring's online merge
@@ -18,8 +18,8 @@ key blocks. dK and dV come out per query head and are summed over each group out
 
 On a GPU target they lower to Triton (`__gpu$xla.gpu.triton` custom calls); for a TPU target the same three are
 written for Mosaic (below: a grid over key blocks, the softmax in scratch; `on_platforms` picks per platform);
-`interpret=True` runs the kernels through Pallas's interpreter (the CPU tests; tests/test_flash_kernel.py holds them to the pure-JAX
-kernels of attention.py). The FLOPs each call does are stated in its name (`shardlab_flash_<kind>_<FLOPs>f`, the
+`interpret=True` runs the kernels through Pallas's interpreter (the CPU tests: tests/test_flash_kernel.py holds
+them to plain attention and to the pure-JAX kernels). The FLOPs each call does are stated in its name (`shardlab_flash_<kind>_<FLOPs>f`, the
 matmuls of the block pairs it visits, `pair_counts`): Triton's custom call carries no cost estimate, and the
 calibrated replay prices the call from that figure at the preset's attention efficiency (analysis/hlo.py,
 `stated_flops`).
