@@ -152,6 +152,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _validate_attention(cfg)
   validate_experts(cfg)
   c = resolve(cfg)
+  _validate_kernel(cfg, c)
   c.layout.check(tuple(mesh.shape))      # the rules themselves, before anything is declared with them
   sched = c.build_schedule()             # its knobs
   c.check(sched)
@@ -235,17 +236,25 @@ def _validate_attention(cfg: Config) -> None:
   if cfg.context.placement not in PLACEMENTS:
     raise ConfigError(f"context.load_balance={cfg.context.load_balance}: choose false, true (zigzag), zigzag or "
                       f"striped")
-  from shardlab.schedules.context import KERNELS
-  if cfg.context.kernel not in KERNELS:
-    raise ConfigError(f"context.kernel={cfg.context.kernel}: choose one of {', '.join(KERNELS)}")
-  if (cfg.context.kernel == "pallas" and cfg.compile_for == "target" and cfg.hardware.target_platform == "cuda"
-          and cfg.mesh.sizes.get(X.CONTEXT, 1) > 1):
+  from shardlab.schedules.context import KERNEL_SETTINGS
+  if cfg.context.kernel not in KERNEL_SETTINGS:
+    raise ConfigError(f"context.kernel={cfg.context.kernel}: choose one of {', '.join(KERNEL_SETTINGS)}")
+
+
+def _validate_kernel(cfg: Config, c) -> None:
+  """context.kernel=pallas for a GPU target where the context strategy runs per-step kernels (it says on which
+  platforms: `kernel(local, head_dim)`, the ring's) and the Triton kernel does not take this run's shapes."""
+  C = cfg.mesh.sizes.get(X.CONTEXT, 1)
+  if cfg.context.kernel != "pallas" or C == 1 or cfg.compile_for != "target" or cfg.hardware.target_platform != "cuda":
+    return
+  strategy = c.cp
+  if callable(getattr(strategy, "kernel", None)) and "cuda" not in strategy.kernel(cfg.model.seq_len // C,
+                                                                                   cfg.model.head_dim):
     from shardlab.flash_kernel import usable
-    local = m.seq_len // cfg.mesh.sizes[X.CONTEXT]
-    why = usable(local, local, m.head_dim)
-    if why:
-      raise ConfigError(f"context.kernel=pallas: the Pallas kernel's Triton tiles do not fit this run ({why}); use "
-                        f"context.kernel=auto (the kernel where it fits, pure JAX elsewhere) or jax")
+    local = cfg.model.seq_len // C
+    raise ConfigError(f"context.kernel=pallas: the Pallas kernel's Triton tiles do not fit this run "
+                      f"({usable(local, local, cfg.model.head_dim)}); use context.kernel=auto (the kernel where it "
+                      f"fits, pure JAX elsewhere) or jax")
 
 
 def validate_launch(cfg: Config) -> None:

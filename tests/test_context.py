@@ -173,12 +173,13 @@ def test_ring_skips_the_sub_blocks_the_causal_mask_hides():
   import re
   from shardlab.analysis import hlo
   from shardlab.analysis.program import Program
+  from shardlab.data import zigzag
   from shardlab.schedules.context import ring_plan
   for C in (2, 4, 8):
     for nb in (1, 2, 4):
-      n, visible = ring_plan(C, 4 * nb, 4, False)
+      n, visible = ring_plan(C, 4 * nb, 4, None)
       assert n == 4 and sum(visible) / nb ** 2 == pytest.approx(C - 1 + (nb + 1) / (2 * nb))
-      n, visible = ring_plan(C, 4 * nb, 2, True)          # chunks of 2 nb tokens, m = nb sub-blocks of 2 each
+      n, visible = ring_plan(C, 4 * nb, 2, zigzag(4 * nb * C, C))   # chunks of 2 nb tokens: nb sub-blocks of 2
       assert n == 2 and visible[1:] == (2 * nb * nb,) * (C - 1)
       assert sum(visible) / (2 * nb) ** 2 == pytest.approx(C / 2 + 1 / (4 * nb))
   shape = {"fsdp": 1, "context": 8, "tensor": 1}
@@ -272,11 +273,17 @@ def test_weights_sharded_over_fsdp_and_context_train_like_the_reference(strategy
     ({"pipeline": 2, "fsdp": 2, "context": 2}, None, {"pipeline": {"impl": "1f1b", "microbatches": 2}}),
     ({"expert": 2, "fsdp": 2, "context": 2},
      {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "router_z_loss": 1e-3, "n_layers": 2},
-     {"expert": {"impl": "all_to_all"}})], ids=["pipeline", "experts"])
+     {"expert": {"impl": "all_to_all"}}),
+    ({"pipeline": 2, "fsdp": 2, "context": 2}, None,
+     {"pipeline": {"impl": "1f1b", "microbatches": 2}, "load_balance": "striped"}),
+    ({"expert": 2, "fsdp": 2, "context": 2},
+     {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "router_z_loss": 1e-3, "n_layers": 2},
+     {"expert": {"impl": "all_to_all"}, "load_balance": "striped"})],
+    ids=["pipeline", "experts", "pipeline-striped", "experts-striped"])
 def test_weights_over_fsdp_and_context_with_a_pipeline_or_experts(mesh, model, extra):
   """The weights over fsdp x context beside the parts that can run with a context split: 1f1b stages
-  (p2 x f2 x c2) and an expert dispatcher (e2 x f2 x c2), with Ulysses: loss and every gradient against the plain
-  reference."""
+  (p2 x f2 x c2) and an expert dispatcher (e2 x f2 x c2), with Ulysses, the tokens in index order and striped:
+  loss and every gradient against the plain reference."""
   from shardlab.layout import DEFAULT_RULES
   rules = {**{k: list(v) for k, v in DEFAULT_RULES.items()}, "embed": ["fsdp", "context"]}
   _, (loss, grads) = testing.compile_schedule(None, mesh, model, layout=rules, context="ulysses", **extra)

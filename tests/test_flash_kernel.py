@@ -87,13 +87,14 @@ def test_the_stated_pairs_are_the_causal_work_of_the_busiest_device():
   from shardlab.data import zigzag
   from shardlab.schedules.context import kernel_pairs
   C, local = 4, 8
-  for balanced in (False, True):
-    order = np.asarray(zigzag(C * local, C) if balanced else np.arange(C * local)).reshape(C, local)
+  zig = zigzag(C * local, C)
+  for placed in (None, zig):
+    order = np.asarray(np.arange(C * local) if placed is None else placed).reshape(C, local)
     exact = [max(int((order[r][:, None] >= order[(r - s) % C][None, :]).sum()) for r in range(C)) for s in range(C)]
-    assert list(kernel_pairs(C, local, balanced, 1, 1)) == exact
-  assert kernel_pairs(C, local, False, 8, 8) == (1, 1, 1, 1)                 # every step a whole block
-  assert kernel_pairs(C, local, True, 4, 4) == (3, 2, 2, 2)                  # zigzag: diagonal, then halves
-  assert sum(kernel_pairs(C, local, True, 1, 1)) < sum(kernel_pairs(C, local, False, 1, 1))
+    assert list(kernel_pairs(C, local, placed, 1, 1)) == exact
+  assert kernel_pairs(C, local, None, 8, 8) == (1, 1, 1, 1)                  # every step a whole block
+  assert kernel_pairs(C, local, zig, 4, 4) == (3, 2, 2, 2)                   # zigzag: diagonal, then halves
+  assert sum(kernel_pairs(C, local, zig, 1, 1)) < sum(kernel_pairs(C, local, None, 1, 1))
 
 
 def test_blockwise_by_the_kernel_is_blockwise():

@@ -459,7 +459,7 @@ def test_the_ring_runs_its_pallas_kernels_on_the_gpu_target():
   assert not any(re.search(r"ring_(fwd|bwd)_step", i.op_name) and i.opcode == "while"
                  for c in comps.values() for i in c)                    # the pure ring's scans are gone
   b, h, local, k = 16 // 2, 4, 256 // 4, 64        # per device: batch over fsdp, every head, L / C tokens
-  pairs = kernel_pairs(4, local, False)
+  pairs = kernel_pairs(4, local, None)
   per_pair = {"fwd": 4, "bwd_dkv": 8, "bwd_dq": 6}  # FLOPs per (query, key, head dim) element of a visited pair
   bq, bk = min(F.BLOCK_Q, local), min(F.BLOCK_K, local)
   for kind, n in per_pair.items():

@@ -7,7 +7,7 @@
 # The results are packed into $OUT/results.tgz after each stage (the device tool returns at most 8 files).
 set -u
 source experiments/device_env.sh   # Hydra's wheels, the GPU's and jax's description into $OUT
-RES=/tmp/res; mkdir -p "$RES/study"
+RES=/tmp/res; rm -rf "$RES"; mkdir -p "$RES/study"   # a warm machine keeps /tmp: start from nothing
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . ; }
 if [ "${PROBE:-0}" != 0 ]; then
   timeout 90 python3 experiments/calibrate/gemm_probe.py "$RES/study" > "$RES/probe.log" 2>&1

@@ -304,7 +304,7 @@ def ring_plan(parts: int, local: int, block: int, order=None) -> tuple:
   of it for zigzag's placement, that is at most `block`: a zigzag device's two chunks never share a sub-block) and,
   per ring step, how many of its (L/C/n)^2 sub-block pairs have a key at or before a query on the busiest device,
   from the positions the data gives each device (`order`, ContextConfig.order: None for contiguous chunks, or
-  zigzag's or striped's; True is zigzag's, as the setting reads).
+  zigzag's or striped's).
   Step s runs a loop of exactly visible[s] pairs on every device: the visible ones first, then (on a device with
   fewer) wholly masked ones that add nothing. A static trip count, no branch: the program holds the count, and
   a step takes its busiest device's work, the pace a ring runs at. The count assumes the data's order: positions
@@ -321,16 +321,12 @@ def ring_plan(parts: int, local: int, block: int, order=None) -> tuple:
   return n, tuple(visible)
 
 
-KERNELS = ("auto", "jax", "pallas")
+KERNEL_SETTINGS = ("auto", "jax", "pallas")       # context.kernel
 
 
 def _order(parts: int, local: int, order) -> np.ndarray:
-  """The positions each device holds, in a row per device: `order` (None: contiguous; True: zigzag)."""
-  if order is None or order is False:
-    order = np.arange(local * parts)
-  elif order is True:
-    order = zigzag(local * parts, parts)
-  return np.asarray(order).reshape(parts, local)
+  """The positions each device holds, in a row per device: `order` (None: contiguous chunks)."""
+  return np.asarray(np.arange(local * parts) if order is None else order).reshape(parts, local)
 
 
 def _is_zigzag(order: np.ndarray, parts: int) -> bool:
