@@ -13,6 +13,7 @@ Backward passes come from AD and are the transposes: all_gather <-> psum_scatter
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
@@ -30,8 +31,39 @@ def scope(name: str):
   return jax.named_scope(SCOPE_PREFIX + name)
 
 
-def axis_size(axis: str) -> int:
-  return jax.lax.axis_size(axis)
+@dataclass(frozen=True)
+class Group:
+  """Part of one mesh axis: `size` of its ranks, `stride` apart. Stride 1: runs of `size` consecutive ranks (an
+  inner group, e.g. inside one node); stride k: every k-th rank (an outer group, across the inner ones). USP splits
+  `context` so (schedules/context.py): Ulysses' all-to-all in Group(axis, U), the ring in Group(axis, C/U, U).
+  Every wrapper here takes one where it takes an axis; its collectives carry the groups as replica groups."""
+  axis: str
+  size: int
+  stride: int = 1
+
+  def groups(self) -> list[list[int]]:
+    """The axis's ranks in groups (each a list of ranks of `axis`), every rank in one."""
+    span, n = self.size * self.stride, jax.lax.axis_size(self.axis)
+    if n % span:
+      raise ValueError(f"{self}: the axis has {n} ranks, not a multiple of {span}")
+    return [[hi + lo + k * self.stride for k in range(self.size)] for hi in range(0, n, span)
+            for lo in range(self.stride)]
+
+
+def _named(axis):
+  """(the mesh axis, axis_index_groups or None) of an axis name (tuple) or a Group."""
+  return (axis.axis, axis.groups()) if isinstance(axis, Group) else (axis, None)
+
+
+def axis_size(axis) -> int:
+  return axis.size if isinstance(axis, Group) else jax.lax.axis_size(axis)
+
+
+def axis_index(axis):
+  """This device's rank along `axis` (within its group, for a Group)."""
+  if isinstance(axis, Group):
+    return (jax.lax.axis_index(axis.axis) // axis.stride) % axis.size
+  return jax.lax.axis_index(axis)
 
 
 def varying_axes(x) -> frozenset:
@@ -46,8 +78,9 @@ def zeros_like(x):
 
 def all_gather(x, axis: str, dim: int, name: str = "all_gather"):
   """x[.., N_axis, ..] -> x[.., N, ..]: tiled all-gather of `dim`. Backward: psum_scatter of `dim`."""
+  axis, groups = _named(axis)
   with scope(name):
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True, axis_index_groups=groups)
 
 
 def psum_scatter(x, axis: str, dim: int, name: str = "psum_scatter"):
@@ -67,8 +100,9 @@ def all_to_all(x, axis, split_dim: int, concat_dim: int, name: str = "all_to_all
   """x[.., S, .., N, ..] -> x[.., S / n, .., N n, ..]: `split_dim` cut into n blocks, block j sent to device j
   along `axis`, the blocks received concatenated along `concat_dim` (tiled). Backward: the all_to_all the other
   way round (split and concat dims swapped)."""
+  axis, groups = _named(axis)
   with scope(name):
-    return jax.lax.all_to_all(x, axis, split_dim, concat_dim, tiled=True)
+    return jax.lax.all_to_all(x, axis, split_dim, concat_dim, tiled=True, axis_index_groups=groups)
 
 
 def ragged_all_to_all(x, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis: str,
@@ -101,6 +135,10 @@ def pvary(x, axes, name: str = "pvary"):
 def ring_shift(x, axis: str, shift: int = 1, name: str = "ring_shift"):
   """Send x to the device `shift` steps further along `axis` (cyclic); receive from `shift` steps back.
   Backward: the opposite shift."""
+  if isinstance(axis, Group):   # each group a ring of its own
+    pairs = [(g[i], g[(i + shift) % len(g)]) for g in axis.groups() for i in range(len(g))]
+    with scope(name):
+      return jax.lax.ppermute(x, axis.axis, perm=pairs)
   n = axis_size(axis)
   with scope(name):
     return jax.lax.ppermute(x, axis, perm=[(i, (i + shift) % n) for i in range(n)])

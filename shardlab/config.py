@@ -165,11 +165,15 @@ class ScheduleConfig:
 class ContextConfig:
   """Context parallelism (`mesh.context=C`): how attention works across the sequence's split (schedules/context.py)."""
   name: str = "all_gather"
-  impl: str = "all_gather"        # all_gather | ring | ulysses | package.module:Class
+  impl: str = "all_gather"        # all_gather | ring | ulysses | usp | a2a_p2p | package.module:Class
   load_balance: Any = False       # causal load balancing: false (contiguous chunks) | true or zigzag (device r holds
                                   # chunks r and 2C-1-r, data.zigzag) | striped (tokens r, r+C, r+2C, ..., data.striped)
   kernel: str = "auto"            # ring's per-step kernel: auto (the Pallas kernel in a program lowered for a GPU
                                   # or a TPU, pure JAX elsewhere) | jax | pallas (also here: Pallas's interpreter)
+  ulysses: int = 0                # usp, a2a_p2p: the Ulysses degree U (all-to-all among U consecutive context
+                                  # ranks, the ring over C/U); 0: usp, the most the heads allow below C; a2a_p2p,
+                                  # the context ranks of one node
+  node_devices: int = 0           # a2a_p2p: devices per node (its preset reads hardware.domain_devices); 0: one node
 
   def order(self, seq_len: int, parts: int):
     """The order the data holds a sequence's tokens in over `parts` context devices (None: as they come)."""

@@ -306,7 +306,14 @@ def context_reason(cands: list[dict], c, devices: int) -> str:
            "searches more)" if room == 1 else "every other strategy and degree is excluded (below)")
     return f"{_said(best)}; the only candidate: {why}"
   floor_s = max(c.hardware.kernel_launch_s, 1e-6)
-  return (f"{_said(best)}, {_versus(best, other, floor_s)}; memory {human_bytes(best['memory_bytes'])} vs "
+  # a candidate predicted the same (a2a_p2p with every rank in one node is Ulysses) is named, and the comparison
+  # made with the first that differs
+  ties = [p["label"] for p in cands[1:] if human_seconds(p["t_step_s"]) == human_seconds(best["t_step_s"])]
+  other = next((p for p in cands[1:] if p["label"] not in ties), None)
+  tied = f" (the same predicted step: {', '.join(ties)})" if ties else ""
+  if other is None:
+    return _said(best) + tied
+  return (f"{_said(best)}{tied}, {_versus(best, other, floor_s)}; memory {human_bytes(best['memory_bytes'])} vs "
           f"{human_bytes(other['memory_bytes'])} per device")
 
 

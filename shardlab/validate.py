@@ -54,6 +54,8 @@ RANGES = [
     ("train.global_batch_tokens", 0, None, "prediction's batch in tokens (0: batch_size * seq_len)"),
     ("train.mfu", [0], 1, "prediction's model FLOP utilization"),
     ("data.branching", 1, None, "successors per token"),
+    ("context.ulysses", 0, None, "usp, a2a_p2p: the Ulysses degree (0: chosen)"),
+    ("context.node_devices", 0, None, "a2a_p2p: devices per node (0: one node)"),
     ("hardware.peak_flops", [0], None, "FLOP/s per device"),
     ("hardware.ici_bandwidth", [0], None, "bytes/s per device on one mesh axis"),
     ("hardware.dcn_bandwidth", 0, None, "bytes/s per device beyond the fast domain (0: not modeled)"),

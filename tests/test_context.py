@@ -311,3 +311,70 @@ def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():
                       degrees=(8,))
   assert flipped["excluded"]["ulysses zigzag C=8"].startswith("ulysses splits the heads: 12 query and 4 K/V heads")
   assert flipped["best"]["strategy"] != "ulysses"
+
+USP_CASES = [({"context": 8}, 4, False), ({"context": 8}, 2, True), ({"fsdp": 2, "context": 4}, 2, "striped"),
+             ({"context": 4, "tensor": 2}, 2, True)]
+
+
+@pytest.mark.parametrize("shape, ulysses, placement", USP_CASES,
+                         ids=[f"{testing.mesh_id({'fsdp': 1, 'tensor': 1, **m})}-u{u}-{p}" for m, u, p in USP_CASES])
+def test_usp_is_the_same_training(shape, ulysses, placement):
+  """context=usp: Ulysses' all-to-alls among U consecutive context ranks and the ring across the C/U groups, on
+  every split of a context axis of 8 devices (U = 4 and 2 of 8; 2 of 4 beside fsdp and beside tensor), the
+  tokens in index order, zigzag and striped: loss and every gradient as the plain reference's."""
+  shape = {"fsdp": 1, "tensor": 1, **shape}
+  _, (loss, grads) = testing.compile_schedule(None, shape, context="usp", ulysses=ulysses, load_balance=placement)
+  ref_loss, ref_grads = reference_loss_and_grads()
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"usp u{ulysses} {placement}: ")
+
+
+@pytest.mark.parametrize("strategy", ["usp", "a2a_p2p"])
+def test_usp_and_a2a_p2p_bytes_are_the_hand_count_and_train_like_the_reference(strategy):
+  """usp with GQA (2 K/V heads) at context 8 chooses U = 2 (the most the heads allow), a ring of 4: per layer
+  Ulysses' all-to-alls within pairs of ranks and the ring's shifts within rings of 4 (the ledger's group sizes),
+  their bytes the cost model's hand count (context_cost via the strategy's bytes_per_layer). a2a_p2p with no node
+  size puts every rank in one node: all-to-alls over 8 and a ring of one (no shift at all)."""
+  from shardlab.analysis import context_cost as CC, hlo
+  model = {"n_kv_heads": 2} if strategy == "usp" else {}
+  shape = {"fsdp": 1, "context": 8, "tensor": 1}
+  compiled, (loss, grads) = testing.compile_schedule(None, shape, model, context=strategy)
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"{strategy}: ")
+  cfg = testing.tiny_config(model)
+  a = CC.attn_of(cfg.model, cfg.train.batch_size, 8, 1, e=4)
+  want = cfg.model.n_layers * sum(CC.bytes_per_layer(strategy, a).values())
+  colls = [c for c in hlo.collectives(compiled.as_text(), testing.mesh_of(shape))
+           if c.axis == "context" and c.dtype == "f32" and c.kind != "all-reduce"]
+  assert sum(c.total_bytes for c in colls) == want, {(c.kind, c.scope): c.total_bytes for c in colls}
+  sizes = {(c.kind, c.group_size) for c in colls}
+  if strategy == "usp":
+    assert sizes == {("all-to-all", 2), ("collective-permute", 4)}, sizes
+  else:
+    assert sizes == {("all-to-all", 8)}, sizes
+
+
+def test_usp_degrees_and_refusals():
+  """The Ulysses degree: usp's default the largest proper divisor of C both head counts allow; a2a_p2p's the
+  context ranks in one node (node_devices over the tensor axis), so on H100 nodes (8 GPUs) with tensor 2 and
+  context 8 the all-to-alls run among 4 and the ring across 2 nodes. A degree that does not divide the heads or
+  C is one line, before anything is compiled."""
+  from shardlab.config import ContextConfig
+  from shardlab.errors import ConfigError
+  from shardlab.layout import Layout
+  from shardlab.schedules import context as CP
+  m = testing.tiny_config().model
+  usp = CP.make(ContextConfig(impl="usp"), m, Layout())
+  assert usp.ulysses_degree(8, 8, 8, 1) == 4 and usp.ulysses_degree(8, 8, 2, 1) == 2
+  assert usp.ulysses_degree(2, 8, 8, 1) == 1 and usp.ulysses_degree(6, 9, 3, 1) == 3
+  a2a = CP.make(ContextConfig(impl="a2a_p2p", node_devices=8), m, Layout())
+  assert a2a.ulysses_degree(8, 8, 8, 2) == 4 and a2a.ulysses_degree(8, 8, 8, 1) == 8
+  assert a2a.ulysses_degree(2, 8, 8, 8) == 1
+  cfg = _config("context=a2a_p2p", "hardware=h100")
+  assert cfg.context.node_devices == 8
+  with pytest.raises(ConfigError, match=r"^context=usp splits the heads 4 ways \(context.ulysses=4\): 8 query "
+                                        r"and 2 K/V heads per device"):
+    testing.compile_schedule(None, {"fsdp": 1, "context": 8, "tensor": 1}, {"n_kv_heads": 2}, context="usp",
+                             ulysses=4)
+  with pytest.raises(ConfigError, match=r"^context.ulysses=3: context=usp needs a Ulysses degree that divides"):
+    CP.make(ContextConfig(impl="usp", ulysses=3), m, Layout()).check({"fsdp": 1, "context": 8, "tensor": 1})

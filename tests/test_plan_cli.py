@@ -179,7 +179,14 @@ def test_context_search_at_a_tiny_sequence_says_why_no_split_pays(capsys):
                            "mesh.tensor=1", "precision=bf16", "model.attention=dot_product", "hardware=h100",
                            "context_search=true"])
   assert long["context"]["why_no_split"] is None
-  assert re.match(r"ulysses C=8: predicted step 539 ms .*, 2% faster than ring zigzag C=8", long["context"]["reason"])
+  # one node: a2a_p2p is Ulysses (all 8 ranks in the node), named as a tie; usp at each degree the heads allow
+  assert re.match(r"ulysses C=8: predicted step 539 ms .* \(the same predicted step: a2a_p2p U=8 C=8\), 1% faster "
+                  r"than usp U=4 zigzag C=8", long["context"]["reason"]), long["context"]["reason"]
+  labels = [c["label"] for c in long["context"]["candidates"]]
+  assert {"usp U=2 zigzag C=8", "usp U=4 zigzag C=8", "ring zigzag C=8"} <= set(labels)
+  usp = next(c for c in long["context"]["candidates"] if c["label"] == "usp U=2 zigzag C=8")
+  assert {"context.impl=usp", "context.ulysses=2", "context.load_balance=true"} <= set(usp["overrides"])
+  assert long["context"]["excluded"]["usp C=2"].startswith("no Ulysses degree between 1 and C")
   best = long["context"]["candidates"][0]      # one sequence over 8 devices: the weights over fsdp x context
   assert best["weights_over_context"] and "layout.rules.embed=[fsdp,context]" in best["overrides"]
 

@@ -277,6 +277,34 @@ def test_the_context_search_answer_runs_as_printed_and_its_memory_is_the_compile
   assert abs(best["memory_bytes"] / compiled - 1) < 0.10, (best["memory_bytes"], compiled)
 
 
+def test_usp_compiles_for_h100_with_its_groups_and_every_byte_placed(tmp_path):
+  """context=usp with U = 2 of context 4 (zigzag) compiled for 8 H100s (fsdp 2 x context 4): Ulysses' all-to-alls
+  run within pairs of context ranks, the ring's shifts within rings of 2, their bytes the hand count (U = 2's
+  all-to-alls and R = 2's ring; tests/test_context.py checks the group sizes), and the ledger explains every
+  compiled byte, nothing unplanned; each ring shift runs behind its step but the last lone dK/dV."""
+  from conftest import compose
+  from shardlab.config import to_config
+  from shardlab.trainer import train
+  cfg = to_config(compose("hardware=h100", "compile_for=target", "dry_run=true", "progress=false", "figures=false",
+                          "mesh.fsdp=2", "mesh.context=4", "mesh.tensor=1", "model.seq_len=256", "model.d_model=256",
+                          "model.n_heads=4", "precision=bf16", "context=usp", "context.ulysses=2",
+                          "context.load_balance=true"))
+  summary = train(cfg, tmp_path / "run")
+  assert summary["status"] == "ok" and summary["target"]["platform"] == "gpu"
+  assert not summary["audit"]["unplanned"] and not summary["ledger"]["differences"], (summary["audit"],
+                                                                                     summary["ledger"]["differences"])
+  comm = summary["comm"]
+  assert comm["all-to-all"]["context"]["count"] == 2 * 4 * cfg.model.n_layers, comm["all-to-all"]
+  # the bytes of a2a within pairs and shifts within rings of 2: the hand count (bf16; dK/dV summed in float32)
+  from shardlab.analysis import context_cost as CC
+  a = CC.attn_of(cfg.model, cfg.train.batch_size // 2, 4, 1, e=2)
+  want = cfg.model.n_layers * sum(CC.bytes_per_layer("usp", a).values())
+  got = comm["all-to-all"]["context"]["bytes"] + comm["collective-permute"]["context"]["bytes"]
+  assert got == want, (got, want)
+  rows = summary["overlap"]["ring_steps"]
+  assert [r["hidden"] for r in rows if r["shift"] != "dK/dV"] and all(r["hidden"] for r in rows if r["shift"] != "dK/dV")
+
+
 @pytest.mark.parametrize("preset,mesh", [("h100_multinode", "mesh.pipeline=2 mesh.fsdp=1 mesh.tensor=8"),
                                          ("tpu_v5p", "mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2")])
 def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tmp_path):

@@ -45,12 +45,13 @@ from shardlab.analysis.links import collective_seconds
 class Replayed:
   t_total_s: float
   t_compute_s: float           # the compute stream busy (kernels)
-  t_gemm_s: float
+  t_gemm_s: float              # matmuls and fused attention kernels
   t_other_kernels_s: float
   t_comm_s: dict               # per mesh axis: collective time on the collective stream
   t_exposed_comm_s: float      # the compute stream waiting for a collective
   kernels: int
   events: list                 # timeline events (the format of timeline.events)
+  t_attention_s: float = 0.0   # of t_gemm_s, the fused attention kernels (cuDNN's, shardlab's Pallas ones)
 
 
 def gemm_seconds(flops: float, out_dims: list, nbytes: float, hw, dtype: str = "") -> float:
@@ -167,7 +168,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
   ici_axes, scale = ici_axes or {}, scale or {}
   comps, f = prog.comps, flops_fn(prog.comps)
   colls = {(c.computation, c.name): c for c in prog.collectives}
-  st = {"t": 0.0, "link": 0.0, "gemm": 0.0, "other": 0.0, "exposed": 0.0, "kernels": 0}
+  st = {"t": 0.0, "link": 0.0, "gemm": 0.0, "other": 0.0, "attention": 0.0, "exposed": 0.0, "kernels": 0}
   comm: dict = {}
   events: list = []
   finish: dict = {}
@@ -243,6 +244,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
         nbytes = kernel_bytes(ins, shapes, comps)
         if hlo.is_attention_call(ins):             # a fused flash-attention kernel: its own achieved rate
           d = max(fl / (hw.peak_flops * hw.attention_efficiency), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+          st["attention"] += d + hw.kernel_launch_s
         else:
           d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw, operand_dtype(ins, shapes, comps)) if fl > 0 else
                nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
@@ -257,7 +259,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
   run(entry or prog.entry, ())
   total = max(st["t"], st["link"])
   return Replayed(total, st["gemm"] + st["other"], st["gemm"], st["other"], comm, st["exposed"], st["kernels"],
-                  events)
+                  events, st["attention"])
 
 
 def _has_slot(comp: str, comps: dict, memo: dict) -> bool:

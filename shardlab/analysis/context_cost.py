@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from shardlab.analysis import closed_forms as PL
 from shardlab.analysis.closed_forms import divisors
 from shardlab.analysis.memory_model import dtype_bytes
-from shardlab.analysis.links import mesh_links, transfer_seconds
+from shardlab.analysis.links import mesh_links, switch_bandwidths, transfer_seconds
 from shardlab.axes import CONTEXT, FSDP
 from shardlab.config import ContextConfig, ModelConfig, placement_of
 from shardlab.composition import Composition
@@ -54,7 +54,8 @@ BWD_OVER_FWD = 2.5     # flash attention's backward FLOPs over its forward (Flas
 @dataclass(frozen=True)
 class Attn:
   """One layer's attention on one device: b sequences, the whole sequence L split C ways, H and G heads after
-  tensor parallelism, head dim K, e bytes per element."""
+  tensor parallelism, head dim K, e bytes per element; `inside`: the devices inside each context rank (the
+  tensor axis: what places a part of the context axis inside a node or across nodes)."""
   b: int
   L: int
   C: int
@@ -62,6 +63,7 @@ class Attn:
   G: int
   K: int
   e: int = 2
+  inside: int = 1
 
   @property
   def block(self) -> int:
@@ -77,7 +79,7 @@ def attn_of(model, batch_per_device: int, C: int, tensor: int = 1, e: int = 2) -
   """The Attn of a ModelConfig on a mesh with `tensor` and `C` (K/V heads replicated over tensor when it does not
   divide them, as params.declare does)."""
   g = model.kv_heads // tensor if model.kv_heads % tensor == 0 else model.kv_heads
-  return Attn(batch_per_device, model.seq_len, C, model.n_heads // tensor, g, model.head_dim, e)
+  return Attn(batch_per_device, model.seq_len, C, model.n_heads // tensor, g, model.head_dim, e, tensor)
 
 
 def strategy_of(strategy, model: ModelConfig | None = None, layout: Layout | None = None, load_balance: bool = False):
@@ -199,8 +201,18 @@ class Rates:
     w = self.work()
     return max(sum(row[r] for row in w) for r in range(self.a.C))
 
-  def transfer(self, nbytes: float, hops: int = 1) -> float:
-    return transfer_seconds(nbytes, self.bandwidth, self.hw, hops)
+  def transfer(self, nbytes: float, hops: int = 1, bandwidth: float | None = None) -> float:
+    return transfer_seconds(nbytes, bandwidth or self.bandwidth, self.hw, hops)
+
+  def split_bandwidth(self, inner: int) -> tuple[float, float]:
+    """(bytes/s inside groups of `inner` consecutive context ranks, bytes/s of the ring across them): on GPU nodes
+    the groups' links are NVLink while `inner` x the devices inside each rank fit in a node, the ring's the nodes'
+    NICs once it spans nodes (links.switch_bandwidths); on a torus (or a preset without nodes) both the context
+    axis's own."""
+    if self.hw.torus or not self.hw.domain_devices or not self.hw.dcn_bandwidth:
+      return self.bandwidth, self.bandwidth
+    _, bw_in, bw_out = switch_bandwidths(self.hw, [self.a.inside, inner, self.a.C // inner])
+    return bw_in, bw_out
 
   def merge_s(self) -> tuple[float, float]:
     """One ring step's merge, (forward, backward) seconds: its HBM bytes (merge_bytes) and a kernel launch."""
@@ -232,17 +244,20 @@ def layer_time(strategy, a: Attn, hw, bandwidth: float, balanced: bool, skips_ma
 # ------------------------------------------------------------------------------------------ a step, a choice
 
 def with_context(c: Composition, C: int, strategy: str, balanced: bool | None = None, fsdp: int | None = None,
-                 shard_weights: bool = True) -> Composition:
-  """c with mesh.context=C (and mesh.fsdp=fsdp), context.impl=strategy, load balancing as given (None: kept);
-  `shard_weights`: every weight's embed dim over (fsdp, context) as well (torchtitan's dp_shard_cp), so that the
-  training state is split over every device."""
+                 shard_weights: bool = True, ulysses: int | None = None) -> Composition:
+  """c with mesh.context=C (and mesh.fsdp=fsdp), context.impl=strategy, load balancing as given (None: kept), the
+  Ulysses degree of a strategy that has one (context.ulysses; None: kept) and the hardware's node size where the
+  config gives none (context.node_devices: a2a_p2p's groups); `shard_weights`: every weight's embed dim over
+  (fsdp, context) as well (torchtitan's dp_shard_cp), so that the training state is split over every device."""
   layout = c.layout
   if shard_weights and C > 1:
     embed = tuple(dict.fromkeys([*layout.rule("embed"), FSDP, CONTEXT]))
     layout = Layout.of({**layout.rules, "embed": embed}, f"{layout.name}+embed_context")
   return c.replace(mesh={AX.CONTEXT: C, **({} if fsdp is None else {AX.FSDP: fsdp})}, layout=layout,
                    context={"impl": strategy, "name": strategy,
-                            "load_balance": c.context.load_balance if balanced is None else balanced})
+                            "load_balance": c.context.load_balance if balanced is None else balanced,
+                            "ulysses": c.context.ulysses if ulysses is None else ulysses,
+                            "node_devices": c.context.node_devices or c.hardware.domain_devices})
 
 
 def own_kernel_skips(model) -> bool:
@@ -290,6 +305,7 @@ def predict(c: Composition, skips_masked: bool | None = None) -> dict:
   return {
       "strategy": c.context.impl if C > 1 else "none", AX.CONTEXT: C, AX.FSDP: X, AX.TENSOR: T,
       "load_balance": c.context.load_balance, "remat": s.remat, "microbatches": k,
+      "ulysses": c.context.ulysses if C > 1 else 0,
       "weights_over_context": C > 1 and replicas == 1,
       "skips_masked": skips, "tokens_per_device": k * tokens,
       "t_step_s": t_dense + t_attn + exposed, "t_matmul_s": t_dense, "t_attention_s": t_attn,
@@ -326,14 +342,29 @@ def why_not(c: Composition, C: int, strategy) -> str | None:
   return strategy_of(strategy, m, c.layout).why_not(shape)
 
 
-def runnable(c: Composition, C: int, strategy: str, balanced: bool, fsdp: int) -> tuple[Composition | None, str]:
+def ulysses_degrees(c: Composition, C: int, strategy: str) -> tuple[int, ...]:
+  """The Ulysses degrees (context.ulysses) to price `strategy` at at context C: what its class offers
+  (`ulysses_choices`: usp every divisor of C between 1 and C the heads allow, a2a_p2p its node's; none: nothing
+  the ring or Ulysses does not price already); (0,) for a strategy without one, or at C = 1."""
+  if C == 1:
+    return (0,)
+  part = with_context(c, C, strategy, shard_weights=False, ulysses=0).cp
+  choices = getattr(part, "ulysses_choices", None)
+  if not callable(choices):
+    return (0,)
+  a = attn_of(c.model, 1, C, c.mesh.tensor)
+  return tuple(choices(C, a.H, a.G, a.inside))
+
+
+def runnable(c: Composition, C: int, strategy: str, balanced: bool, fsdp: int,
+             ulysses: int = 0) -> tuple[Composition | None, str]:
   """(the composition of `strategy` at context C over fsdp, or None; why not): the training state split over
   every device (weights over fsdp x context, with_context) where the run's schedule honours that layout, else
   replicated over context; each asked of the schedule the run would build (Composition.why_not_run), so that
   only what the trainer accepts is offered."""
   why = ""
   for shard_weights in (True, False):
-    sub = with_context(c, C, strategy, balanced, fsdp, shard_weights)
+    sub = with_context(c, C, strategy, balanced, fsdp, shard_weights, ulysses)
     why = why_not(sub, C, strategy) or sub.why_not_run()
     if not why:
       return sub, ""
@@ -381,14 +412,18 @@ def choose(c: Composition, devices: int | None = None, degrees: tuple[int, ...] 
   cands, excluded, seen = [], {}, set()
   for C in degrees:
     X = devices // (T * C)
-    for strategy in (strategies if C > 1 else ("none",)):
+    tried = [(s, ulysses_degrees(c, C, s)) for s in (strategies if C > 1 else ("none",))]
+    for strategy, _ in [t for t in tried if not t[1]]:
+      excluded[f"{strategy} C={C}"] = ("no Ulysses degree between 1 and C that the heads allow (U = 1 is the ring, "
+                                       "U = C Ulysses)")
+    for strategy, u in [(s, u) for s, us in tried for u in us]:
       for balanced in placements(c, C):
-        named = lambda p: "" if placement_of(p) == "none" else f" {placement_of(p)}"
+        named = lambda p: ("" if not u else f" U={u}") + ("" if placement_of(p) == "none" else f" {placement_of(p)}")
         label = f"{strategy}{named(balanced)} C={C}" if C > 1 else "no context (C=1)"
         first = f"{strategy}{named(placements(c, C)[0])} C={C}"     # the placement priced first's label
         sub, why = None, f"fsdp {X} does not divide the batch of {c.train.batch_size} sequences"
         if X * T * C == devices and c.train.batch_size % X == 0:
-          sub, why = runnable(c, C, c.context.impl if C == 1 else strategy, balanced, X)
+          sub, why = runnable(c, C, c.context.impl if C == 1 else strategy, balanced, X, u)
         if sub is not None:
           p = fitting(sub, skips_masked, remats)
           why = "" if p["fits"] else (f"{p['memory_bytes'] / 1e9:.0f} GB per device does not fit "
@@ -397,7 +432,7 @@ def choose(c: Composition, devices: int | None = None, degrees: tuple[int, ...] 
           if excluded.get(first) != why:          # said once where both placements are out for one reason
             excluded[label] = why
           continue
-        same = (strategy, C, p["t_step_s"], p["memory_bytes"])     # a placement that changes nothing: one
+        same = (strategy, u, C, p["t_step_s"], p["memory_bytes"])     # a placement that changes nothing: one
         if same in seen:
           continue
         seen.add(same)
@@ -415,6 +450,8 @@ def overrides(c: Composition, p: dict) -> list[str]:
   out = [f"mesh.{AX.CONTEXT}={p[AX.CONTEXT]}", f"mesh.{AX.FSDP}={p[AX.FSDP]}", f"mesh.{AX.TENSOR}={p[AX.TENSOR]}"]
   if p[AX.CONTEXT] > 1:
     out += [f"context.impl={c.context.impl}", f"context.load_balance={str(p['load_balance']).lower()}"]
+    if p.get("ulysses"):
+      out.append(f"context.ulysses={p['ulysses']}")
     if p["weights_over_context"]:
       out.append(f"layout.rules.embed=[{','.join(c.layout.rule('embed'))}]")
   return out + [f"schedule.remat={p['remat']}", f"schedule.microbatches={p['microbatches']}"]
@@ -423,11 +460,15 @@ def overrides(c: Composition, p: dict) -> list[str]:
 def reason(cands: list[dict]) -> str:
   """Why the first of `cands` (sorted by predicted step) beats the first of another strategy or degree."""
   best = cands[0]
-  other = next((p for p in cands[1:] if p["strategy"] != best["strategy"] or p[AX.CONTEXT] != best[AX.CONTEXT]), None)
+  differs = lambda p: p["strategy"] != best["strategy"] or p[AX.CONTEXT] != best[AX.CONTEXT]
+  same = lambda p: abs(p["t_step_s"] - best["t_step_s"]) <= 1e-3 * best["t_step_s"]
+  ties = [p["label"] for p in cands[1:] if differs(p) and same(p)]     # a2a_p2p in one node is Ulysses, say
+  other = next((p for p in cands[1:] if differs(p) and not same(p)), None)
+  tied = f" ({', '.join(ties)}: the same predicted step)" if ties else ""
   say = lambda p: (f"{p['label']}: predicted step {p['t_step_s'] * 1e3:.0f} ms (attention {p['t_attention_s'] * 1e3:.0f}, "
                    f"exposed context comm {p['exposed_comm_s'] * 1e3:.0f}; {p['bytes_per_layer']['forward'] / 1e6:.1f} MB"
                    f" per layer forward over context)")
   if other is None:
-    return say(best) + "; the only candidate"
-  return (f"{say(best)}, {other['t_step_s'] / best['t_step_s'] - 1:.0%} faster than {say(other)}; "
+    return say(best) + tied + ("; the only candidate" if not ties else "")
+  return (f"{say(best)}{tied}, {other['t_step_s'] / best['t_step_s'] - 1:.0%} faster than {say(other)}; "
           f"memory {best['memory_bytes'] / 1e9:.0f} GB vs {other['memory_bytes'] / 1e9:.0f} GB per device")

@@ -425,7 +425,19 @@ def _parts(operands: list[str], full: int) -> tuple:
 
 
 def _ring_size(pairs, device_ids, axis_names) -> int:
-  """Size of the mesh axis a collective-permute's pairs run along."""
+  """How many devices a collective-permute's pairs pass along: the length of its cycles when the pairs close
+  into cycles all of one length (rings within groups of an axis: USP's), else the size of the mesh axis they run
+  along (a pipeline's sends, or a compiler's reshuffle with fixed points)."""
+  nxt = dict((a, b) for a, b in pairs)
+  if pairs and set(nxt.values()) == set(nxt):        # a permutation of its devices: cycles
+    lengths = set()
+    for first in nxt:
+      n, d = 1, nxt[first]
+      while d != first:
+        d, n = nxt[d], n + 1
+      lengths.add(n)
+    if len(lengths) == 1:      # every device on a cycle of the same length: rings of that size
+      return lengths.pop()
   ids = np.asarray(device_ids)
   axis = axis_of(pairs, ids, axis_names)
   return math.prod(ids.shape[axis_names.index(a)] for a in axis.split("+")) if axis != "?" else 0

@@ -105,6 +105,9 @@ def _row(eqn, name, times, sizes, where, axis_order) -> Row:
   axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
   axes = tuple(a for a in axis_order if a in axes) + tuple(a for a in axes if a not in axis_order)
   n = int(np.prod([sizes.get(a, 1) for a in axes]))
+  groups = eqn.params.get("axis_index_groups")
+  if groups:   # within groups of the axis (collectives.Group: USP's): the devices of one group
+    n = len(groups[0])
   if n > 1:   # axes of size 1 take no part (the compiled program names the group by the others)
     axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
   kind = PRIMITIVES[name]

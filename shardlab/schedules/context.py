@@ -28,6 +28,11 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               plain, blockwise or cuDNN's), the output all-to-all'd back. Backward (AD): the same all-to-alls the
               other way. Bytes per device per layer: (C-1)/C of q, k, v and o each way; needs the heads after
               tensor parallelism (query and K/V) divisible by C.
+  usp         Ulysses x ring (USP): Ulysses' all-to-alls among U consecutive context ranks (context.ulysses), the
+              ring over the C/U groups on the group's U chunks and H/U heads. Bytes: Ulysses' over U, the ring's
+              over C/U on blocks of b (L U/C) (G/U) K.
+  a2a_p2p     TransformerEngine's hierarchical form (all-to-all inside a node, the ring across nodes): usp with
+              the Ulysses group the context ranks of one node (context.node_devices: hardware.domain_devices).
 
 With no `context` axis in the mesh a strategy is the model's own attention (model.attention).
 """
@@ -45,7 +50,6 @@ from shardlab import attention as A
 from shardlab import collectives as C
 from shardlab import flash_kernel as F
 from shardlab.config import ContextConfig, ModelConfig
-from shardlab.data import zigzag
 from shardlab.layout import Layout
 from shardlab.errors import ConfigError
 from shardlab.loading import load_object
@@ -255,9 +259,14 @@ class Ring(AllGatherKV):
     axis = self.context_axis()
     if axis is None:
       return self.own(q_BLHK, k_BLGK, v_BLGK)
+    parts = C.axis_size(axis)
+    return self.ring(q_BLHK, k_BLGK, v_BLGK, positions_L, axis, self.cfg.order(q_BLHK.shape[SEQ_DIM] * parts, parts))
+
+  def ring(self, q_BLHK, k_BLGK, v_BLGK, positions_L, axis, order):
+    """The ring over `axis` (a mesh axis, or a collectives.Group of one: USP's), each rank holding the tokens of
+    its row of `order` (the data's positions, a row per ring rank; None: contiguous chunks)."""
     local = q_BLHK.shape[SEQ_DIM]
     parts = C.axis_size(axis)
-    order = self.cfg.order(local * parts, parts)
     plan = ring_plan(parts, local, self.model.attention_block, order)
     kernel = self.kernel(local, q_BLHK.shape[-1])
     if kernel:           # per step, the block pairs each kernel visits on the busiest device
@@ -299,9 +308,140 @@ class Ring(AllGatherKV):
     return "blockwise"
 
 
+class USP(Ring):
+  """Ulysses x ring (USP: Fang and Zhao 2024, arXiv:2405.07719, the YunChang library): the C ranks of the context
+  axis split into groups of U consecutive ranks (context.ulysses). q, k and v are all-to-all'd inside each group
+  from sequence-sharded to head-sharded ([B, L/C, H, K] -> [B, U L/C, H/U, K]: the group's U chunks, H/U heads);
+  a ring (Ring.ring: the same kernels, shifts and custom VJP) runs over the R = C/U groups, ranks u, u+U, ..., on
+  that U-fold longer sequence; the output all-to-all'd back. The all-to-alls stay inside a group (inside a node
+  when U C-ranks fit in one), the ring's shifts cross groups. U = C is Ulysses with the ring's kernel, U = 1 the
+  ring. Bytes per device per layer: Ulysses' over U, (U-1)/U x b (L/C) (2 H + 2 G) K e each way, and the ring's
+  over R on blocks of b (L/R) (G/U) K. Needs the heads after tensor parallelism divisible by U."""
+  point_to_point = True     # the ring's ppermutes (and all-to-alls inside each group)
+
+  def ulysses_degree(self, C: int, heads: int, kv_heads: int, inside: int) -> int:
+    """U for a context split of C with `heads` and `kv_heads` per device after tensor parallelism, `inside`
+    devices inside each context rank (the tensor axis): context.ulysses, or (0) the largest proper divisor of C
+    that divides both head counts (Ulysses as far as the heads allow, as USP's authors advise, and a ring of two
+    or more; 1 at C = 1)."""
+    if self.cfg.ulysses:
+      return self.cfg.ulysses
+    return max([d for d in range(1, C) if C % d == 0 and heads % d == 0 and kv_heads % d == 0] or [1])
+
+  def ulysses_choices(self, C: int, heads: int, kv_heads: int, inside: int) -> list[int]:
+    """The degrees a search prices (context_cost.ulysses_degrees): context.ulysses where set, else every divisor of C
+    between 1 and C both head counts allow (U = 1 is the ring and U = C Ulysses, each priced as itself)."""
+    if self.cfg.ulysses:
+      return [self.cfg.ulysses]
+    return [d for d in range(2, C) if C % d == 0 and heads % d == 0 and kv_heads % d == 0]
+
+  def _split(self, shape: dict) -> tuple[int, int, int, int]:
+    """(C, U, query heads, K/V heads per device) on a mesh of `shape` (an ordered {axis: size})."""
+    axes = self.layout.rule("length", tuple(shape))
+    c = math.prod(shape[a] for a in axes)
+    t = math.prod(shape[a] for a in self.layout.rule("heads", tuple(shape)))
+    m = self.model
+    names = list(shape)
+    inside = math.prod(shape[a] for a in names[names.index(axes[-1]) + 1:]) if axes else 1
+    g = m.kv_heads // t if m.kv_heads % t == 0 else 0            # K/V heads replicated over tensor: not split
+    return c, self.ulysses_degree(c, m.n_heads // t, g, inside), m.n_heads // t, g
+
+  def why_not(self, shape: dict) -> str | None:
+    try:
+      self.check(shape)
+    except ConfigError as e:
+      return str(e)
+    return None
+
+  def check(self, shape: dict) -> None:
+    """One context axis (the ring within it); U dividing C and the heads each device holds."""
+    axes = self.layout.rule("length", tuple(shape))
+    if not axes:
+      return
+    self.check_balance(shape)
+    name = self.cfg.impl
+    if len(axes) > 1:
+      raise ConfigError(f"layout rule length -> {' x '.join(axes)}: context={name} splits one mesh axis")
+    c, u, h, g = self._split(shape)
+    if u < 1 or c % u:
+      raise ConfigError(f"context.ulysses={u}: context={name} needs a Ulysses degree that divides mesh.context={c}")
+    if h % u or not g or g % u:
+      raise ConfigError(f"context={name} splits the heads {u} ways (context.ulysses={u}): {h} query and "
+                        f"{g or 'replicated'} K/V heads per device after tensor parallelism are not multiples of "
+                        f"{u}; set context.ulysses to a divisor of both")
+
+  def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_L):
+    axis = self.context_axis()
+    if axis is None:
+      return self.own(q_BLHK, k_BLGK, v_BLGK)
+    mesh = jax.sharding.get_abstract_mesh()
+    c, u, _, _ = self._split(dict(zip(mesh.axis_names, mesh.axis_sizes)))
+    inner, outer = C.Group(axis, u), C.Group(axis, c // u, u)
+    # x[B, L_ctx, N, K] -> x[B, L_grp, N_grp, K]: the group's U chunks, in rank order, on N/U heads
+    heads = lambda x: C.all_to_all(x, inner, 2, SEQ_DIM, name="cp_ulysses")
+    pos = C.all_gather(positions_L, inner, 0, name="cp_positions")
+    # ring rank j holds the chunks of context ranks jU .. jU+U-1: the data's order, a row per ring rank
+    o = self.ring(heads(q_BLHK), heads(k_BLGK), heads(v_BLGK), pos, outer,
+                  self.cfg.order(q_BLHK.shape[SEQ_DIM] * c, c))
+    return C.all_to_all(o, inner, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L_grp, H_grp, K] -> o[B, L_ctx, H, K]
+
+  def _parts_of(self, a) -> tuple[int, object]:
+    """(U, the ring's Attn: R = C/U ranks, H/U and G/U heads) of one layer's attention `a`."""
+    import dataclasses
+    u = self.ulysses_degree(a.C, a.H, a.G, a.inside)
+    return u, dataclasses.replace(a, C=a.C // u, H=a.H // u, G=a.G // u)
+
+  def bytes_per_layer(self, a) -> dict:
+    """Ulysses' all-to-alls over U, (U-1)/U x b (L/C) (2 H + 2 G) K e each way, and the ring's shifts over R
+    (Ring.bytes_per_layer of blocks b (L/R) (G/U) K; none when R = 1)."""
+    u, ring = self._parts_of(a)
+    f = (u - 1) * a.b * (a.L // a.C) * (2 * a.H + 2 * a.G) * a.K * a.e // u
+    r = super().bytes_per_layer(ring) if ring.C > 1 else {"forward": 0, "backward": 0}
+    return {"forward": f + r["forward"], "backward": f + r["backward"]}
+
+  def layer_time(self, a, cost) -> dict:
+    """The four all-to-alls each way over the group (its links: inside a node where U C-ranks fit) on the
+    critical path, and the ring's pass over R ranks (Ring.layer_time at the links across groups)."""
+    import dataclasses
+    u, ring = self._parts_of(a)
+    inner_bw, outer_bw = cost.split_bandwidth(u)
+    a2a = (u - 1) * a.b * (a.L // a.C) * a.K * a.e // u      # per head of one array
+    comm = 2 * sum(cost.transfer(a2a * n, hops=u // 2, bandwidth=inner_bw) for n in (a.H, a.G, a.G, a.H))
+    sub = dataclasses.replace(cost, a=ring, bandwidth=outer_bw)
+    if ring.C == 1:
+      fwd, bwd = sub.block_s
+      t = {"attention_s": (0.5 if cost.skips else 1.0) * (fwd + bwd), "comm_s": 0.0, "exposed_s": 0.0}
+    else:
+      t = super().layer_time(ring, sub)
+    return {"attention_s": t["attention_s"], "comm_s": t["comm_s"] + comm, "exposed_s": t["exposed_s"] + comm}
+
+  def transient_bytes(self, a) -> float:
+    """The ring's sub-block pair on H/U heads."""
+    return super().transient_bytes(self._parts_of(a)[1])
+
+  kept_per_token = Ulysses.kept_per_token   # the output in both layouts under a policy that keeps it
+
+
+class A2AP2P(USP):
+  """TransformerEngine's hierarchical context parallelism (`cp_comm_type="a2a+p2p"`: all-to-all inside a node, a
+  ring of point-to-point shifts across nodes): USP with the Ulysses group the context ranks of one node
+  (context.node_devices, hardware.domain_devices in its preset, over the devices inside each context rank: the
+  tensor axis), unless context.ulysses sets it. Without a node size (0) every rank is in one node: Ulysses."""
+
+  def ulysses_degree(self, C: int, heads: int, kv_heads: int, inside: int) -> int:
+    if self.cfg.ulysses:
+      return self.cfg.ulysses
+    node = self.cfg.node_devices
+    return math.gcd(C, max(1, node // max(inside, 1))) if node else C
+
+  def ulysses_choices(self, C: int, heads: int, kv_heads: int, inside: int) -> list[int]:
+    """Its one degree: the node's (or context.ulysses)."""
+    return [self.ulysses_degree(C, heads, kv_heads, inside)]
+
+
 def ring_plan(parts: int, local: int, block: int, order=None) -> tuple:
-  """(n, visible): the sub-block size of a ring step (the largest divisor of `local` tokens per device, of half
-  of it for zigzag's placement, that is at most `block`: a zigzag device's two chunks never share a sub-block) and,
+  """(n, visible): the sub-block size of a ring step (the largest divisor of the runs of consecutive positions in
+  a device's tokens that is at most `block`, _piece: a zigzag device's two chunks never share a sub-block) and,
   per ring step, how many of its (L/C/n)^2 sub-block pairs have a key at or before a query on the busiest device,
   from the positions the data gives each device (`order`, ContextConfig.order: None for contiguous chunks, or
   zigzag's or striped's).
@@ -310,8 +450,8 @@ def ring_plan(parts: int, local: int, block: int, order=None) -> tuple:
   a step takes its busiest device's work, the pace a ring runs at. The count assumes the data's order: positions
   in another order could have more visible pairs than it and lose the rest."""
   order = _order(parts, local, order)
-  half = local // 2 if _is_zigzag(order, parts) else local
-  n = max(d for d in range(1, min(block, half) + 1) if half % d == 0)
+  piece = _piece(order)
+  n = max(d for d in range(1, min(block, piece) + 1) if piece % d == 0)
   blocks = np.asarray(order).reshape(parts, local // n, n)
   last, first = blocks.max(-1), blocks.min(-1)                        # [rank, sub-block]
   visible = []
@@ -329,8 +469,13 @@ def _order(parts: int, local: int, order) -> np.ndarray:
   return np.asarray(np.arange(local * parts) if order is None else order).reshape(parts, local)
 
 
-def _is_zigzag(order: np.ndarray, parts: int) -> bool:
-  return parts > 1 and order.size % (2 * parts) == 0 and np.array_equal(order.reshape(-1), zigzag(order.size, parts))
+def _piece(order: np.ndarray) -> int:
+  """The length every run of consecutive positions in a device's row is a multiple of (a sub-block within one
+  never straddles two chunks): a row's length for contiguous chunks, half of it for zigzag's two, a Ulysses
+  group's chunks for USP's ring; tokens placed one by one (striped: no runs) take the whole row."""
+  starts = np.flatnonzero(np.diff(order, axis=1, prepend=order[:, :1] - 2).reshape(-1) != 1)
+  runs = np.diff(np.append(starts, order.size))
+  return order.shape[1] if runs.min() == 1 else math.gcd(*runs.tolist())
 
 
 def kernel_pairs(parts: int, local: int, order=None, block_q: int = F.BLOCK_Q, block_k: int = F.BLOCK_K) -> tuple:
@@ -408,7 +553,7 @@ def _positions(pos_L, axis):
 def _block_positions(pos_all, axis, step: int, nb: int):
   """The positions of the block a device holds after `step` shifts (rank r - step's), in sub-blocks [nb, n]."""
   parts = pos_all.shape[0]
-  return A.at(pos_all, (jax.lax.axis_index(axis) - step) % parts).reshape(nb, -1)
+  return A.at(pos_all, (C.axis_index(axis) - step) % parts).reshape(nb, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -555,7 +700,7 @@ def _bwd_after(kv, dq, arrived, dkv_step, step: int, steps: int, axis, dtype):
   kv, dq, arrived, dkv_step = jax.lax.optimization_barrier((kv, dq, arrived, dkv_step))
   dkv = dkv_step if arrived is None else arrived + dkv_step
   if step == steps - 1:
-    dkv = C.ring_shift(dkv.astype(dtype), axis, +1, name="cp_ring_home")
+    dkv = dkv.astype(dtype) if steps == 1 else C.ring_shift(dkv.astype(dtype), axis, +1, name="cp_ring_home")
   return kv, dq, dkv
 
 
@@ -575,7 +720,7 @@ def _shift_together(kv, dkv, axis):
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses, "ring": Ring}
+STRATEGIES = {"all_gather": AllGatherKV, "ulysses": Ulysses, "ring": Ring, "usp": USP, "a2a_p2p": A2AP2P}
 
 
 def make(cfg: ContextConfig, model: ModelConfig, layout: Layout):

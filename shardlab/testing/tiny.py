@@ -99,14 +99,15 @@ def _schedule_key(schedule, knobs) -> tuple:
 def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None, layout: dict | None = None,
                      context: str | None = None, load_balance: bool = False, pipeline: dict | None = None,
                      expert: dict | None = None, stats: bool = False, batch_size: int | None = None,
-                     context_kernel: str = "auto", **knobs):
+                     context_kernel: str = "auto", ulysses: int = 0, **knobs):
   """(compiled grad fn, (loss, grads)) of a schedule on the tiny model and `tiny_batch()`; cached.
 
   schedule: a ScheduleConfig, a dict of knobs, or a schedule class (constructed as cls(ScheduleConfig(
   **knobs), model, compute_dtype, layout), like the registered ones); knobs override. model: ModelConfig fields
   to change (tiny_config). mesh_shape: any shape mesh_of takes. layout: sharding rules {logical: [axes]} (None:
   the default layout). context: the context-parallel strategy (context.impl; None: all_gather); load_balance:
-  context.load_balance (the data in zigzag order); context_kernel: context.kernel (the ring's). pipeline: PipelineConfig fields ({"impl": "1f1b",
+  context.load_balance (the data in zigzag order); context_kernel: context.kernel (the ring's); ulysses:
+  context.ulysses (usp's, a2a_p2p's Ulysses degree). pipeline: PipelineConfig fields ({"impl": "1f1b",
   "microbatches": 4}; None: no pipeline): the parameters are stored in the run's order of layers and the
   gradients come back in the model's (as trainer.fit and its checkpoints do), so every schedule is compared with
   the plain `reference_loss_and_grads(model)`. expert: ExpertConfig fields ({"impl": "ragged"}; None: all_to_all); stats: a MoE model's
@@ -117,12 +118,13 @@ def compile_schedule(schedule=None, mesh_shape=(2, 4), model: dict | None = None
                                             for k, v in layout.items())
   return _compile_schedule(items, *_schedule_key(schedule, knobs), tuple(sorted((model or {}).items())), rules,
                            context, load_balance, tuple(sorted((pipeline or {}).items())),
-                           tuple(sorted((expert or {}).items())), stats, batch_size, context_kernel)
+                           tuple(sorted((expert or {}).items())), stats, batch_size, context_kernel, ulysses)
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, context=None, load_balance=False,
-                      pipe_items=(), expert_items=(), stats=False, batch_size=None, context_kernel="auto"):
+                      pipe_items=(), expert_items=(), stats=False, batch_size=None, context_kernel="auto",
+                      ulysses=0):
   import jax
   import jax.numpy as jnp
   from shardlab import params as PM, schedules, train as T
@@ -132,7 +134,7 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   from shardlab.config import ContextConfig
   cp = None if context is None and not load_balance else ContextConfig(
       name=(context or "all_gather").rpartition(":")[2], impl=context or "all_gather", load_balance=load_balance,
-      kernel=context_kernel)
+      kernel=context_kernel, ulysses=ulysses)
   from shardlab.config import PipelineConfig
   pipe = PipelineConfig(**{"name": dict(pipe_items).get("impl", "none"), **dict(pipe_items)}) if pipe_items else None
   from shardlab.axes import PIPELINE
