@@ -266,8 +266,9 @@ def context_answer(c, devices: int | None = None) -> dict:
           "reason": context_reason(cands, c, n) if cands else got["reason"],
           "why_no_split": why_no_split(cands, c),
           "candidates": cands, "excluded": got["excluded"],
-          "note": "model predictions (analysis/context_cost.py); the ring's inner kernel timed as a fused flash "
-                  "kernel (experiments/context/README.md, section 4: what shardlab's own compiles to)"}
+          "note": "model predictions (analysis/context_cost.py); the ring's inner kernel (also usp's and "
+                  "a2a_p2p's) timed as a fused flash kernel, which shardlab's Pallas kernel is on GPU and TPU "
+                  "targets (experiments/context/README.md, sections 4 and 5: the compiled programs)"}
 
 
 def _secs(t: float) -> str:

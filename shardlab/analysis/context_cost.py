@@ -204,6 +204,15 @@ class Rates:
   def transfer(self, nbytes: float, hops: int = 1, bandwidth: float | None = None) -> float:
     return transfer_seconds(nbytes, bandwidth or self.bandwidth, self.hw, hops)
 
+  def ring_bandwidth(self) -> float:
+    """Bytes/s of one shift of a ring over the C context ranks: a ring step is as slow as its slowest hop, so once
+    the ranks (each `a.inside` devices) span more than a node, a hop across nodes on one GPU's NIC
+    (dcn_bandwidth); else the context axis's own."""
+    hw = self.hw
+    if hw.torus or not hw.domain_devices or not hw.dcn_bandwidth or self.a.inside * self.a.C <= hw.domain_devices:
+      return self.bandwidth
+    return min(self.bandwidth, hw.dcn_bandwidth)
+
   def split_bandwidth(self, inner: int) -> tuple[float, float]:
     """(bytes/s inside groups of `inner` consecutive context ranks, bytes/s of the ring across them): on GPU nodes
     the groups' links are NVLink while `inner` x the devices inside each rank fit in a node, the ring's the nodes'

@@ -132,13 +132,16 @@ def collective_seconds(kind: str, nbytes: float, n: int, axis: str, hw, ici_axes
   for an all-gather or reduce-scatter of V, twice that for an all-reduce): a bidirectional ring's hop floor
   n / 2 hops (an all-reduce's two phases: n), n - 1 on a torus line without wraparound (M = 0.5: torus_axes); a
   ppermute one hop, over one direction of a torus link (W / 2, on a line as on a ring; on a switch the device's
-  egress, W).
+  egress, W, and once the axis crosses nodes the one NIC a crossing hop has, dcn_bandwidth: the node's NICs are
+  shared by a collective's members, but a ring's step is as slow as its slowest hop).
   transfer_seconds does the rest."""
   if n <= 1:
     return 0.0
   w = axis_bandwidth(axis, hw, ici_axes)
   line = hw.torus and not ici_axes.get("bytes_per_s") and sum(ici_axes.get(a, 1) for a in axis.split("+")) < 1
   if kind == "collective-permute":   # one direction of one link, a line's as a ring's
+    if not hw.torus and hw.dcn_bandwidth and w < hw.ici_bandwidth:
+      w = min(w, hw.dcn_bandwidth)  # across nodes: a ring's step waits for its hops that cross on one GPU's NIC
     return transfer_seconds(nbytes, (hw.ici_bandwidth if line else w) / 2 if hw.torus else w, hw, 1)
   return transfer_seconds(nbytes, w, hw, (n - 1 if line else n / 2) * (2 if kind == "all-reduce" else 1))
 

@@ -289,12 +289,13 @@ class Ring(AllGatherKV):
     a block's attention and its online-softmax merge, each shift behind the step before; dK, dV's last shift
     home after the backward."""
     fwd, bwd = cost.block_s
-    kv = cost.transfer(2 * a.block * a.e)                        # one shift of K and V
-    kv_dkv = cost.transfer(2 * a.block * a.e + 2 * a.block * 4)  # backward: with dK, dV
+    bw = cost.ring_bandwidth()                                   # across nodes: one NIC per crossing hop
+    kv = cost.transfer(2 * a.block * a.e, bandwidth=bw)          # one shift of K and V
+    kv_dkv = cost.transfer(2 * a.block * a.e + 2 * a.block * 4, bandwidth=bw)  # backward: with dK, dV
     merge_f, merge_b = cost.merge_s()
     tf, cf = cost.ring_pass(fwd, merge_f, kv)
     tb, cb = cost.ring_pass(bwd, merge_b, kv_dkv)
-    home = cost.transfer(2 * a.block * a.e)
+    home = cost.transfer(2 * a.block * a.e, bandwidth=bw)
     return {"attention_s": cf + cb, "comm_s": (a.C - 1) * (kv + kv_dkv) + home, "exposed_s": tf + tb + home - cf - cb}
 
   def transient_bytes(self, a) -> float:
@@ -386,10 +387,11 @@ class USP(Ring):
     return C.all_to_all(o, inner, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L_grp, H_grp, K] -> o[B, L_ctx, H, K]
 
   def _parts_of(self, a) -> tuple[int, object]:
-    """(U, the ring's Attn: R = C/U ranks, H/U and G/U heads) of one layer's attention `a`."""
+    """(U, the ring's Attn: R = C/U ranks of U x a.inside devices each, H/U and G/U heads) of one layer's
+    attention `a`."""
     import dataclasses
     u = self.ulysses_degree(a.C, a.H, a.G, a.inside)
-    return u, dataclasses.replace(a, C=a.C // u, H=a.H // u, G=a.G // u)
+    return u, dataclasses.replace(a, C=a.C // u, H=a.H // u, G=a.G // u, inside=a.inside * u)
 
   def bytes_per_layer(self, a) -> dict:
     """Ulysses' all-to-alls over U, (U-1)/U x b (L/C) (2 H + 2 G) K e each way, and the ring's shifts over R
