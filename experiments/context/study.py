@@ -1,13 +1,14 @@
-"""Context-parallel strategies side by side on llama3_8b at 32K-128K tokens per sequence over 8-32 H100s, and the
-load-balanced causal ring against the plain one at C = 8. Every time and byte count here is a MODEL PREDICTION
+"""Context-parallel strategies side by side on llama3_8b at 32K-256K tokens per sequence over 8-64 H100s and a v5p
+slice of 64 chips, and the load-balanced causal ring against the plain one at C = 8. Every time and byte count here is a MODEL PREDICTION
 (shardlab/analysis/context_cost.py: `predict`, `choose`), not a measurement.
 
   python experiments/context/study.py        # analytic, seconds: writes results.md and results.json
 
 Each configuration: devices / 8 sequences (fsdp = devices / C must divide them), bf16, remat save_qkv_attn_out, cuDNN's flash attention
 (model.attention=dot_product) where a strategy runs the model's kernel; the context axis innermost after tensor
-(NVLink inside an 8-GPU node, the nodes' NICs beyond: hardware=h100_multinode past 8), every weight sharded over
-(fsdp, context). Two inner kernels: shardlab's (all_gather: the plain attention; ring: a pure-JAX flash kernel per
+(hardware=h100: NVLink inside an 8-GPU node, the nodes' NICs beyond; a ring's shift across nodes at one GPU's NIC),
+every weight sharded over (fsdp, context). Strategies: all_gather, ring, ulysses, usp at every Ulysses degree the
+heads allow, a2a_p2p (the Ulysses group a node). Two inner kernels: shardlab's (all_gather: the plain attention; ring: a pure-JAX flash kernel per
 step that skips wholly masked sub-blocks; Ulysses: cuDNN's, which skips masked blocks) and a flash kernel in all three (what TransformerEngine and
 ring-flash-attention run).
 """
@@ -22,7 +23,11 @@ from shardlab.analysis import context_cost as CC
 HERE = Path(__file__).parent
 BASE = ["model=llama3_8b", "mesh.tensor=1", "precision=bf16", "model.attention=dot_product",
         "schedule.remat=save_qkv_attn_out", "context.load_balance=true"]
-CASES = [(32768, 8), (65536, 16), (131072, 32), (131072, 8)]   # (tokens per sequence, H100s)
+# (tokens per sequence, devices, hardware preset): H100 nodes of 8 (NVLink inside, one 400 Gbps NIC per GPU
+# across: conf/hardware/h100.yaml), and a v5p slice (a 3D torus: conf/hardware/tpu_v5p.yaml)
+CASES = [(32768, 8, "h100"), (65536, 16, "h100"), (131072, 32, "h100"), (262144, 64, "h100"), (131072, 8, "h100"),
+         (131072, 64, "tpu_v5p")]
+STRATEGIES = ("ulysses", "ring", "usp", "a2a_p2p")   # with the model's own kernel; all_gather with the plain one
 
 
 def config(overrides: list[str]):
@@ -49,7 +54,7 @@ def choose(cfg, n: int, degrees: tuple, skips) -> dict:
   model's own (cuDNN's, model.attention=dot_product), all_gather the plain one (model.attention=plain: what the run
   needs for it; with dot_product it refuses, and so does the planner)."""
   plain = cfg.replace(model={"attention": "plain"})
-  a = CC.choose(cfg, devices=n, degrees=degrees, skips_masked=skips, strategies=("ulysses", "ring"))
+  a = CC.choose(cfg, devices=n, degrees=degrees, skips_masked=skips, strategies=STRATEGIES)
   b = CC.choose(plain, devices=n, degrees=degrees, skips_masked=skips, strategies=("all_gather",))
   cands = sorted(a["candidates"] + b["candidates"], key=lambda p: p["t_step_s"])
   return {"best": cands[0] if cands else None, "candidates": cands, "excluded": {**a["excluded"], **b["excluded"]},
@@ -58,11 +63,10 @@ def choose(cfg, n: int, degrees: tuple, skips) -> dict:
 
 def main() -> None:
   rows = []
-  for seq, n in CASES:
-    hw = "h100" if n <= 8 else "h100_multinode"
+  for seq, n, hw in CASES:
     cfg = config(BASE + [f"model.seq_len={seq}", f"train.batch_size={max(1, n // 8)}", f"hardware={hw}"])
     for kernel, skips in (("shardlab's", None), ("flash", True)):
-      r = choose(cfg, n, tuple(c for c in (2, 4, 8, 16, 32) if c <= n), skips)
+      r = choose(cfg, n, tuple(c for c in (2, 4, 8, 16, 32, 64) if c <= n), skips)
       rows.append({"seq": seq, "devices": n, "hardware": hw, "kernel": kernel, "best": r["best"] and r["best"]["label"],
                    "reason": r["reason"], "excluded": r["excluded"],
                    "candidates": [{k: v for k, v in p.items() if k != "note"} for p in r["candidates"]]})
@@ -71,18 +75,19 @@ def main() -> None:
                                                   "python experiments/context/study.py", "rows": rows,
                                                   "balance_at_8": bal}, indent=1, default=str))
   lines = [f"Written by `python experiments/context/study.py` ({time.strftime('%Y-%m-%d')}). MODEL PREDICTIONS.", "",
-           "| tokens | H100s | kernel | strategy, C | predicted step (s) | attention (s) | exposed context comm (s) |"
+           "| tokens | devices | kernel | strategy, C | predicted step (s) | attention (s) | exposed context comm (s) |"
            " context bytes/step (GB) | fsdp bytes/step (GB) | memory/device (GB) |", "|" + "---|" * 10]
   for r in rows:
     for p in r["candidates"]:
-      lines.append(f"| {r['seq'] // 1024}K | {r['devices']} | {r['kernel']} | {p['label']} | {p['t_step_s']:.2f} | "
+      lines.append(f"| {r['seq'] // 1024}K | {r['devices']} {r['hardware']} | {r['kernel']} | {p['label']} | {p['t_step_s']:.2f} | "
                    f"{p['t_attention_s']:.2f} | {p['exposed_comm_s']:.3f} | {p['bytes_per_step']['context'] / 1e9:.1f} | "
                    f"{p['bytes_per_step']['fsdp'] / 1e9:.1f} | {p['memory_bytes'] / 1e9:.0f} |")
     for label, why in r["excluded"].items():
       if "does not divide the batch" not in why:
-        lines.append(f"| {r['seq'] // 1024}K | {r['devices']} | {r['kernel']} | {label} | excluded: {why} | | | | | |")
+        lines.append(f"| {r['seq'] // 1024}K | {r['devices']} {r['hardware']} | {r['kernel']} | {label} | excluded: {why} | | | | | |")
   lines += ["", "Choices (`context_cost.choose`):", ""]
-  lines += [f"- {r['seq'] // 1024}K tokens, {r['devices']} H100s, {r['kernel']} kernel: {r['reason']}" for r in rows]
+  lines += [f"- {r['seq'] // 1024}K tokens, {r['devices']} x {r['hardware']}, {r['kernel']} kernel: {r['reason']}"
+            for r in rows]
   plain, zig = bal
   lines += ["", "Load-balanced causal ring against the plain one, C = 8, one node of H100s, llama3_8b at 64K tokens "
             "(8K per GPU), flash inner kernel:", "",

@@ -14,6 +14,8 @@ Bytes each device sends (hand counts, checked against the compiled ledger in tes
                                                        + C x 2 b (L/C) G K 4
   ulysses     forward  q, k, v to head-sharded, o back: (C-1)/C x b (L/C) (2 H + 2 G) K e
               backward the same four the other way
+  usp,        Ulysses' over U (context.ulysses) and the ring's over R = C/U on blocks b (L/R) (G/U) K; the
+  a2a_p2p     all-to-alls at the links inside a group, the ring's shifts at those across (Rates.split_bandwidth)
 (the positions, int32 and the same in every layer, move too: XLA gathers them once; left out here).
 
 Causal work (`causal_work`): under a causal mask a kernel that skips masked blocks (flash attention, cuDNN's)
@@ -479,5 +481,7 @@ def reason(cands: list[dict]) -> str:
                    f" per layer forward over context)")
   if other is None:
     return say(best) + tied + ("; the only candidate" if not ties else "")
-  return (f"{say(best)}{tied}, {other['t_step_s'] / best['t_step_s'] - 1:.0%} faster than {say(other)}; "
+  gain = other["t_step_s"] / best["t_step_s"] - 1
+  pct = f"{gain:.1%}" if gain < 0.01 else f"{gain:.0%}"      # under 1%: one decimal, not "0% faster"
+  return (f"{say(best)}{tied}, {pct} faster than {say(other)}; "
           f"memory {best['memory_bytes'] / 1e9:.0f} GB vs {other['memory_bytes'] / 1e9:.0f} GB per device")
