@@ -224,6 +224,8 @@ class PipelineConfig:
   impl: str = "none"              # none | gpipe | 1f1b | eager_1f1b | interleaved | zb_h1 | package.module:Class
   microbatches: int = 0           # M; 0: one per stage (M = mesh.pipeline), the fewest every schedule runs with
   virtual_stages: int = 1         # V: model chunks per stage (impl=interleaved)
+  consecutive: int = 0            # interleaved: microbatches back to back per chunk (Llama 3's flexible interleave;
+                                  # 0: mesh.pipeline, Megatron's groups of P)
   gather: str = "microbatch"      # FSDP weights of a stage: gathered in every F and B (microbatch) or once (step)
   table: str = ""                 # PATH.csv: a schedule in torch.distributed.pipelining's CSV format (one row per
                                   # rank); it fixes the stages, microbatches and virtual stages (pipeline_tables.py)

@@ -1,8 +1,9 @@
-"""`python -m shardlab.pipeline export schedule=NAME stages=P microbatches=M [virtual_stages=V] out=PATH.csv`: a
+"""`python -m shardlab.pipeline export schedule=NAME stages=P microbatches=M [virtual_stages=V] [consecutive=N]
+out=PATH.csv`: a
 pipeline table written in torch.distributed.pipelining's CSV format (pipeline_tables.write_csv), which torchtitan
 reads (`--parallelism.pipeline_parallel_schedule_csv`) and shardlab reads back (`pipeline.table=PATH.csv`).
-`schedule` is a named table (gpipe, 1f1b, eager_1f1b, interleaved, zb_h1) or `module:Name` (your own,
-docs/pipeline.md). `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and
+`schedule` is a named table (gpipe, 1f1b, eager_1f1b, interleaved, zb_h1, looped_bfs; interleaved in groups of
+`consecutive` microbatches) or `module:Name` (your own, docs/pipeline.md). `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and
 ticks as shardlab places them, checked. A bad setting or file is one line, exit 2."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from shardlab.errors import ConfigError
 
 USAGE = ("usage: python -m shardlab.pipeline export schedule=NAME stages=P microbatches=M [virtual_stages=V] "
-         "out=PATH.csv | show table=PATH.csv")
+         "[consecutive=N] out=PATH.csv | show table=PATH.csv")
 
 
 def main(argv: list[str]) -> int:
@@ -24,7 +25,8 @@ def main(argv: list[str]) -> int:
   except ValueError:
     print(f"shardlab.pipeline: error: settings are key=value; {USAGE}", file=sys.stderr)
     return 2
-  known = {"export": {"schedule", "stages", "microbatches", "virtual_stages", "out"}, "show": {"table"}}[argv[0]]
+  known = {"export": {"schedule", "stages", "microbatches", "virtual_stages", "consecutive", "out"},
+           "show": {"table"}}[argv[0]]
   try:
     unknown = sorted(set(opts) - known)
     if unknown:
@@ -44,9 +46,10 @@ def main(argv: list[str]) -> int:
       raise ConfigError(f"export needs {', '.join(f'{k}=' for k in missing)}; {USAGE}")
     try:
       P, M, V = int(opts["stages"]), int(opts["microbatches"]), int(opts.get("virtual_stages", 1))
+      N = int(opts.get("consecutive", 0))
     except ValueError:
-      raise ConfigError("stages, microbatches and virtual_stages are whole numbers") from None
-    orders = PT.orders_of(opts["schedule"], P, M, V)
+      raise ConfigError("stages, microbatches, virtual_stages and consecutive are whole numbers") from None
+    orders = PT.orders_of(opts["schedule"], P, M, V, N)
     PT.check(PT.table(orders, V), M, V)
     try:
       PT.write_csv(orders, opts["out"])

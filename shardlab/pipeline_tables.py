@@ -18,7 +18,10 @@ the cost model replays with the compiled slots' times (analysis/pipeline_replay.
                way (this executor's), the steady state runs one F and one B on every stage every tick, so its
                bubble is 1f1b's closed form, for up to 2 (P - s) - 1 microbatches in flight (jaxpp's Eager1F1B)
   interleaved  1f1b over V chunks per stage, microbatches in groups of P (Megatron-LM's interleaved schedule,
-               Narayanan et al. 2021): bubble (P-1)/(V M + P-1) for V times the point-to-point messages
+               Narayanan et al. 2021): bubble (P-1)/(V M + P-1) for V times the point-to-point messages; with
+               `pipeline.consecutive=N`, in groups of N (Llama 3's flexible interleave, arXiv:2407.21783 sec.
+               3.3.2: N >= P microbatches back to back per chunk, M any multiple of N; more in flight as N grows,
+               (V-1) N + 2 (P-1-s) warm-up forwards as torch's ScheduleInterleaved1F1B counts them)
   zb_h1        1f1b with each backward split into B (input gradient: on the critical path) and W (weight
                gradient: deferred into what would be bubble), holding no more microbatches than 1f1b (ZB-H1, Qi
                et al. 2023, arXiv:2401.10241)
@@ -94,9 +97,10 @@ def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Acti
   return out
 
 
-def orders(name: str, P: int, M: int, V: int = 1) -> list[list[Action]]:
-  """Per stage, its actions in the order it runs them, for a named schedule."""
-  check_shape(name, P, M, V)
+def orders(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> list[list[Action]]:
+  """Per stage, its actions in the order it runs them, for a named schedule (interleaved: microbatches in groups
+  of `consecutive`, 0: of P)."""
+  check_shape(name, P, M, V, consecutive)
   out = []
   for s in range(P):
     if name == "gpipe":
@@ -110,10 +114,11 @@ def orders(name: str, P: int, M: int, V: int = 1) -> list[list[Action]]:
     elif name == "looped_bfs":   # breadth first: every microbatch through chunk 0, then chunk 1, ..; backwards
       out.append([Action("F", m, c) for c in range(V) for m in range(M)] +      # the other way (torch's
                  [Action("B", m, c) for c in reversed(range(V)) for m in range(M)])   # ScheduleLoopedBFS)
-    else:                   # interleaved: microbatches in groups of P, chunks in turn (Megatron-LM)
-      fwd = [Action("F", g * P + i, c) for g in range(M // P) for c in range(V) for i in range(P)]
-      bwd = [Action("B", g * P + i, c) for g in range(M // P) for c in reversed(range(V)) for i in range(P)]
-      warmup = min((P - 1 - s) * 2 + (V - 1) * P, len(fwd))
+    else:                   # interleaved: microbatches in groups of N (P: Megatron-LM), chunks in turn
+      N = consecutive or P
+      fwd = [Action("F", g * N + i, c) for g in range(M // N) for c in range(V) for i in range(N)]
+      bwd = [Action("B", g * N + i, c) for g in range(M // N) for c in reversed(range(V)) for i in range(N)]
+      warmup = min((P - 1 - s) * 2 + (V - 1) * N, len(fwd))
       out.append(_one_f_one_b(fwd, bwd, warmup))
   return out
 
@@ -128,7 +133,7 @@ def chunks_per_stage(name: str) -> int:
   return 2
 
 
-def check_shape(name: str, P: int, M: int, V: int) -> None:
+def check_shape(name: str, P: int, M: int, V: int, consecutive: int = 0) -> None:
   """The settings a named schedule can run with; one line otherwise."""
   if name not in SCHEDULES:
     raise ConfigError(f"pipeline={name}: unknown; choose one of {', '.join(SCHEDULES)}")
@@ -137,9 +142,21 @@ def check_shape(name: str, P: int, M: int, V: int) -> None:
   if name not in CHUNKED and V != 1:
     raise ConfigError(f"pipeline.virtual_stages={V}: only pipeline={' or '.join(CHUNKED)} run several chunks per "
                       f"stage")
-  if name == "interleaved" and M % P:
+  if consecutive and name != "interleaved":
+    raise ConfigError(f"pipeline.consecutive={consecutive}: only pipeline=interleaved runs microbatches in groups "
+                      f"(set pipeline.consecutive=0)")
+  if consecutive < 0 or 0 < consecutive < P:
+    raise ConfigError(f"pipeline.consecutive={consecutive}: groups of at least mesh.pipeline={P} microbatches (0: "
+                      f"{P}): a smaller group's next chunk waits for microbatches still in the stages behind, as "
+                      f"torch's ScheduleInterleaved1F1B keeps its rounds of at least P")
+  if name == "interleaved" and consecutive and M % consecutive:
+    raise ConfigError(f"pipeline.microbatches={M} is not a multiple of pipeline.consecutive={consecutive} "
+                      f"(interleaved runs microbatches in groups of it); choose microbatches a multiple of "
+                      f"{consecutive}")
+  if name == "interleaved" and not consecutive and M % P:
     raise ConfigError(f"pipeline.microbatches={M} is not a multiple of mesh.pipeline={P} (interleaved runs "
-                      f"microbatches in groups of P); choose microbatches a multiple of {P}")
+                      f"microbatches in groups of P); choose microbatches a multiple of {P}, or set "
+                      f"pipeline.consecutive to a group size that divides them")
 
 
 # ------------------------------------------------------------------------------------------ dependencies, ticks
@@ -262,9 +279,9 @@ def check(ticks, M: int, V: int = 1) -> None:
                           f"{n[0]} is made {src}: it reads an activation before it was sent")
 
 
-def build(name: str, P: int, M: int, V: int = 1) -> list[list[tuple[Action, ...]]]:
+def build(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> list[list[tuple[Action, ...]]]:
   """The checked table of a named schedule."""
-  ticks = table(orders(name, P, M, V), V)
+  ticks = table(orders(name, P, M, V, consecutive), V)
   check(ticks, M, V)
   return ticks
 
@@ -287,7 +304,8 @@ def in_flight(ticks, until: str = "B") -> list[int]:
 
 def closed_form_bubble(name: str, P: int, M: int, V: int = 1) -> float:
   """(P-1)/(M+P-1) for gpipe, 1f1b and eager_1f1b, (P-1)/(V M+P-1) for interleaved and looped_bfs (the fill
-  and drain of chunks 1/V of a stage); zb_h1: 1f1b's (an upper bound)."""
+  and drain of chunks 1/V of a stage; interleaved in groups of N >= P as well, each stage busy from its first
+  forward; groups of N < P wait for their first microbatch to come round); zb_h1: 1f1b's (an upper bound)."""
   return (P - 1) / ((V if name in CHUNKED else 1) * M + P - 1)
 
 
@@ -408,14 +426,14 @@ def runs(slot: str, n: int, of: int) -> str:
   return f"pipeline_{slot}_runs_{n}_of_{of}"
 
 
-def load_table(impl: str, P: int, M: int, V: int):
+def load_table(impl: str, P: int, M: int, V: int, consecutive: int = 0):
   """The table of `pipeline.impl`: a named schedule, or `module:Name` in the user's own file: a class (built with
   no arguments) or object with a method `orders(P, M, V)` (per stage, its list of Actions: placed on ticks by
   `table`) or `table(P, M, V)` (the ticks themselves), or a plain function, taken as `orders(P, M, V)`. Checked
   either way (`check`), before anything compiles: what the user's code returns that is not that, or raises, is one
   line naming the setting (and the user's file and line: loading.call_user)."""
   if ":" not in impl:
-    return build(impl, P, M, V)
+    return build(impl, P, M, V, consecutive)
   setting, obj = f"pipeline.impl={impl}", load_object(impl, "pipeline.impl", {}, None)
   has = lambda o, k: not inspect.ismodule(o) and callable(getattr(o, k, None))
   if inspect.isclass(obj) and (has(obj, "table") or has(obj, "orders")):
@@ -550,20 +568,20 @@ def write_csv(orders_: list[list[Action]], path) -> None:
     csv.writer(f).writerows([[f"{vstage(s, a.chunk, P)}{name[a.kind]}{a.mb}" for a in o] for s, o in enumerate(orders_)])
 
 
-def orders_of(impl: str, P: int, M: int, V: int) -> list[list[Action]]:
+def orders_of(impl: str, P: int, M: int, V: int, consecutive: int = 0) -> list[list[Action]]:
   """The per-stage orders of `pipeline.impl`: a named schedule's (`orders`), or a user's table's ticks read off in
   tick order (a tick's F, then B, then W)."""
   if ":" not in impl:
-    return orders(impl, P, M, V)
+    return orders(impl, P, M, V, consecutive)
   ticks = load_table(impl, P, M, V)
   return [[a for row in ticks for a in sorted(row[s], key=lambda a: SLOT[a.kind])] for s in range(P)]
 
 
-def table_of(impl: str, csv_table: str, P: int, M: int, V: int):
+def table_of(impl: str, csv_table: str, P: int, M: int, V: int, consecutive: int = 0):
   """The ticks a pipeline runs on P stages: its CSV file (`pipeline.table`, read_csv) or its schedule
-  (`pipeline.impl`, load_table); checked."""
+  (`pipeline.impl`, load_table; interleaved in groups of `consecutive`); checked."""
   if not csv_table:
-    return load_table(impl, P, M, V)
+    return load_table(impl, P, M, V, consecutive)
   try:
     ticks = table(read_csv(csv_table)[0], V)
     check(ticks, M, V)

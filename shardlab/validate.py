@@ -41,6 +41,7 @@ RANGES = [
     ("schedule.microbatches", 1, None, "microbatches per step"),
     ("pipeline.microbatches", 0, None, "microbatches per step through the pipeline (0: one per stage)"),
     ("pipeline.virtual_stages", 1, None, "model chunks per pipeline stage"),
+    ("pipeline.consecutive", 0, None, "interleaved: microbatches per group (0: mesh.pipeline)"),
     ("train.steps", 1, None, "optimizer steps"),
     ("train.batch_size", 1, None, "global batch in sequences"),
     ("train.seed", 0, 2**32 - 1, "JAX keys take 32 bits"),

@@ -191,3 +191,12 @@ def test_zero_bubble_under_remat_equals_the_reference(remat):
   ref_loss, ref_grads = reference_loss_and_grads(MODEL)
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=f"zb_h1 remat={remat}: ")
+
+
+def test_flexible_interleave_matches_the_reference():
+  """pipeline=interleaved pipeline.consecutive=4 on p2 x f2 x t2 (8 microbatches, 2 chunks per stage): groups of
+  4 back to back instead of Megatron's groups of P = 2, the same training as the plain reference."""
+  _, (loss, grads) = _run("interleaved", P2F2T2, 8, 2, consecutive=4)
+  ref_loss, ref_grads = reference_loss_and_grads(MODEL)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label="interleaved, consecutive=4: ")

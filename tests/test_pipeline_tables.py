@@ -141,3 +141,23 @@ def test_communication_actions_in_a_csv_are_checked_and_a_bad_csv_is_one_line(tm
         (text, str(e.value))
   with pytest.raises(ConfigError, match="cannot read it"):
     PL.read_csv(tmp_path / "missing.csv")
+
+
+def test_flexible_interleave_groups_of_n():
+  """pipeline.consecutive=N (Llama 3's flexible interleave): interleaved with microbatches in groups of N instead
+  of P. Its bubble on free links stays (P-1)/(V M+P-1) for any N >= P dividing M, and the microbatches in flight
+  grow with N ((V-1) N + 2 (P-1-s) + 1 on stage s: the warm-up forwards of torch's ScheduleInterleaved1F1B and the
+  one beside the first backward); N = P is Megatron's interleaved table itself. N below P, or not dividing M, is
+  one line; and so is N for a schedule that runs no groups."""
+  P, V = 4, 2
+  assert PL.build("interleaved", P, 8, V, 4) == PL.build("interleaved", P, 8, V)
+  for M, N in ((8, 8), (12, 6), (16, 8)):
+    ticks = PL.build("interleaved", P, M, V, N)
+    got = PR.replay(ticks, t_f=1.0, t_b=2.0, sync=False)["bubble"]
+    assert abs(got - PL.closed_form_bubble("interleaved", P, M, V)) <= 1e-9, (M, N, got)
+    assert PL.in_flight(ticks) == [(V - 1) * N + 2 * (P - 1 - s) + 1 for s in range(P)], (M, N)
+  for N, M, why in ((2, 8, r"groups of at least mesh.pipeline=4"), (6, 8, r"not a multiple of pipeline.consecutive=6")):
+    with pytest.raises(ConfigError, match=rf"^pipeline\.(consecutive|microbatches)=\d+: .*{why}|{why}"):
+      PL.build("interleaved", P, M, V, N)
+  with pytest.raises(ConfigError, match=r"^pipeline.consecutive=8: only pipeline=interleaved"):
+    PL.build("1f1b", P, 8, 1, 8)

@@ -232,12 +232,12 @@ def pipeline_buffers(c: Composition) -> dict:
   gradient, the received activations and output gradients, the two sends); `w`, microbatch-chunks of what
   each layer's B leaves for its split-off weight gradient W (zero-bubble; schedules/stage.py: Stage.held)."""
   P, p = c.stages, c.pipeline
-  return _buffers(p.impl, p.table, P, p.count(P), p.virtual_stages)
+  return _buffers(p.impl, p.table, P, p.count(P), p.virtual_stages, p.consecutive)
 
 
 @functools.lru_cache(maxsize=None)
-def _buffers(impl: str, csv_table: str, P: int, M: int, V: int) -> dict:
-  return Plan(table_of(impl, csv_table, P, M, V), M, V).buffers()
+def _buffers(impl: str, csv_table: str, P: int, M: int, V: int, consecutive: int = 0) -> dict:
+  return Plan(table_of(impl, csv_table, P, M, V, consecutive), M, V).buffers()
 
 
 def attention_kept(c: Composition):

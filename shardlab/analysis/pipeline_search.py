@@ -46,15 +46,15 @@ def pipeline_virtual_stages(name: str) -> int:
 _TABLES: dict = {}
 
 
-def pipeline_table(name: str, P: int, M: int, V: int, csv: str = "") -> dict[str, Any]:
+def pipeline_table(name: str, P: int, M: int, V: int, csv: str = "", consecutive: int = 0) -> dict[str, Any]:
   """The schedule's tick table (pipeline_tables.py: table_of, a named schedule's or a torch-format CSV's) and what a
   stage holds by it, cached:
   {"ticks", "split" (W split off), "in_flight" (the most microbatch-chunks of residuals a stage holds, on the
   stage that holds the most: max of pipeline.in_flight, until W when split), "x" and "w" (residual-stream
   blocks and per-layer output-gradient chunks the executor allocates: Plan.buffers)}."""
-  key = (name, P, M, V, csv)
+  key = (name, P, M, V, csv, consecutive)
   if key not in _TABLES:
-    ticks = table_of(name, csv, P, M, V)
+    ticks = table_of(name, csv, P, M, V, consecutive)
     split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
     units = Plan(ticks, M, V).buffers()
     _TABLES[key] = {"ticks": ticks, "split": split, "in_flight": max(in_flight(ticks, "W" if split else "B")),
@@ -90,7 +90,8 @@ def pipeline_shapes(c: Composition, devices: int, microbatches: int | None = Non
 
 
 def pipeline_memory(c: Composition, data: int, fsdp: int, tensor: int, P: int, name: str, M: int,
-                    tokens: float | None = None, V: int | None = None, csv: str = "") -> dict[str, float]:
+                    tokens: float | None = None, V: int | None = None, csv: str = "",
+                    consecutive: int = 0) -> dict[str, float]:
   """Bytes per device on a pipeline stage: memory_model.breakdown of c on P stages by the named schedule (V =
   pipeline_virtual_stages, or V; `csv`: a CSV table's) at M microbatches, each stage a data x fsdp x tensor mesh, at `tokens` (default
   c's global batch): the stage's n_layers / P layers of state and gathered weights, the embeddings every
@@ -98,13 +99,13 @@ def pipeline_memory(c: Composition, data: int, fsdp: int, tensor: int, P: int, n
   of residuals, residual-stream blocks, a split weight gradient's output gradients, one microbatch's logits)."""
   tokens = c.global_tokens if tokens is None else tokens
   stage = c.replace(mesh={PIPELINE: P, FSDP: fsdp, TENSOR: tensor, DATA: 1},
-                   pipeline={"name": name, "impl": name, "microbatches": M, "table": csv,
+                   pipeline={"name": name, "impl": name, "microbatches": M, "table": csv, "consecutive": consecutive,
                              "virtual_stages": V or pipeline_virtual_stages(name)}, schedule={"microbatches": 1})
   return breakdown(at_tokens(stage, tokens / data))
 
 
 def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V: int | None = None,
-                      csv: str = "") -> dict[str, Any]:
+                      csv: str = "", consecutive: int = 0) -> dict[str, Any]:
   """One pipeline layout: P stages by the named schedule (V = pipeline_virtual_stages, or V; `csv`: the table
   of a torch-format CSV) at M microbatches, each
   stage a data x fsdp x tensor mesh of `place` (placements(..., pipeline=P)), at c's remat. The same row as
@@ -125,7 +126,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   data, fsdp, tensor, bws, axes, hops, untiled = place
   m, hw, hbm = c.model, c.hardware, c.hardware.hbm_bytes
   V = V or pipeline_virtual_stages(name)
-  tab = pipeline_table(name, P, M, V, csv)
+  tab = pipeline_table(name, P, M, V, csv, consecutive)
   tokens = c.global_tokens
   n = P * data * fsdp * tensor
   b = tokens / (data * fsdp * tensor) / M    # per-device tokens of one microbatch (every stage runs all of it)
@@ -152,7 +153,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   step = (run["step_s"] + tail + once) / c.train.mfu
 
   ratios = block.comm_to_math(b)
-  mem = pipeline_memory(c, data, fsdp, tensor, P, name, M, V=V, csv=csv)
+  mem = pipeline_memory(c, data, fsdp, tensor, P, name, M, V=V, csv=csv, consecutive=consecutive)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
   critical, binding = block.critical_batch()
   why = sharding_problems(c, shape_of({PIPELINE: P, DATA: data, FSDP: fsdp, TENSOR: tensor}))
@@ -184,7 +185,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
       "microbatches_to_fit": 1 if fits else None, "batch_per_device_tokens": tokens / n, "comm_to_math": ratios,
       "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
       "ici_axes": axes, "axis_bandwidth": bws, "latency_hops": hops, "notes": notes,
-      PIPELINE: P, "schedule": name, "virtual_stages": V, "bubble": run["bubble"],
+      PIPELINE: P, "schedule": name, "virtual_stages": V, "consecutive": consecutive, "bubble": run["bubble"],
       "bubble_closed_form": None if csv else closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
       "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
       "slot_s": {"F": t_f, "B": t_b, "W": t_w, "send": t_send},
@@ -193,7 +194,8 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
 
 
 def choose_pipeline(c: Composition, place: tuple, P: int, name: str, counts: list[int],
-                     remats: tuple[str, ...], V: int | None = None, csv: str = "") -> dict[str, Any] | None:
+                     remats: tuple[str, ...], V: int | None = None, csv: str = "",
+                     consecutive: int = 0) -> dict[str, Any] | None:
   """The pipeline layout at its best (remat, M) by CHOICE: for each M of `counts` that leaves each microbatch
   whole sequences on every batch shard, the least recomputation that fits (the step time does not charge it);
   the fastest of those (ties: the fewest microbatches). Nothing fits: the setting with the least memory. None
@@ -207,14 +209,14 @@ def choose_pipeline(c: Composition, place: tuple, P: int, name: str, counts: lis
   for M in counts:
     for remat in remats:
       total = pipeline_memory(c.replace(schedule={"remat": remat}), data, fsdp, tensor, P, name, M, V=V,
-                              csv=csv)["total"]
+                              csv=csv, consecutive=consecutive)["total"]
       least = min(least, (total, (remat, M)), key=lambda t: t[0])
       if total <= c.hardware.hbm_bytes:
         fitting.append((remat, M))
         break
   if not fitting:
     fitting = [least[1]]
-  evaluated = [evaluate_pipeline(c.replace(schedule={"remat": r}), place, P, name, M, V, csv)
+  evaluated = [evaluate_pipeline(c.replace(schedule={"remat": r}), place, P, name, M, V, csv, consecutive)
                for r, M in fitting]
   return min(evaluated, key=lambda l: (float(f"{l['step_time_s']:.6g}"), REMAT_BY_RECOMPUTE.index(l["remat"]),
                                        l["microbatches"]))
@@ -234,15 +236,15 @@ def given_pipeline(c: Composition) -> dict[str, Any] | None:
   counts = [M] if M else []
   for m in ([] if M else PIPELINE_MICROBATCHES):
     try:
-      check_shape(pipe.impl, P, m * P, V)
+      check_shape(pipe.impl, P, m * P, V, pipe.consecutive)
       counts.append(m * P)
     except ConfigError:
       continue
   shape = (c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
   place = next(p for p in placements(c, c.mesh.n_devices, pipeline=P) if tuple(p[:3]) == shape)
-  row = choose_pipeline(c, place, P, pipe.impl, counts, (c.schedule.remat,), V, pipe.table)
+  row = choose_pipeline(c, place, P, pipe.impl, counts, (c.schedule.remat,), V, pipe.table, pipe.consecutive)
   if row is not None and not row["fits"]:     # what would fit: more recomputation, another M
-    other = choose_pipeline(c, place, P, pipe.impl, counts, REMAT_BY_RECOMPUTE, V, pipe.table)
+    other = choose_pipeline(c, place, P, pipe.impl, counts, REMAT_BY_RECOMPUTE, V, pipe.table, pipe.consecutive)
     if other["fits"]:
       row["fits_with"] = {"schedule.remat": other["remat"], "pipeline.microbatches": other["microbatches"]}
   return row

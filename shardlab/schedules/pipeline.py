@@ -113,7 +113,7 @@ class Pipeline:
     self.M, self.V = cfg.count(P), cfg.virtual_stages
 
   def ticks(self):
-    return table_of(self.cfg.impl, self.cfg.table, self.P, self.M, self.V)
+    return table_of(self.cfg.impl, self.cfg.table, self.P, self.M, self.V, self.cfg.consecutive)
 
   def check(self, n_layers: int, shape: dict | None = None) -> None:
     """One line for what this pipeline cannot run: a part inside its stages that may not run in a slot (on a mesh
