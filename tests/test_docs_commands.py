@@ -31,6 +31,7 @@ COMMANDS = {
     "python -m shardlab mesh.context=2 mesh.fsdp=2": COVERED,
     "python -m shardlab mesh.context=4 mesh.fsdp=1 context=ulysses": COVERED,
     "python -m shardlab mesh.context=8 mesh.fsdp=1 mesh.tensor=1 context=ring context.load_balance=true": COVERED,
+    "python -m shardlab mesh.context=8 mesh.fsdp=1 mesh.tensor=1 context=usp context.ulysses=2": COVERED,
     "python -m shardlab -m schedule=baseline,fsdp_prefetch,keep_gathered mesh=4x2,2x4": COVERED,
     "python -m shardlab mesh.pipeline=4 mesh.fsdp=2 mesh.tensor=1 model.n_layers=8 pipeline=1f1b "
     "pipeline.microbatches=8": COVERED,

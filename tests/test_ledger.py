@@ -340,3 +340,16 @@ def test_reconcile_names_each_compiler_rewrite_and_reports_the_rest():
   half = ledger.reconcile(gathers, [_row("all-gather", "context", "s32", 8, 8192, count=4),
                                     _row("all-gather", "context", "s32", 8, 4096)])   # not a whole placed array
   assert half.unexplained == {"context"}
+
+
+def test_a_loop_invariant_gather_run_once_is_hoisted():
+  """A gather placed in every layer of a scan on an operand the loop does not change (the context strategies'
+  positions: 2 layers, one gather each), which the compiler runs once: `hoisted`, no difference; a gather run
+  fewer times than placed but not in a loop stays a difference."""
+  from shardlab.analysis import ledger
+  placed = [_row("all-gather", "context", "s32", 8, 128, count=2)]
+  rec = ledger.reconcile(placed, [_row("all-gather", "context", "s32", 8, 128)])
+  assert rec.differences == [] and [r["rewrite"] for r in rec.rewrites] == ["hoisted", "combined"]
+  rec = ledger.reconcile([_row("all-gather", "context", "s32", 8, 128), _row("all-gather", "context", "s32", 8, 128)],
+                         [_row("all-gather", "context", "s32", 8, 128)])
+  assert rec.unexplained == {"context"}

@@ -180,6 +180,8 @@ def nested(rows: list[Row]) -> dict:
 #   duplicated                    a compiled collective of a kind and dtype placed on the axis, moving whole
 #                                 copies of one placed array: the compiler ran a placed collective again rather
 #                                 than keep its result (libtpu, the ring's positions beside a Mosaic kernel)
+#   hoisted                       a placed collective in a loop on an operand the loop does not change, run fewer
+#                                 times than placed (XLA's loop-invariant code motion, or CSE across layers)
 #   all-reduce on fewer elements  XLA's AllReduceReassociate sums the operands of all-reduces whose results are
 #                                 added, then reduces once (the grad norm's partial sums, when a size-1 axis makes
 #                                 their groups equal); libtpu reduces a tensor-replicated gradient over `tensor`
@@ -273,6 +275,17 @@ def reconcile(program: list[Row], compiled: list[Row]) -> Reconciled:
         b["extra_runs"] = b.get("extra_runs", 0) + b["left"] // max(one)
         b["left"] = 0
     if not any(b["left"] for b in c.values()):
+      # a collective placed in a loop (the layer scan) on an operand the loop does not change, which the compiler
+      # runs fewer times (hoisted out of the loop, or one run shared by several: the context strategies' token
+      # positions, the same in every layer): at most all but one run of each such placed collective
+      for key, a in sorted(p.items()):
+        looped = [r for r in program if r.axis == axis and (r.kind, r.dtype) == key and r.count > 1]
+        spare = sum((r.count - 1) * (r.bytes_full // hlo.DTYPE_BYTES.get(r.dtype, 4)) for r in looped)
+        if a["left"] and key in c and key[0] != "all-reduce" and a["left"] <= spare:   # (all-reduces: below)
+          rewrites.append({"rewrite": "hoisted", "axis": axis, "elements": a["left"],
+                           "program": {"kind": key[0], "dtype": key[1], "bytes": a["bytes"] * a["left"] // a["elements"]},
+                           "compiled": {"kind": key[0], "dtype": key[1], "bytes": 0}})
+          a["left"] = 0
       # (the greedy pairing may have given a reassociated all-reduce's compiled elements to a placed reduce-scatter
       # or all-gather of its dtype, "as all-reduce": the leftover then shows there, at most the placed all-reduces'
       # elements)

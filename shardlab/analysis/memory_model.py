@@ -19,7 +19,7 @@ device: 6.1 bytes per logit, experiments/context/README.md).
 Context parallelism (mesh.context=C, schedules/context.py) splits every activation's sequence: a device holds
 L/C tokens of each of its sequences, so every activation term, the logits' included, is per local token and
 falls as 1/C (the traced residuals are the local shapes already). What attention keeps per local token depends on
-the strategy: all_gather's plain attention its scores against the whole sequence ([B, H, L/C, L]: 4 H L per
+the strategy: all_gather's plain attention its probabilities against the whole sequence ([B, H, L/C, L]: 2 H L per
 local token, as the plain formula counts with T = L), Ulysses the model's own kernel on H/C heads over the whole
 sequence (the same per local token as without context), the ring its custom VJP's local q, k, v, output and
 log-sum-exp (the blockwise kernel's set). Weights a layout shards over `context` too (`embed -> [fsdp, context]`,
@@ -68,7 +68,8 @@ def activation_elements_per_token(model, remat: str) -> int:
   transformer, remat=none: each RMSNorm its input, normalized and scaled outputs and 2 statistics (3D + 2, twice),
     Q and KV after RoPE, the attention output D and its softmax state S, SwiGLU 6F (gate and up, the sigmoid, the
     SiLU, the product, the down-projection's input) -> 8D + KV + 6F + 4 + S, where S is
-    - plain: 4 H T + 2 H (the [B, H, T, T] scores and probabilities: the only T^2 term), and
+    - plain: 2 H T + 2 H (the [B, H, T, T] probabilities, in float32 for the softmax's VJP and in the compute
+      dtype for the PV matmul's: the only T^2 terms; the causal mask is an additive bias, which no VJP keeps), and
     - blockwise: H (the log-sum-exp; O(T) memory), dot_product: H (cuDNN flash attention's statistics; on CPU
       XLA's implementation keeps the scores like plain).
   save_matmuls: layer input D and the projections' outputs (Q D, KV, out-proj D, in-proj 2F) -> 3D + KV + 2F.
@@ -88,7 +89,7 @@ def activation_elements_per_token(model, remat: str) -> int:
   attention = getattr(model, "attention", "plain")
   if attention not in ("plain", "blockwise", "dot_product"):
     raise ValueError(f"unknown model.attention {attention!r}; expected plain | blockwise | dot_product")
-  stats = 4 * h * model.seq_len + 2 * h if attention == "plain" else h
+  stats = 2 * h * model.seq_len + 2 * h if attention == "plain" else h
   lse = h if attention == "blockwise" else 0        # kept with the attention output (a named residual)
   return {"none": 8 * d + kv + 6 * f + 4 + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
           "save_qkv_attn_out": 3 * d + kv + lse, "save_matmuls_attn_out": 4 * d + kv + 2 * f + lse,
