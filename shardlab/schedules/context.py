@@ -38,6 +38,7 @@ With no `context` axis in the mesh a strategy is the model's own attention (mode
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -347,13 +348,6 @@ class USP(Ring):
     g = m.kv_heads // t if m.kv_heads % t == 0 else 0            # K/V heads replicated over tensor: not split
     return c, self.ulysses_degree(c, m.n_heads // t, g, inside), m.n_heads // t, g
 
-  def why_not(self, shape: dict) -> str | None:
-    try:
-      self.check(shape)
-    except ConfigError as e:
-      return str(e)
-    return None
-
   def check(self, shape: dict) -> None:
     """One context axis (the ring within it); U dividing C and the heads each device holds."""
     axes = self.layout.rule("length", tuple(shape))
@@ -389,7 +383,6 @@ class USP(Ring):
   def _parts_of(self, a) -> tuple[int, object]:
     """(U, the ring's Attn: R = C/U ranks of U x a.inside devices each, H/U and G/U heads) of one layer's
     attention `a`."""
-    import dataclasses
     u = self.ulysses_degree(a.C, a.H, a.G, a.inside)
     return u, dataclasses.replace(a, C=a.C // u, H=a.H // u, G=a.G // u, inside=a.inside * u)
 
@@ -404,7 +397,6 @@ class USP(Ring):
   def layer_time(self, a, cost) -> dict:
     """The four all-to-alls each way over the group (its links: inside a node where U C-ranks fit) on the
     critical path, and the ring's pass over R ranks (Ring.layer_time at the links across groups)."""
-    import dataclasses
     u, ring = self._parts_of(a)
     inner_bw, outer_bw = cost.split_bandwidth(u)
     a2a = (u - 1) * a.b * (a.L // a.C) * a.K * a.e // u      # per head of one array
