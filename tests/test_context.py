@@ -378,3 +378,14 @@ def test_usp_degrees_and_refusals():
                              ulysses=4)
   with pytest.raises(ConfigError, match=r"^context.ulysses=3: context=usp needs a Ulysses degree that divides"):
     CP.make(ContextConfig(impl="usp", ulysses=3), m, Layout()).check({"fsdp": 1, "context": 8, "tensor": 1})
+
+
+def test_usp_beside_an_expert_dispatcher_is_the_reference():
+  """usp (U = 2, a ring of 2) on expert 2 x context 4 with the all_to_all dispatcher's MoE layers: the two parts'
+  all-to-alls over their own axes, loss and every gradient against the plain reference."""
+  model = {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "n_layers": 2}
+  _, (loss, grads) = testing.compile_schedule(None, {"expert": 2, "fsdp": 1, "context": 4, "tensor": 1}, model,
+                                              context="usp", ulysses=2, expert={"impl": "all_to_all"})
+  ref_loss, ref_grads = reference_loss_and_grads(model)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+  assert_trees_close(grads, ref_grads, rtol=1e-4, atol=2e-6, label="usp x experts: ")

@@ -40,6 +40,8 @@ VERDICTS = [
     ([*CP_PIPE, "context=ring"], True),
     ([*CP_PIPE, "context.impl=shardlab.schedules.context:Ring"], True),   # the case that trained a wrong model
     ([*CP_PIPE, "context.impl=user_parts:RingCopy"], True),
+    ([*CP_PIPE, "context=usp"], True),          # its ring's ppermutes, stated by its class
+    ([*CP_PIPE, "context=a2a_p2p"], True),
     # no ring without its axis: nothing to pair wrongly
     ([*PIPE, "mesh.tensor=1", "mesh.fsdp=4", "pipeline=1f1b", "schedule.tp=ring"], False),
     ([*PIPE, "mesh.tensor=2", "pipeline=1f1b", "context=ring"], False),
@@ -305,6 +307,8 @@ PAIRS = [  # (id, mesh, schedule knobs, context strategy, pipeline)
     ("context ring x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {"tp": "ring"}, "ring", None),
     ("context ulysses x data x tensor", {"data": 2, "context": 2, "tensor": 2}, {}, "ulysses", None),
     ("context ulysses x tensor ring", {"fsdp": 2, "context": 2, "tensor": 2}, {"tp": "ring"}, "ulysses", None),
+    ("context usp x data", {"data": 2, "context": 4}, {}, "usp", None),
+    ("context usp x tensor ring", {"context": 4, "tensor": 2}, {"tp": "ring"}, "usp", None),
     # a ring part inside a pipeline on a mesh where its axis does not split: it places no ppermute, so it runs
     ("pipeline x tp ring, no tensor split", {"pipeline": 2, "fsdp": 4}, {"tp": "ring"}, None, "1f1b"),
     ("pipeline x context ring, no context split", {"pipeline": 2, "fsdp": 2, "tensor": 2}, {}, "ring", "1f1b"),

@@ -85,6 +85,14 @@ class AllGatherKV:
       raise ConfigError(f"model.attention={self.model.attention}: context=all_gather runs the plain attention "
                         f"(a causal mask from the tokens' positions); set model.attention=plain or mesh.context=1")
 
+  def heads_per_device(self, shape: dict) -> tuple[int, int, int, int]:
+    """(context split c, tensor split t, query heads, K/V heads per device after tensor parallelism; 0 where the
+    K/V heads are replicated over tensor, which a head split cannot split) on a mesh of `shape`."""
+    c = math.prod(shape[a] for a in self.layout.rule("length", tuple(shape)))
+    t = math.prod(shape[a] for a in self.layout.rule("heads", tuple(shape)))
+    m = self.model
+    return c, t, m.n_heads // t, m.kv_heads // t if m.kv_heads % t == 0 else 0
+
   def context_axis(self):
     """The mesh axes the sequence is split over on the mesh being traced (a name, or a tuple), None if none."""
     axes = self.layout.rule("length", jax.sharding.get_abstract_mesh().axis_names)
@@ -157,13 +165,8 @@ class Ulysses(AllGatherKV):
   def _split_heads(self, shape: dict) -> tuple[int, int] | None:
     """(context split c, tensor split t) when the heads each device holds after tensor parallelism, query and
     K/V, do not split again c ways; else None."""
-    axes = self.layout.rule("length", tuple(shape))
-    c = math.prod(shape[a] for a in axes)
-    t = math.prod(shape[a] for a in self.layout.rule("heads", tuple(shape)))
-    m = self.model
-    if c > 1 and ((m.n_heads // t) % c or m.kv_heads % t or (m.kv_heads // t) % c):
-      return c, t
-    return None
+    c, t, h, g = self.heads_per_device(shape)
+    return (c, t) if c > 1 and (h % c or not g or g % c) else None
 
   def why_not(self, shape: dict) -> str | None:
     split = self._split_heads(shape)
@@ -326,27 +329,19 @@ class USP(Ring):
     devices inside each context rank (the tensor axis): context.ulysses, or (0) the largest proper divisor of C
     that divides both head counts (Ulysses as far as the heads allow, as USP's authors advise, and a ring of two
     or more; 1 at C = 1)."""
-    if self.cfg.ulysses:
-      return self.cfg.ulysses
-    return max([d for d in range(1, C) if C % d == 0 and heads % d == 0 and kv_heads % d == 0] or [1])
+    return self.cfg.ulysses or max(_head_divisors(C, heads, kv_heads) or [1])
 
   def ulysses_choices(self, C: int, heads: int, kv_heads: int, inside: int) -> list[int]:
     """The degrees a search prices (context_cost.ulysses_degrees): context.ulysses where set, else every divisor of C
     between 1 and C both head counts allow (U = 1 is the ring and U = C Ulysses, each priced as itself)."""
-    if self.cfg.ulysses:
-      return [self.cfg.ulysses]
-    return [d for d in range(2, C) if C % d == 0 and heads % d == 0 and kv_heads % d == 0]
+    return [self.cfg.ulysses] if self.cfg.ulysses else [d for d in _head_divisors(C, heads, kv_heads) if d > 1]
 
   def _split(self, shape: dict) -> tuple[int, int, int, int]:
     """(C, U, query heads, K/V heads per device) on a mesh of `shape` (an ordered {axis: size})."""
-    axes = self.layout.rule("length", tuple(shape))
-    c = math.prod(shape[a] for a in axes)
-    t = math.prod(shape[a] for a in self.layout.rule("heads", tuple(shape)))
-    m = self.model
-    names = list(shape)
+    axes, names = self.layout.rule("length", tuple(shape)), list(shape)
+    c, _, h, g = self.heads_per_device(shape)
     inside = math.prod(shape[a] for a in names[names.index(axes[-1]) + 1:]) if axes else 1
-    g = m.kv_heads // t if m.kv_heads % t == 0 else 0            # K/V heads replicated over tensor: not split
-    return c, self.ulysses_degree(c, m.n_heads // t, g, inside), m.n_heads // t, g
+    return c, self.ulysses_degree(c, h, g, inside), h, g
 
   def check(self, shape: dict) -> None:
     """One context axis (the ring within it); U dividing C and the heads each device holds."""
@@ -431,6 +426,11 @@ class A2AP2P(USP):
   def ulysses_choices(self, C: int, heads: int, kv_heads: int, inside: int) -> list[int]:
     """Its one degree: the node's (or context.ulysses)."""
     return [self.ulysses_degree(C, heads, kv_heads, inside)]
+
+
+def _head_divisors(C: int, heads: int, kv_heads: int) -> list[int]:
+  """The Ulysses degrees below C that split C, the query heads and the K/V heads per device."""
+  return [d for d in range(1, C) if C % d == 0 and heads % d == 0 and kv_heads % d == 0]
 
 
 def ring_plan(parts: int, local: int, block: int, order=None) -> tuple:
