@@ -221,9 +221,10 @@ class PipelineConfig:
   """Pipeline parallelism (`mesh.pipeline=P`): the layer stack split into P stages, run by a schedule table
   (pipeline_tables.py, schedules/pipeline.py, docs/pipeline.md)."""
   name: str = "none"
-  impl: str = "none"              # none | gpipe | 1f1b | eager_1f1b | interleaved | zb_h1 | package.module:Class
+  impl: str = "none"              # none | gpipe | 1f1b | eager_1f1b | interleaved | zb_h1 | zb_h2 | zb_v |
+                                  # dualpipev | looped_bfs | package.module:Class
   microbatches: int = 0           # M; 0: one per stage (M = mesh.pipeline), the fewest every schedule runs with
-  virtual_stages: int = 1         # V: model chunks per stage (impl=interleaved)
+  virtual_stages: int = 1         # V: model chunks per stage (interleaved, looped_bfs; 2 for zb_v, dualpipev)
   consecutive: int = 0            # interleaved: microbatches back to back per chunk (Llama 3's flexible interleave;
                                   # 0: mesh.pipeline, Megatron's groups of P)
   gather: str = "microbatch"      # FSDP weights of a stage: gathered in every F and B (microbatch) or once (step)
@@ -248,7 +249,7 @@ class PipelineConfig:
       return self
     from shardlab.errors import ConfigError
     from shardlab.pipeline_tables import read_csv
-    _, P, V, M = read_csv(self.table)
+    _, P, V, M, _ = read_csv(self.table)
     where = f"pipeline.table={self.table}"
     if P != stages:
       raise ConfigError(f"{where} has {P} ranks (rows), mesh.pipeline={stages}: set mesh.pipeline={P}")

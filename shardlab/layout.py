@@ -164,8 +164,8 @@ def from_config(cfg: "LayoutConfig") -> Layout:
 
 
 # What a rule no schedule honours yet needs (messages).
-NOT_YET = {"layers": "pipeline stages need a pipeline schedule: pipeline=gpipe, 1f1b, eager_1f1b, interleaved or zb_h1 "
-                     "(docs/pipeline.md), or mesh.pipeline=1",
+NOT_YET = {"layers": "pipeline stages need a pipeline schedule: pipeline=gpipe, 1f1b, eager_1f1b, interleaved, zb_h1, "
+                     "zb_h2, zb_v, dualpipev or looped_bfs (docs/pipeline.md), or mesh.pipeline=1",
            "length": "this schedule does not split the sequence (the explicit ones do); use mesh.context=1"}
 
 

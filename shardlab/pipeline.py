@@ -1,10 +1,10 @@
 """`python -m shardlab.pipeline export schedule=NAME stages=P microbatches=M [virtual_stages=V] [consecutive=N]
-out=PATH.csv`: a
-pipeline table written in torch.distributed.pipelining's CSV format (pipeline_tables.write_csv), which torchtitan
-reads (`--parallelism.pipeline_parallel_schedule_csv`) and shardlab reads back (`pipeline.table=PATH.csv`).
-`schedule` is a named table (gpipe, 1f1b, eager_1f1b, interleaved, zb_h1, looped_bfs; interleaved in groups of
-`consecutive` microbatches) or `module:Name` (your own, docs/pipeline.md). `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and
-ticks as shardlab places them, checked. A bad setting or file is one line, exit 2."""
+out=PATH.csv`: a pipeline table written in torch.distributed.pipelining's CSV format (pipeline_tables.write_csv),
+which torchtitan reads (`--parallelism.pipeline_parallel_schedule_csv`) and shardlab reads back
+(`pipeline.table=PATH.csv`). `schedule` is a named table (gpipe, 1f1b, eager_1f1b, interleaved, zb_h1, zb_h2, zb_v,
+dualpipev, looped_bfs; interleaved in groups of `consecutive` microbatches) or `module:Name` (your own,
+docs/pipeline.md). `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and ticks
+as shardlab places them, checked. A bad setting or file is one line, exit 2."""
 from __future__ import annotations
 
 import sys
@@ -34,10 +34,11 @@ def main(argv: list[str]) -> int:
     if argv[0] == "show":
       if "table" not in opts:
         raise ConfigError(f"show needs table=PATH.csv; {USAGE}")
-      orders, P, V, M = PT.read_csv(opts["table"])
-      ticks = PT.table(orders, V)
+      orders, P, V, M, v_shape = PT.read_csv(opts["table"])
+      ticks = PT.table(orders, V, v_shape)
       PT.check(ticks, M, V)
-      print(f"{opts['table']}: {P} stages, {V} chunk(s) per stage, {M} microbatches, {len(ticks)} ticks")
+      print(f"{opts['table']}: {P} stages, {V} chunk(s) per stage{' in a V' if v_shape else ''}, {M} microbatches, "
+            f"{len(ticks)} ticks")
       for t, row in enumerate(ticks):
         print(f"  tick {t:3d}: " + " | ".join(" ".join(map(str, c)).ljust(10) for c in row))
       return 0
@@ -49,10 +50,10 @@ def main(argv: list[str]) -> int:
       N = int(opts.get("consecutive", 0))
     except ValueError:
       raise ConfigError("stages, microbatches, virtual_stages and consecutive are whole numbers") from None
-    orders = PT.orders_of(opts["schedule"], P, M, V, N)
-    PT.check(PT.table(orders, V), M, V)
+    orders, v_shape = PT.orders_of(opts["schedule"], P, M, V, N), opts["schedule"] in PT.V_SHAPED
+    PT.check(PT.table(orders, V, v_shape), M, V)
     try:
-      PT.write_csv(orders, opts["out"])
+      PT.write_csv(orders, opts["out"], v_shape)
     except OSError as e:
       raise ConfigError(f"out={opts['out']}: cannot write it ({e.strerror or e})") from None
     print(f"{opts['out']}: {opts['schedule']}, {P} stages, {M} microbatches, {V} chunk(s) per stage "

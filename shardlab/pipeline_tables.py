@@ -58,8 +58,24 @@ from shardlab.errors import ConfigError
 from shardlab.loading import call_user, kind_of, load_object
 
 KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1", "looped_bfs")
-CHUNKED = ("interleaved", "looped_bfs")   # the schedules that run several chunks (virtual stages) per stage
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1", "zb_h2", "zb_v", "dualpipev", "looped_bfs")
+V_SHAPED = ("zb_v", "dualpipev")          # two chunks per stage in a V: chunk 0 is model stage s, chunk 1 2P - 1 - s
+CHUNKED = ("interleaved", "looped_bfs", *V_SHAPED)   # the schedules that run several chunks (virtual stages) per stage
+
+
+class Ticks(list):
+  """A table: [tick][stage] -> the actions that stage runs in that tick; `v_shape`: where its chunks sit (False:
+  looped, chunk c of stage s is model stage c P + s; True: in a V, chunk 1 of stage s is model stage 2P - 1 - s).
+  A plain list of ticks (a user's table) is looped."""
+  v_shape = False
+
+  def __init__(self, rows=(), v_shape: bool = False):
+    super().__init__(rows)
+    self.v_shape = v_shape
+
+
+def v_shaped(ticks) -> bool:
+  return getattr(ticks, "v_shape", False)
 
 
 @dataclass(frozen=True, order=True)
@@ -72,14 +88,16 @@ class Action:
     return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def vstage(stage: int, chunk: int, P: int) -> int:
-  """The model stage (0 .. V P - 1, in the order layers run) of chunk `chunk` on pipeline stage `stage`."""
-  return chunk * P + stage
+def vstage(stage: int, chunk: int, P: int, v_shape: bool = False) -> int:
+  """The model stage (0 .. V P - 1, in the order layers run) of chunk `chunk` on pipeline stage `stage`: c P + s,
+  looped; in a V (ZB-V, DualPipeV) the odd chunks run back up the stages, c P + P - 1 - s."""
+  return chunk * P + (P - 1 - stage if v_shape and chunk % 2 else stage)
 
 
-def _where(v: int, P: int) -> tuple[int, int]:
+def _where(v: int, P: int, v_shape: bool = False) -> tuple[int, int]:
   """Virtual stage v -> (pipeline stage, chunk)."""
-  return v % P, v // P
+  c, r = divmod(v, P)
+  return (P - 1 - r if v_shape and c % 2 else r), c
 
 
 # ------------------------------------------------------------------------------------------- per-stage orders
@@ -97,6 +115,86 @@ def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Acti
   return out
 
 
+def _zb_v(P: int, M: int, s: int) -> list[Action]:
+  """Stage s of ZB-V (Qi et al., arXiv:2401.10241 sec. 6; torch's ScheduleZBVZeroBubble): chunk 0 (model stage s)
+  and chunk 1 (2P - 1 - s), each backward split into B and W. Warm up with 2 (P - s) - 1 forwards of chunk 0, s
+  pairs of forwards (chunk 1, chunk 0), P - s rounds of chunk 1's F, B, W; then rounds of F, B, W on chunk 0 and
+  on chunk 1; then the backwards left, their W's last. Built for at least 2P - 1 microbatches and cut to M."""
+  n, out = max(2 * P - 1, M), []
+  f, b, w = [0, 0], [0, 0], [0, 0]
+
+  def run(kind: str, c: int) -> None:
+    count = {"F": f, "B": b, "W": w}[kind]
+    out.append(Action(kind, count[c], c))
+    count[c] += 1
+  for _ in range(2 * (P - s) - 1):
+    run("F", 0)
+  for _ in range(s):
+    run("F", 1), run("F", 0)
+  for _ in range(P - s):
+    run("F", 1), run("B", 1), run("W", 1)
+  while f[1] < f[0] or f[0] < n:
+    if f[0] < n:
+      run("F", 0)
+    run("B", 0), run("W", 0), run("F", 1), run("B", 1), run("W", 1)
+  for _ in range(s):
+    run("B", 0), run("B", 1)
+  for _ in range(P - s):
+    run("B", 0), run("W", 0)
+  while w[1] < b[1]:
+    run("W", 1)
+  while w[0] < b[0]:
+    run("W", 0)
+  return [a for a in out if a.mb < M]
+
+
+def _dualpipe_v(P: int, M: int, s: int) -> list[Action]:
+  """Stage s of DualPipeV (DeepSeek-V3's DualPipe cut in half, deepseek-ai/DualPipe `dualpipev.py`; torch's
+  ScheduleDualPipeV): in its main phase each step runs a forward of one chunk beside a whole backward (B and W) of
+  the other, which a tick of this executor runs as its F and B slots. Phases: 2 (P - 1 - s) forwards of chunk 0;
+  s + 1 pairs of forwards (chunk 0, chunk 1); P - 1 - s rounds of chunk 1's B (its W queued) and F; M - 2P + s + 1
+  main steps (F chunk 0 beside B chunk 1, F chunk 1 beside B chunk 0); P - 1 - s of chunk 1's B beside F chunk 1
+  and B chunk 0; s + 1 pairs of backwards (chunk 1, chunk 0), split from the middle on; P - 1 - s backwards of
+  chunk 0 after a queued W; the W's left. M >= 2P."""
+  out: list[Action] = []
+  f, b = [0, 0], [0, 0]
+  queue: list[Action] = []
+
+  def fwd(c: int) -> None:
+    out.append(Action("F", f[c], c))
+    f[c] += 1
+
+  def bwd(c: int, split: bool = False) -> None:
+    out.append(Action("B", b[c], c))
+    (queue if split else out).append(Action("W", b[c], c))
+    b[c] += 1
+
+  def weight() -> None:
+    if queue:
+      out.append(queue.pop(0))
+  for _ in range(2 * (P - 1 - s)):
+    fwd(0)
+  for _ in range(s + 1):
+    fwd(0), fwd(1)
+  for _ in range(P - 1 - s):
+    bwd(1, split=True), weight(), fwd(1)
+  for _ in range(M - 2 * P + s + 1):
+    fwd(0), bwd(1), fwd(1), bwd(0)
+  for _ in range(P - 1 - s):
+    bwd(1), fwd(1), bwd(0)
+  split = False
+  for i in range(s + 1):
+    split = split or (i == (s + 1) // 2 and s % 2 == 1)
+    bwd(1, split)
+    split = split or (i == (s + 1) // 2 and s % 2 == 0)
+    bwd(0, split)
+  for _ in range(P - 1 - s):
+    weight(), bwd(0, split)
+  while queue:
+    weight()
+  return out
+
+
 def orders(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> list[list[Action]]:
   """Per stage, its actions in the order it runs them, for a named schedule (interleaved: microbatches in groups
   of `consecutive`, 0: of P)."""
@@ -105,12 +203,16 @@ def orders(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> list[
   for s in range(P):
     if name == "gpipe":
       out.append([Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)])
-    elif name in ("1f1b", "eager_1f1b", "zb_h1"):
-      warmup = min((2 if name == "eager_1f1b" else 1) * (P - 1 - s), M)
+    elif name in ("1f1b", "eager_1f1b", "zb_h1", "zb_h2"):
+      warmup = min((2 if name in ("eager_1f1b", "zb_h2") else 1) * (P - 1 - s), M)
       order = _one_f_one_b([Action("F", m) for m in range(M)], [Action("B", m) for m in range(M)], warmup)
-      if name == "zb_h1":   # each B's weight gradient W: placed by `table` into the ticks B leaves idle
+      if name in ("zb_h1", "zb_h2"):   # each B's weight gradient W: placed by `table` into the ticks B leaves idle
         order = [a for x in order for a in ((x, Action("W", x.mb)) if x.kind == "B" else (x,))]
       out.append(order)
+    elif name == "zb_v":
+      out.append(_zb_v(P, M, s))
+    elif name == "dualpipev":
+      out.append(_dualpipe_v(P, M, s))
     elif name == "looped_bfs":   # breadth first: every microbatch through chunk 0, then chunk 1, ..; backwards
       out.append([Action("F", m, c) for c in range(V) for m in range(M)] +      # the other way (torch's
                  [Action("B", m, c) for c in reversed(range(V)) for m in range(M)])   # ScheduleLoopedBFS)
@@ -127,7 +229,7 @@ def chunks_per_stage(name: str) -> int:
   """The V a search runs the named schedule at: 2 where its table runs several chunks per stage (check_shape says
   which), else 1."""
   try:
-    check_shape(name, 2, 2, 2)
+    check_shape(name, 2, 8, 2)
   except ConfigError:
     return 1
   return 2
@@ -139,6 +241,12 @@ def check_shape(name: str, P: int, M: int, V: int, consecutive: int = 0) -> None
     raise ConfigError(f"pipeline={name}: unknown; choose one of {', '.join(SCHEDULES)}")
   if P < 1 or M < 1 or V < 1:
     raise ConfigError(f"pipeline: stages {P}, microbatches {M}, virtual stages {V}: each must be >= 1")
+  if name in V_SHAPED and V != 2:
+    raise ConfigError(f"pipeline={name} runs two chunks per stage in a V (stage s holds model stages s and 2P - 1 - "
+                      f"s): set pipeline.virtual_stages=2, not {V}")
+  if name == "dualpipev" and M < 2 * P:
+    raise ConfigError(f"pipeline=dualpipev needs at least 2 x mesh.pipeline = {2 * P} microbatches (its main phase "
+                      f"runs one chunk's forward beside the other's backward); pipeline.microbatches={M}")
   if name not in CHUNKED and V != 1:
     raise ConfigError(f"pipeline.virtual_stages={V}: only pipeline={' or '.join(CHUNKED)} run several chunks per "
                       f"stage")
@@ -164,38 +272,44 @@ def check_shape(name: str, P: int, M: int, V: int, consecutive: int = 0) -> None
 SLOT = {"F": 0, "B": 1, "W": 2}   # the order of a tick's slots on one stage
 
 
-def needs(a: Action, stage: int, P: int, V: int) -> list[tuple[int, Action]]:
+def needs(a: Action, stage: int, P: int, V: int, v_shape: bool = False) -> list[tuple[int, Action]]:
   """(stage, action) pairs that must be done (and, from another stage, sent) before `a` runs on `stage`."""
-  v, last = vstage(stage, a.chunk, P), V * P - 1
+  v, last = vstage(stage, a.chunk, P, v_shape), V * P - 1
   if a.kind == "F":
     if v == 0:
       return []
-    s, c = _where(v - 1, P)
+    s, c = _where(v - 1, P, v_shape)
     return [(s, Action("F", a.mb, c))]
   if a.kind == "B":
     need = [(stage, Action("F", a.mb, a.chunk))]
     if v < last:
-      s, c = _where(v + 1, P)
+      s, c = _where(v + 1, P, v_shape)
       need.append((s, Action("B", a.mb, c)))
     return need
   return [(stage, Action("B", a.mb, a.chunk))]   # W after its own B
 
 
-def _ready(a: Action, s: int, t: int, cell, done: dict, P: int, V: int) -> bool:
-  """`a` can run on stage s in tick t after the actions already in `cell`: an input from another stage was made
-  in an earlier tick (it is sent at the end of that tick), one from this stage earlier, or earlier in this tick."""
-  return all((n in done and done[n] < t) or (n[0] == s and n[1] in cell) for n in needs(a, s, P, V))
+def _ready(a: Action, s: int, t: int, cell, done: dict, P: int, V: int, v_shape: bool = False) -> bool:
+  """`a` can run on stage s in tick t after the actions already in `cell`: an input from another stage, or from
+  another chunk of this stage (a V's turn), was made in an earlier tick (it is sent, or filed, at the end of that
+  tick); one of this chunk's own earlier or earlier in this tick."""
+  return all((n in done and done[n] < t) or (n[0] == s and n[1] in cell and n[1].chunk == a.chunk)
+             for n in needs(a, s, P, V, v_shape))
 
 
-def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ...]]]:
+def table(orders_: list[list[Action]], V: int = 1, v_shape: bool = False) -> Ticks:
   """The static table [tick][stage] -> the actions that stage runs in that tick, in slot order: at most one
   forward, then one backward, then one weight gradient (what one executor tick does; a 1F1B steady state runs
   one F and one B per tick). Each stage takes the next action of its order at the first tick its inputs are
-  there (one from another stage: sent at the end of the tick it was made). A W (split weight gradient) may run
-  later than listed: in a tick where the stage runs nothing else, or before the stage's next forward when it
-  holds as many microbatch-chunks (forward run, W not yet) as the most any stage's order runs forwards before
-  its first backward (1f1b's peak, P: ZB-H1 keeps 1F1B's memory, Qi et al.). Orders that can never finish
-  deadlock: one line naming the stuck stages."""
+  there (one from another stage: sent at the end of the tick it was made). A table that splits the backward
+  (zero-bubble) or sits in a V runs one action per tick: the executor's neighbours keep step tick by tick, so a
+  hop costs a tick, and a tick of one action costs a hop what an asynchronous runtime pays (zb_h1's bubble at P =
+  4, M = 8, T_F = T_B = T_W: 11.1% so, 36.8% in ticks of F, B and W); in a V it also means a stage sends at most
+  one activation or gradient per tick. A W (split weight gradient) may run later than listed: in a tick where the
+  stage has nothing else ready, or before the stage's next forward when it holds as many microbatch-chunks
+  (forward run, W not yet) as the most any stage's order runs forwards before its first backward (1f1b's peak, P:
+  ZB-H1 keeps 1F1B's memory, Qi et al.). Orders that can never finish deadlock: one line naming the stuck
+  stages. `v_shape`: the chunks sit in a V (Ticks)."""
   P = len(orders_)
   done: dict[tuple[int, Action], int] = {}
   pending = [list(o) for o in orders_]
@@ -204,6 +318,7 @@ def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ..
              for o in orders_)
   live = [0] * P      # per stage, microbatch-chunks whose forward ran and whose W has not (split tables)
   split = any(a.kind == "W" for o in orders_ for a in o)
+  one = split or v_shape   # one action per tick
   ticks, t = [], 0
   limit = 4 * sum(len(o) for o in orders_) + 4
   while any(pending) or any(deferred):
@@ -214,13 +329,13 @@ def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ..
       for kind in ("F", "B"):
         while pending[s] and pending[s][0].kind == "W":    # W's wait in the stage's deferred queue
           deferred[s].append(pending[s].pop(0))
-        if (pending[s] and pending[s][0].kind == kind and not (kind == "F" and full)
-                and _ready(pending[s][0], s, t, cell, done, P, V)):
+        if (pending[s] and pending[s][0].kind == kind and not (kind == "F" and full) and not (one and cell)
+                and _ready(pending[s][0], s, t, cell, done, P, V, v_shape)):
           cell.append(pending[s].pop(0))
           live[s] += cell[-1].kind == "F"
       while pending[s] and pending[s][0].kind == "W":
         deferred[s].append(pending[s].pop(0))
-      if deferred[s] and (not cell or full or not pending[s]) and _ready(deferred[s][0], s, t, cell, done, P, V):
+      if deferred[s] and not cell and _ready(deferred[s][0], s, t, cell, done, P, V, v_shape):
         cell.append(deferred[s].pop(0))
         live[s] -= 1
       row.append(tuple(cell))
@@ -235,7 +350,7 @@ def table(orders_: list[list[Action]], V: int = 1) -> list[list[tuple[Action, ..
     t += 1
     if t > limit:
       raise ConfigError("pipeline table does not finish")
-  return ticks
+  return Ticks(ticks, v_shape)
 
 
 def check(ticks, M: int, V: int = 1) -> None:
@@ -244,7 +359,7 @@ def check(ticks, M: int, V: int = 1) -> None:
   its inputs were sent (the end of an earlier tick, for an input from another stage). One line otherwise."""
   if not ticks or not ticks[0]:
     raise ConfigError("pipeline table: it has no ticks or no stages")
-  P = len(ticks[0])
+  P, v_shape = len(ticks[0]), v_shaped(ticks)
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
   when: dict[tuple[int, Action], tuple[int, int]] = {}
   for t, row in enumerate(ticks):
@@ -255,6 +370,9 @@ def check(ticks, M: int, V: int = 1) -> None:
       if kinds != sorted(kinds, key=SLOT.get) or len(set(kinds)) < len(kinds):
         raise ConfigError(f"pipeline table: stage {s} at tick {t} runs {', '.join(map(str, cell))}; a tick "
                           f"holds at most one forward, then one backward, then one weight gradient")
+      if v_shape and len(cell) > 1:
+        raise ConfigError(f"pipeline table: stage {s} at tick {t} runs {', '.join(map(str, cell))}; a tick of a "
+                          f"V-shaped table holds one action (its output goes one way)")
       for i, a in enumerate(cell):
         if (s, a) in when:
           raise ConfigError(f"pipeline table: stage {s} runs {a} twice (ticks {when[(s, a)][0]} and {t})")
@@ -271,8 +389,8 @@ def check(ticks, M: int, V: int = 1) -> None:
     s, a = extra[0]
     raise ConfigError(f"pipeline table: stage {s} runs {a}, which is not an action of {M} microbatches x {V} chunks")
   for (s, a), (t, i) in sorted(when.items(), key=lambda x: x[1]):
-    for n in needs(a, s, P, V):
-      ok = n in when and (when[n][0] < t or (n[0] == s and when[n] < (t, i)))
+    for n in needs(a, s, P, V, v_shape):
+      ok = n in when and (when[n][0] < t or (n[0] == s and n[1].chunk == a.chunk and when[n] < (t, i)))
       if not ok:
         src = "never" if n not in when else f"at tick {when[n][0]}"
         raise ConfigError(f"pipeline table: stage {s} runs {a} at tick {t}, but its input {n[1]} from stage "
@@ -281,7 +399,7 @@ def check(ticks, M: int, V: int = 1) -> None:
 
 def build(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> list[list[tuple[Action, ...]]]:
   """The checked table of a named schedule."""
-  ticks = table(orders(name, P, M, V, consecutive), V)
+  ticks = table(orders(name, P, M, V, consecutive), V, name in V_SHAPED)
   check(ticks, M, V)
   return ticks
 
@@ -305,7 +423,14 @@ def in_flight(ticks, until: str = "B") -> list[int]:
 def closed_form_bubble(name: str, P: int, M: int, V: int = 1) -> float:
   """(P-1)/(M+P-1) for gpipe, 1f1b and eager_1f1b, (P-1)/(V M+P-1) for interleaved and looped_bfs (the fill
   and drain of chunks 1/V of a stage; interleaved in groups of N >= P as well, each stage busy from its first
-  forward; groups of N < P wait for their first microbatch to come round); zb_h1: 1f1b's (an upper bound)."""
+  forward; groups of N < P wait for their first microbatch to come round). With the backward split and T_F = T_B
+  = T_W, the least a table can idle is the first forward's walk to the last stage: zb_h1 and zb_h2 reach it from
+  M = P on, (P-1)/(3M+P-1) (Qi et al.'s ZB-H1 figure), and zb_v and dualpipev over chunks of half a stage,
+  (P-1)/(6M+P-1)."""
+  if name in ("zb_h1", "zb_h2"):
+    return (P - 1) / (3 * M + P - 1)
+  if name in V_SHAPED:
+    return (P - 1) / (3 * V * M + P - 1)
   return (P - 1) / ((V if name in CHUNKED else 1) * M + P - 1)
 
 
@@ -341,20 +466,25 @@ class Plan:
 
   FIELDS = ("f_on", "f_mb", "f_chunk", "f_first", "f_last", "f_in", "f_res", "f_dy",
             "b_on", "b_mb", "b_chunk", "b_first", "b_res", "b_dy", "b_w",
-            "w_on", "w_chunk", "w_res", "w_w", "r_in", "r_dy")
+            "w_on", "w_chunk", "w_res", "w_w", "r_in", "r_dy", "r_in_up", "r_dy_down", "r_in_own", "r_dy_own")
+  # Where what a tick sends is filed: r_in, a forward output received from s - 1 (around the ring, looped); r_dy,
+  # an input gradient from s + 1. A V-shaped table's stage may get both kinds from both sides and from itself
+  # (the V's turn, from one chunk to the other) in one tick: r_in_up, a forward output from s + 1; r_dy_down, an
+  # input gradient from s - 1; r_in_own and r_dy_own, its own.
 
   def __init__(self, ticks, M: int, V: int):
     P, T = len(ticks[0]), len(ticks)
-    last = V * P - 1
-    self.P, self.M, self.V, self.T = P, M, V, T
+    last, vs = V * P - 1, v_shaped(ticks)
+    self.P, self.M, self.V, self.T, self.v_shape = P, M, V, T, vs
+    where = lambda v: _where(v, P, vs)
     self.split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
     at = {(s, a): t for t, row in enumerate(ticks) for s, cell in enumerate(row) for a in cell}
     use = {"in": {}, "res": {}, "dy": {}, "w": {}}
     for (s, a), t in at.items():
-      v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
+      v, key = vstage(s, a.chunk, P, vs), (s, a.mb, a.chunk)
       if a.kind == "F":
         if v > 0:                      # its input arrives at the end of the tick its producer ran
-          src = _where(v - 1, P)
+          src = where(v - 1)
           use["in"][key] = ((at[(src[0], Action("F", a.mb, src[1]))], PHASE["recv"]), (t, PHASE["F"]))
         end = at[(s, Action("W" if self.split else "B", a.mb, a.chunk))]
         use["res"][key] = ((t, PHASE["F"]), (end, PHASE["W" if self.split else "B"]))
@@ -362,7 +492,7 @@ class Plan:
         if v == last:                  # the head wrote it in this stage's F slot
           made = (at[(s, Action("F", a.mb, a.chunk))], PHASE["F"])
         else:
-          src = _where(v + 1, P)
+          src = where(v + 1)
           made = (at[(src[0], Action("B", a.mb, src[1]))], PHASE["recv"])
         use["dy"][key] = (made, (t, PHASE["B"]))
         if self.split:
@@ -372,11 +502,13 @@ class Plan:
     self.slots = {k: max(n for _, n in v) for k, v in per_stage.items()}   # slots per buffer, on the busiest stage
     slot = lambda k, s, key: per_stage[k][s][0][key]
     arr = {f: np.zeros((T, P), np.int32) for f in self.FIELDS}
-    for f in ("f_in", "f_res", "f_dy", "b_res", "b_dy", "b_w", "w_res", "w_w", "r_in", "r_dy"):
-      arr[f][:] = self.slots[{"f_in": "in", "r_in": "in", "f_res": "res", "b_res": "res", "w_res": "res",
-                               "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "b_w": "w", "w_w": "w"}[f]]   # idle
+    buffer = {"f_in": "in", "r_in": "in", "r_in_up": "in", "r_in_own": "in", "f_res": "res", "b_res": "res",
+              "w_res": "res", "f_dy": "dy", "b_dy": "dy", "r_dy": "dy", "r_dy_down": "dy", "r_dy_own": "dy",
+              "b_w": "w", "w_w": "w"}
+    for f, b in buffer.items():
+      arr[f][:] = self.slots[b]   # idle
     for (s, a), t in at.items():
-      v, key = vstage(s, a.chunk, P), (s, a.mb, a.chunk)
+      v, key = vstage(s, a.chunk, P, vs), (s, a.mb, a.chunk)
       if a.kind == "F":
         arr["f_on"][t, s], arr["f_mb"][t, s], arr["f_chunk"][t, s] = 1, a.mb, a.chunk
         arr["f_first"][t, s], arr["f_last"][t, s] = v == 0, v == last
@@ -386,16 +518,18 @@ class Plan:
         if v == last:
           arr["f_dy"][t, s] = slot("dy", s, key)
         else:                          # sent at the end of tick t: the next virtual stage files it
-          ns, nc = _where(v + 1, P)
-          arr["r_in"][t, ns] = slot("in", ns, (ns, a.mb, nc))
+          ns, nc = where(v + 1)
+          f = "r_in_own" if ns == s else "r_in_up" if vs and ns == s - 1 else "r_in"
+          arr[f][t, ns] = slot("in", ns, (ns, a.mb, nc))
       elif a.kind == "B":
         arr["b_on"][t, s], arr["b_mb"][t, s], arr["b_chunk"][t, s], arr["b_first"][t, s] = 1, a.mb, a.chunk, v == 0
         arr["b_res"][t, s], arr["b_dy"][t, s] = slot("res", s, key), slot("dy", s, key)
         if self.split:
           arr["b_w"][t, s] = slot("w", s, key)
         if v > 0:
-          ps, pc = _where(v - 1, P)
-          arr["r_dy"][t, ps] = slot("dy", ps, (ps, a.mb, pc))
+          ps, pc = where(v - 1)
+          f = "r_dy_own" if ps == s else "r_dy_down" if vs and ps == s + 1 else "r_dy"
+          arr[f][t, ps] = slot("dy", ps, (ps, a.mb, pc))
       else:
         arr["w_on"][t, s], arr["w_chunk"][t, s] = 1, a.chunk
         arr["w_res"][t, s], arr["w_w"][t, s] = slot("res", s, key), slot("w", s, key)
@@ -412,9 +546,9 @@ class Plan:
 
   def sends(self) -> tuple[list, list]:
     """The ppermute pairs over `pipeline`: forward (s -> s+1) and backward (s -> s-1), around the ring when
-    chunks wrap from the last stage to the first (V > 1)."""
+    looped chunks wrap from the last stage to the first (V > 1; a V turns on its last stage instead)."""
     P = self.P
-    if self.V > 1:
+    if self.V > 1 and not self.v_shape:
       return [(s, (s + 1) % P) for s in range(P)], [(s, (s - 1) % P) for s in range(P)]
     return [(s, s + 1) for s in range(P - 1)], [(s + 1, s) for s in range(P - 1)]
 
@@ -482,14 +616,15 @@ CSV_CELL = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|F|I|W|
 CSV_COMPUTE = {"F", "I", "W", "B"}
 
 
-def read_csv(path) -> tuple[list[list[Action]], int, int, int]:
-  """(orders, P, V, M) of a schedule in torch.distributed.pipelining's CSV format: one row per rank, each cell
+def read_csv(path) -> tuple[list[list[Action]], int, int, int, bool]:
+  """(orders, P, V, M, v_shape) of a schedule in torch.distributed.pipelining's CSV format: one row per rank, each cell
   `{stage}{action}{microbatch}` in the rank's order, actions F (forward), I (input gradient), W (weight
   gradient), B (both), and the communication and FSDP actions SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD.
   shardlab places those itself; where present each is checked (a send after the action that makes what it sends,
   a receive before the action that reads it, on a stage the rank holds). torch's stage s runs on rank s mod P
-  (its looped placement, Megatron's interleave): shardlab's chunk s // P of stage s % P. I is shardlab's B of a
-  split backward; a B in a table that splits others is its B and W at once. What is not that is one line."""
+  (its looped placement, Megatron's interleave: shardlab's chunk s // P of stage s % P) or, in a V (torch's
+  style "v": ZB-V, DualPipeV), stages r and 2P - 1 - r on rank r (`v_shape`). I is shardlab's B of a split
+  backward; a B in a table that splits others is its B and W at once. What is not that is one line."""
   where = f"pipeline.table={path}"
   try:
     text = Path(path).read_text()
@@ -508,12 +643,16 @@ def read_csv(path) -> tuple[list[list[Action]], int, int, int]:
         raise ConfigError(f"{where}: rank {r}, cell {i + 1}: {cell!r} is not an action ({{stage}}{{F|I|W|B|SEND_F|"
                           f"RECV_F|SEND_B|RECV_B}}{{microbatch}}, or {{stage}}UNSHARD / RESHARD)")
       stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3) or 0)
-      if stage % P != r:
-        raise ConfigError(f"{where}: rank {r} runs stage {stage} ({cell}): shardlab's executor places stage s on "
-                          f"rank s mod P = {stage % P} (torch's looped placement); a V-shaped one (ZB-V, DualPipeV) "
-                          f"is not supported")
       out.append((stage, kind, mb, cell))
     parsed.append(out)
+  odd = [(r, st, cell) for r, row in enumerate(parsed) for st, _, _, cell in row if (st // P) % 2]
+  v_shape = bool(odd) and all(_where(st, P, True)[0] == r for r, st, _ in odd)
+  for r, row in enumerate(parsed):
+    for stage, _, _, cell in row:
+      if _where(stage, P, v_shape)[0] != r:
+        raise ConfigError(f"{where}: rank {r} runs stage {stage} ({cell}): a rank runs stages s with s mod P = "
+                          f"its rank (torch's looped placement) or, in a V, stages r and 2P - 1 - r; here "
+                          f"stage {stage} belongs on rank {_where(stage, P, v_shape)[0]}")
   stages = 1 + max(st for row in parsed for st, *_ in row)
   if stages % P:
     raise ConfigError(f"{where}: {stages} stages on {P} ranks: each rank must hold the same number of stages")
@@ -524,7 +663,7 @@ def read_csv(path) -> tuple[list[list[Action]], int, int, int]:
   for r, row in enumerate(parsed):
     order, done = [], []
     for i, (stage, kind, mb, cell) in enumerate(row):
-      c = stage // P
+      c = _where(stage, P, v_shape)[1]
       if kind in CSV_COMPUTE:
         if (stage, kind, mb) in done:
           raise ConfigError(f"{where}: rank {r} runs {cell} twice")
@@ -546,26 +685,29 @@ def read_csv(path) -> tuple[list[list[Action]], int, int, int]:
           raise ConfigError(f"{where}: rank {r}, {cell}: receives what no later {stage}{made[0]}{mb} on this rank "
                             f"reads")
     orders.append(order)
-  have = {(vstage(s, a.chunk, P), a.kind, a.mb) for s, o in enumerate(orders) for a in o}   # (a B is its B and W)
+  have = {(vstage(s, a.chunk, P, v_shape), a.kind, a.mb) for s, o in enumerate(orders) for a in o}   # (B: B and W)
   for st in range(stages):
     for mb in range(M):
       for k in ("F", "B", "W") if split else ("F", "B"):
         if (st, k, mb) not in have:
           shown = "I" if k == "B" and split else k
-          raise ConfigError(f"{where}: rank {st % P} never runs {st}{shown}{mb} (every stage runs the forward and "
-                            f"the backward{' (I and W)' if split else ''} of every microbatch, 0 .. {M - 1})")
-  return orders, P, V, M
+          raise ConfigError(f"{where}: rank {_where(st, P, v_shape)[0]} never runs {st}{shown}{mb} (every stage "
+                            f"runs the forward and the backward{' (I and W)' if split else ''} of every microbatch, "
+                            f"0 .. {M - 1})")
+  return orders, P, V, M, v_shape
 
 
-def write_csv(orders_: list[list[Action]], path) -> None:
+def write_csv(orders_: list[list[Action]], path, v_shape: bool = False) -> None:
   """Per-stage `orders_` (what `table` places on ticks) in torch.distributed.pipelining's CSV format: a row per
-  rank, its compute actions in its order, stage c P + s for chunk c of stage s, a split backward's B as I (the
-  communication and FSDP actions are the runtime's: left out). read_csv gives the same orders back."""
+  rank, its compute actions in its order, stage c P + s for chunk c of stage s (in a V, 2P - 1 - s for chunk 1),
+  a split backward's B as I (the communication and FSDP actions are the runtime's: left out). read_csv gives the
+  same orders back."""
   P = len(orders_)
   split = any(a.kind == "W" for o in orders_ for a in o)
   name = {"F": "F", "B": "I" if split else "B", "W": "W"}
   with open(path, "w", newline="") as f:
-    csv.writer(f).writerows([[f"{vstage(s, a.chunk, P)}{name[a.kind]}{a.mb}" for a in o] for s, o in enumerate(orders_)])
+    csv.writer(f).writerows([[f"{vstage(s, a.chunk, P, v_shape)}{name[a.kind]}{a.mb}" for a in o]
+                             for s, o in enumerate(orders_)])
 
 
 def orders_of(impl: str, P: int, M: int, V: int, consecutive: int = 0) -> list[list[Action]]:
@@ -583,15 +725,17 @@ def table_of(impl: str, csv_table: str, P: int, M: int, V: int, consecutive: int
   if not csv_table:
     return load_table(impl, P, M, V, consecutive)
   try:
-    ticks = table(read_csv(csv_table)[0], V)
+    orders_, *_, v_shape = read_csv(csv_table)
+    ticks = table(orders_, V, v_shape)
     check(ticks, M, V)
   except ConfigError as e:
     raise ConfigError(str(e) if str(e).startswith("pipeline.table=") else f"pipeline.table={csv_table}: {e}") from None
   return ticks
 
 
-def depth_order(n_layers: int, P: int, V: int) -> list[int]:
+def depth_order(n_layers: int, P: int, V: int, v_shape: bool = False) -> list[int]:
   """The stored layer index (0 .. n_layers-1, as `params` holds them) that runs at each depth on a pipeline of P
-  stages with V chunks each: the identity for V = 1; Megatron's interleaved assignment for V > 1 (see Pipeline)."""
+  stages with V chunks each: the identity for V = 1; Megatron's interleaved assignment for V > 1, or the V's
+  (stage s: depths s and 2P - 1 - s; see Pipeline)."""
   k = n_layers // (P * V)
-  return [s * V * k + c * k + j for v in range(P * V) for s, c in [(v % P, v // P)] for j in range(k)]
+  return [s * V * k + c * k + j for v in range(P * V) for s, c in [_where(v, P, v_shape)] for j in range(k)]

@@ -103,10 +103,11 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_gpipe_checkpoint_resumes_under_interleaved_to_the_same_losses(tmp_path):
+def test_a_gpipe_checkpoint_resumes_under_interleaved_and_zb_v_to_the_same_losses(tmp_path):
   """The layers are stored in the model's order in a checkpoint and placed on stages as the schedule runs them
   (the same reordering places a fresh run's parameters): a gpipe run resumed under interleaved continues the
-  network gpipe trains (it used to continue another network: 5.41923 against 5.45445 at step 3). In this process
+  network gpipe trains (it used to continue another network: 5.41923 against 5.45445 at step 3), and so does one
+  resumed under zb_v, whose stages hold their chunks in a V. In this process
   (the library entry point), to share the start-up."""
   from shardlab.config import to_config
   from shardlab.run import train
@@ -115,8 +116,13 @@ def test_a_gpipe_checkpoint_resumes_under_interleaved_to_the_same_losses(tmp_pat
   whole, resumed = tmp_path / "gpipe", tmp_path / "resumed"
   ref = train(to_config(compose(*base, "pipeline=gpipe", "train.steps=4")), whole)["losses"]
   train(to_config(compose(*base, "pipeline=gpipe", "train.steps=2")), resumed)
+  shutil.copytree(resumed, tmp_path / "v")
   got = train(to_config(compose(*base, *inter, "train.steps=4", "checkpoint.resume=true")), resumed)["losses"]
   assert got == pytest.approx(ref, rel=1e-6, abs=0) and _losses(resumed) == got
+  # and under a V (zb_v: stage s holds model stages s and 2P - 1 - s)
+  got = train(to_config(compose(*base, "pipeline=zb_v", "train.steps=4",
+                                "checkpoint.resume=true")), tmp_path / "v")["losses"]
+  assert got == pytest.approx(ref, rel=1e-6, abs=0)
 
 
 @pytest.mark.slow

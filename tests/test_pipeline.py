@@ -1,6 +1,7 @@
 """Pipeline parallelism (mesh.pipeline, schedules/pipeline.py): the layer stack split into stages over `pipeline`,
 run by one executor from a schedule table. The same training as the unsharded reference, loss and every gradient
-in float32, on pipeline meshes of 8 devices, with M = P and M = 2P microbatches and V = 2 for interleaved; the
+in float32, on pipeline meshes of 8 devices, with M = P and M = 2P microbatches and V = 2 for interleaved (and in a
+V for zb_v and dualpipev); the
 bytes over `pipeline` against a hand count; bad settings one line, before anything compiles."""
 import pytest
 
@@ -22,7 +23,8 @@ P2D2T2 = {"pipeline": 2, "data": 2, "fsdp": 1, "tensor": 2}
 CASES = [("gpipe", P2F2T2, 2, 1), ("gpipe", P8, 16, 1),
          ("1f1b", P4F2, 8, 1), ("1f1b", P2D2T2, 2, 1), ("eager_1f1b", P4F2, 8, 1),
          ("interleaved", P2F2T2, 4, 2), ("interleaved", P4F2, 4, 2),
-         ("zb_h1", P2D2T2, 2, 1), ("zb_h1", P4F2, 8, 1), ("looped_bfs", P2F2T2, 2, 2)]
+         ("zb_h1", P2D2T2, 2, 1), ("zb_h1", P4F2, 8, 1), ("looped_bfs", P2F2T2, 2, 2),
+         ("zb_h2", P4F2, 8, 1), ("zb_v", P2F2T2, 4, 2), ("zb_v", P4F2, 8, 2), ("dualpipev", P4F2, 8, 2)]
 
 
 def _run(impl, shape, M, V, **pipe):

@@ -93,23 +93,29 @@ ASSETS = __import__("pathlib").Path(__file__).parent / "assets"
 
 
 @pytest.mark.parametrize("name,V", [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved", 2), ("zb_h1", 1),
-                                    ("looped_bfs", 2)])
+                                    ("zb_h2", 1), ("zb_v", 2), ("dualpipev", 2), ("looped_bfs", 2)])
 def test_every_table_written_as_torch_csv_loads_back_identically(name, V, tmp_path):
   """write_csv (torch.distributed.pipelining's format: a row per rank, cells {stage}{F|I|W|B}{microbatch}) and
-  read_csv: the same orders, placed on the same ticks as the named table; a split backward is written as I."""
-  PL.write_csv(PL.orders(name, 4, 8, V), tmp_path / "t.csv")
-  orders, P, V2, M = PL.read_csv(tmp_path / "t.csv")
-  assert (P, V2, M) == (4, V, 8) and orders == PL.orders(name, 4, 8, V) and PL.table(orders, V) == PL.build(name, 4, 8, V)
+  read_csv: the same orders and placement (a V: stages r and 2P - 1 - r on rank r, torch's style "v"), placed on
+  the same ticks as the named table; a split backward is written as I."""
+  v_shape = name in PL.V_SHAPED
+  PL.write_csv(PL.orders(name, 4, 8, V), tmp_path / "t.csv", v_shape)
+  orders, P, V2, M, v2 = PL.read_csv(tmp_path / "t.csv")
+  assert (P, V2, M, v2) == (4, V, 8, v_shape) and orders == PL.orders(name, 4, 8, V)
+  assert PL.table(orders, V, v2) == PL.build(name, 4, 8, V)
+  assert PL.table_of("none", str(tmp_path / "t.csv"), 4, 8, V).v_shape == v_shape
   cells = (tmp_path / "t.csv").read_text().split()[0].split(",")
-  assert cells[0] == "0F0" and ("0I0" in cells and "0W0" in cells if name == "zb_h1" else "0B0" in cells)
+  split = name in ("zb_h1", "zb_h2", "zb_v", "dualpipev")
+  assert cells[0] == "0F0" and ("0I0" in cells and "0W0" in cells if split else "0B0" in cells)
+  assert ("7F0" in cells) == v_shape     # rank 0 holds stage 2P - 1 = 7 in a V
 
 
 @pytest.mark.parametrize("asset,P,V,M", [("torchtitan-2-rank.csv", 2, 2, 8), ("torchtitan-4-rank.csv", 4, 2, 6)])
 def test_torchtitans_schedule_csvs_load(asset, P, V, M):
   """The CSVs torchtitan keeps among its test assets (tests/assets/README.md): two stages per rank, I and W
   actions; read, placed on ticks and checked; each (stage, microbatch) forward, input and weight gradient once."""
-  orders, P2, V2, M2 = PL.read_csv(ASSETS / asset)
-  assert (P2, V2, M2) == (P, V, M)
+  orders, P2, V2, M2, v_shape = PL.read_csv(ASSETS / asset)
+  assert (P2, V2, M2, v_shape) == (P, V, M, False)
   ticks = PL.table(orders, V)
   PL.check(ticks, M, V)
   kinds = [a.kind for row in ticks for cell in row for a in cell]
@@ -118,15 +124,17 @@ def test_torchtitans_schedule_csvs_load(asset, P, V, M):
 
 def test_communication_actions_in_a_csv_are_checked_and_a_bad_csv_is_one_line(tmp_path):
   """SEND/RECV and UNSHARD/RESHARD (torchtitan's example.csv has them) are shardlab's to place: checked where
-  present, then left out; a cell that is no action, a stage on the wrong rank (a V-shaped placement), a send before
+  present, then left out; a cell that is no action, a stage on the wrong rank (neither looped nor a V), a send before
   its action, an action twice or missing, a table that deadlocks: one line each, naming the file."""
   good = ("0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1,0RESHARD\n"
           "1RECV_F0,1F0,1RECV_F1,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n")
   (tmp_path / "g.csv").write_text(good)
-  orders, P, V, M = PL.read_csv(tmp_path / "g.csv")
+  orders, P, V, M, _ = PL.read_csv(tmp_path / "g.csv")
   assert PL.table(orders, V) == PL.build("gpipe", 2, 2)
   bad = {"0F0,0X0\n1F0\n": "'0X0' is not an action",
-         "0F0,1F0\n1F1\n": "rank 0 runs stage 1 (1F0): shardlab's executor places stage s on rank s mod P",
+         "0F0,1F0\n1F1\n": "rank 0 runs stage 1 (1F0): a rank runs stages s with s mod P = its rank",
+         "0F0,3F0,2F0\n1F0\n": "rank 0 runs stage 3 (3F0): a rank runs stages s with s mod P = its rank (torch's "
+                                "looped placement) or, in a V, stages r and 2P - 1 - r; here stage 3 belongs on rank 1",
          "0SEND_F0,0F0,0B0\n1F0,1B0\n": "0SEND_F0: sends before 0F0 ran on this rank",
          "0F0,0F0,0B0\n1F0,1B0\n": "rank 0 runs 0F0 twice",
          "0F0,0B0\n1F0\n": "rank 1 never runs 1B0",
@@ -135,7 +143,7 @@ def test_communication_actions_in_a_csv_are_checked_and_a_bad_csv_is_one_line(tm
     path = tmp_path / f"b{i}.csv"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
-      _, P, V, M = PL.read_csv(path)
+      _, P, V, M, _ = PL.read_csv(path)
       PL.table_of("none", str(path), P, M, V)
     assert str(e.value).startswith(f"pipeline.table={path}: ") and why in str(e.value) and "\n" not in str(e.value), \
         (text, str(e.value))
@@ -161,3 +169,49 @@ def test_flexible_interleave_groups_of_n():
       PL.build("interleaved", P, M, V, N)
   with pytest.raises(ConfigError, match=r"^pipeline.consecutive=8: only pipeline=interleaved"):
     PL.build("1f1b", P, 8, 1, 8)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_zero_bubble_tables_reach_their_closed_forms_in_their_memory(P):
+  """With T_F = T_B = T_W (a chunk of half a stage: half of each), in the executor's ticks (one action per tick)
+  and on free links alike: zb_h1 and zb_h2 idle (P-1)/(3M+P-1), only the first forward's walk to the last stage
+  (Qi et al.'s ZB-H1), zb_h1 for 1F1B's P microbatches in flight until W, zb_h2 for up to 2P - 1; zb_v and
+  dualpipev (P-1)/(6M+P-1), the same walk over half stages, for 2P and 2P + 1 half-stage chunks (1F1B's P
+  microbatches; DualPipeV's P + 1/2). With W cheaper than F, zb_h2's longer wait for its W's pays: below zb_h1."""
+  for M in (P, 2 * P, 4 * P):
+    for name, V in (("zb_h1", 1), ("zb_h2", 1), ("zb_v", 2), ("dualpipev", 2)):
+      if name == "dualpipev" and M < 2 * P:
+        continue
+      ticks = PL.build(name, P, M, V)
+      for sync in (True, False):
+        got = PR.replay(ticks, 1 / V, 1 / V, 1 / V, sync=sync)["bubble"]
+        assert got == pytest.approx(PL.closed_form_bubble(name, P, M, V), abs=1e-12), (name, P, M, sync)
+    assert max(PL.in_flight(PL.build("zb_h1", P, M), "W")) == P
+    assert max(PL.in_flight(PL.build("zb_h2", P, M), "W")) == min(2 * P - 1, M)
+    assert max(PL.in_flight(PL.build("zb_v", P, M, 2), "W")) == 2 * P
+    assert M < 2 * P or max(PL.in_flight(PL.build("dualpipev", P, M, 2), "W")) == 2 * P + 1
+  if P > 2:
+    bubble = lambda name: PR.replay(PL.build(name, P, 4 * P), 1.0, 0.75, 0.75)["bubble"]
+    assert bubble("zb_h2") < bubble("zb_h1") < PR.replay(PL.build("eager_1f1b", P, 4 * P), 1.0, 1.5)["bubble"]
+
+
+def test_a_v_places_chunk_one_back_up_the_stages():
+  """In a V (zb_v, dualpipev) stage s holds model stages s and 2P - 1 - s: the forward turns on the last stage
+  (from its chunk 0 to its chunk 1, no send) and the head runs on stage 0; the stored layers run in that order
+  (depth_order); the executor files what a stage sends itself at the turn, and what comes from the other side.
+  A V needs two chunks, and DualPipeV 2P microbatches: one line each."""
+  P = 4
+  assert [PL.vstage(s, c, P, True) for c in (0, 1) for s in range(P)] == [0, 1, 2, 3, 7, 6, 5, 4]
+  assert PL.depth_order(8, P, 2, v_shape=True) == [0, 2, 4, 6, 7, 5, 3, 1]
+  ticks = PL.build("zb_v", P, 8, 2)
+  assert ticks.v_shape and PL.Plan(ticks, 8, 2).sends() == PL.Plan(PL.build("1f1b", P, 8), 8, 1).sends()
+  head = [s for row in ticks for s, cell in enumerate(row) for a in cell if a.kind == "F" and a.chunk == 1 and a.mb == 0]
+  assert head == [3, 2, 1, 0]
+  arr = PL.Plan(ticks, 8, 2).arrays
+  idle = lambda f: arr[f] == PL.Plan(ticks, 8, 2).slots["in" if "in" in f else "dy"]
+  assert (~idle("r_in_own"))[:, :P - 1].sum() == 0 and (~idle("r_in_own"))[:, P - 1].sum() == 8   # the turn
+  assert (~idle("r_in_up")).sum() == 8 * (P - 1) and (~idle("r_dy_down")).sum() == 8 * (P - 1)
+  with pytest.raises(ConfigError, match=r"^pipeline=zb_v runs two chunks per stage in a V .*virtual_stages=2, not 1$"):
+    PL.build("zb_v", P, 8, 1)
+  with pytest.raises(ConfigError, match=r"^pipeline=dualpipev needs at least 2 x mesh.pipeline = 8 microbatches"):
+    PL.build("dualpipev", P, 4, 2)

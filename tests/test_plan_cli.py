@@ -112,16 +112,15 @@ def test_bad_input_is_one_line_and_exit_2(bad, capsys):
 
 def test_pipeline_search_adds_pipeline_rows_and_columns(capsys):
   """pipeline_search=true: the pipeline layouts (tiny's 2 layers: P = 2, every named schedule but the chunked ones,
-  interleaved and looped_bfs, which need 4) are ranked with the others, and the table gains P, schedule and
+  interleaved, looped_bfs, zb_v and dualpipev, which need 4) are ranked with the others, and the table gains P, schedule and
   bubble; without it, neither."""
   text, out = _plan(capsys, [*TINY, "pipeline_search=true", "rows=40"])
   lines = text.splitlines()
   head = lines[2].split()
   assert head[:3] == ["#", "P", "schedule"] and "bubble" in head and "micro" in head
   pp = [l for l in out["layouts"] if "pipeline" in l]
-  from shardlab.pipeline_tables import SCHEDULES
-  assert {(l["pipeline"], l["schedule"]) for l in pp} == {(2, s) for s in SCHEDULES
-                                                           if s not in ("interleaved", "looped_bfs")}
+  from shardlab.pipeline_tables import SCHEDULES, chunks_per_stage
+  assert {(l["pipeline"], l["schedule"]) for l in pp} == {(2, s) for s in SCHEDULES if chunks_per_stage(s) == 1}
   assert out["answer"]["considered"] == 10 + len(pp)
   rows = [l.split() for l in lines[3:3 + min(40, len(out["layouts"]))]]
   for r, l in zip(rows, out["layouts"]):

@@ -515,7 +515,7 @@ PP70 = ["model=llama3_70b", "hardware=h100_multinode", "precision=bf16", "train.
 @pytest.mark.slow
 def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
   from shardlab.axes import PIPELINE
-  from shardlab.pipeline_tables import SCHEDULES
+  from shardlab.pipeline_tables import SCHEDULES, chunks_per_stage
   cfg = resolve(compose(PP70))
   plain = planner.answer(cfg, 32)
   assert all(PIPELINE not in l for l in plain["layouts"])          # off by default: rows as before
@@ -527,12 +527,13 @@ def test_pipeline_layouts_are_searched_on_request_and_ranked_with_the_others():
   shapes = {(l[PIPELINE], l["schedule"]) for l in pp}
   assert {P for P, _ in shapes} == {2, 4, 8, 16}                   # 80 layers: P = 32 does not divide them
   assert {s for _, s in shapes} == set(SCHEDULES)
-  assert (16, "interleaved") not in shapes and (16, "looped_bfs") not in shapes   # 80 % (16 x 2) != 0
+  assert not any(P == 16 and chunks_per_stage(s) > 1 for P, s in shapes)   # 80 % (16 x 2) != 0
   for l in pp:
     P, M = l[PIPELINE], l["microbatches"]
     assert l["data"] * l["fsdp"] * l["tensor"] * P == 32 and M in (P, 2 * P, 4 * P, 8 * P)
+    assert M >= 2 * P or l["schedule"] != "dualpipev"
     assert 512 % (l["data"] * l["fsdp"] * M) == 0                  # whole sequences per shard per microbatch
-    assert l["virtual_stages"] == (2 if l["schedule"] in ("interleaved", "looped_bfs") else 1)
+    assert l["virtual_stages"] == (2 if l["schedule"] in ("interleaved", "looped_bfs", "zb_v", "dualpipev") else 1)
     assert 0 < l["bubble"] < 1 and l["stage_layers"] == 80 // P
     assert l["mfu"] == pytest.approx(6 * planner.param_count(cfg.model) * 4194304 / 32 / 9.9e14 / l["step_time_s"])
   assert ans["layouts"] == planner.rank(ans["layouts"])

@@ -1,17 +1,18 @@
 """Zero-bubble's split backward, measured on the H100 compiler: a 1024-wide, 8-layer model on pipeline 4 x fsdp 2,
 16 microbatches, every schedule compiled for 8 H100s (compile_for=target, deviceless, on this CPU machine).
 
-  python experiments/pipeline/zero_bubble.py [DIR]     # 5 dry runs into DIR: zero_bubble.json, zero_bubble.md
+  python experiments/pipeline/zero_bubble.py [DIR]     # 8 dry runs into DIR: zero_bubble.json, zero_bubble.md
 
 Slot times, steps and bubbles are PREDICTIONS (each slot's compiled program timed by the run's model, the table
 replayed in shardlab's ticks: summary.json `pipeline_prediction`); memory is the H100 compiler's buffer
 assignment, with shardlab's memory model beside it. What it checks: zb_h1's W slot (the weight gradient alone,
-schedules/split.py) against the fused backward of 1f1b (B + W in one slot), the split's B and W against it, and
-the microbatches each schedule holds.
+schedules/split.py) against the fused backward of 1f1b (B + W in one slot), the split's B and W against it, the
+microbatches each schedule holds, and each executed bubble against its closed form (zb_h2, zb_v and dualpipev
+beside zb_h1 and eager_1f1b).
 
 Each run: python -m shardlab dry_run=true compile_for=target hardware=h100 mesh.pipeline=4 mesh.fsdp=2
 mesh.tensor=1 model.n_layers=8 model.d_model=1024 model.d_ff=4096 model.n_heads=8 pipeline=NAME
-pipeline.microbatches=16 train.batch_size=32 (interleaved: pipeline.virtual_stages=2).
+pipeline.microbatches=16 train.batch_size=32 (interleaved, zb_v, dualpipev: 2 chunks per stage, their presets).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ HERE = Path(__file__).parent
 BASE = ["dry_run=true", "compile_for=target", "hardware=h100", "mesh.pipeline=4", "mesh.fsdp=2", "mesh.tensor=1",
         "model.n_layers=8", "model.d_model=1024", "model.d_ff=4096", "model.n_heads=8", "pipeline.microbatches=16",
         "train.batch_size=32", "progress=false"]
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zb_h1", "zb_h2", "zb_v", "dualpipev")
 
 
 def run(name: str, root: Path) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.pipeline_tables import Action, needs
+from shardlab.pipeline_tables import Action, needs, v_shaped
 
 @dataclass(frozen=True)
 class Slot:
@@ -21,18 +21,18 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
 
   sync=True: as the executor (`Pipeline`) runs it: each tick, a stage runs its slots back to back, then sends
   its forward output and its input gradient (t_comm, both ways at once); it starts the next tick when it and the
-  stages it receives from (s-1 and s+1; around the ring with V chunks) have ended this one: ticks synchronised
-  between neighbours by the sends. sync=False: each action as soon as its stage is free and its inputs arrived
+  stages it receives from (s-1 and s+1; around the ring with looped chunks) have ended this one: ticks
+  synchronised between neighbours by the sends. sync=False: each action as soon as its stage is free and its inputs arrived
   (t_comm after the producing action, across stages), an asynchronous runtime's ideal.
   Returns {"slots", "step_s", "busy_s" (per stage), "bubble": idle fraction of the step, averaged over stages}."""
   P = len(ticks[0])
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
-  V = 1 + max(a.chunk for row in ticks for cell in row for a in cell)
+  V, v_shape = 1 + max(a.chunk for row in ticks for cell in row for a in cell), v_shaped(ticks)
   dur = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}
   slots = []
   if sync:
-    near = [sorted({s, (s - 1) % P, (s + 1) % P} if V > 1 else {max(s - 1, 0), s, min(s + 1, P - 1)})
-            for s in range(P)]
+    near = [sorted({s, (s - 1) % P, (s + 1) % P} if V > 1 and not v_shape else
+                   {max(s - 1, 0), s, min(s + 1, P - 1)}) for s in range(P)]
     ended = [0.0] * P            # when each stage's previous tick ended (its sends arrived)
     for row in ticks:
       begin = [max(ended[n] for n in near[s]) for s in range(P)]
@@ -49,7 +49,7 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
     for row in ticks:
       for s, cell in enumerate(row):
         for a in cell:
-          ready = max([end[n] + (t_comm if n[0] != s else 0.0) for n in needs(a, s, P, V)], default=0.0)
+          ready = max([end[n] + (t_comm if n[0] != s else 0.0) for n in needs(a, s, P, V, v_shape)], default=0.0)
           start = max(free[s], ready)
           free[s] = end[(s, a)] = start + dur[a.kind]
           slots.append(Slot(s, a, start, free[s]))

@@ -38,8 +38,8 @@ def _schedules() -> tuple[str, ...]:
 
 
 def pipeline_virtual_stages(name: str) -> int:
-  """V the search runs a schedule at: 2 where its table runs several chunks per stage (interleaved), else 1: asked
-  of the table (pipeline_tables.chunks_per_stage), not the name."""
+  """V the search runs a schedule at: 2 where its table runs several chunks per stage (interleaved, looped_bfs, a
+  V), else 1: asked of the table (pipeline_tables.chunks_per_stage), not the name."""
   return chunks_per_stage(name)
 
 
@@ -64,7 +64,7 @@ def pipeline_table(name: str, P: int, M: int, V: int, csv: str = "", consecutive
 
 def pipeline_shapes(c: Composition, devices: int, microbatches: int | None = None) -> list[tuple[int, str, int, list[int]]]:
   """(P, schedule, V, [M, ...]) the search tries on `devices`: P a divisor of the devices >= 2 with n_layers a
-  multiple of P V, every schedule of pipeline.SCHEDULES (V = 2 for interleaved, else 1), M = P, 2P, 4P, 8P (or
+  multiple of P V, every schedule of pipeline.SCHEDULES (V = 2 where its table runs chunks, else 1), M = P, 2P, 4P, 8P (or
   `microbatches`) that the schedule accepts (check_shape: interleaved needs M a multiple of P) and that leave each
   microbatch a whole number (>= 1) of sequences on each batch shard of the smallest data x fsdp (1): the per-
   layout limit is applied in `choose_pipeline`."""

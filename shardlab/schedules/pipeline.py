@@ -20,7 +20,7 @@ from shardlab.config import PipelineConfig
 from shardlab.errors import ConfigError
 from shardlab.pipeline_tables import (  # noqa: F401  (re-exported: the tables' names, for users' tables and scripts)
     KINDS, SCHEDULES, Action, Plan, build, check, check_shape, closed_form_bubble, depth_order, in_flight, load_table,
-    orders, runs, table, table_of, vstage)
+    orders, runs, table, table_of, v_shaped, vstage)
 from shardlab.schedules.capability import stated, unstated_by
 
 def _zeros(aval, n: int | None = None, extra=(), lead=()):
@@ -138,7 +138,7 @@ class Pipeline:
     identity (V = 1). Training stores the layers in this order, a sharding of the model's order over `pipeline`
     that costs nothing per step; checkpoints hold the model's order (checkpoint.Checkpointer: `layer_order`), so
     the same parameters run as the same network under every schedule, and a run resumes onto any of them."""
-    order = depth_order(self.sched.model.n_layers, self.P, self.V)
+    order = depth_order(self.sched.model.n_layers, self.P, self.V, v_shaped(self.ticks()))
     return None if order == sorted(order) else order
 
   def parts_inside(self, shape: dict | None) -> list[tuple[str, object]]:
@@ -281,10 +281,20 @@ class Pipeline:
         g = cond("W", M * V, r["w_on"], w_run, lambda res, dys, c, g: g,
                  _take(st["res"], r["w_res"]), _take(st["wb"], r["w_w"]), r["w_chunk"], st["g"])
         st = {**st, "g": g}
+      if plan.v_shape:   # one action per tick: its output goes down or up the stages (or stays: the V's turn)
+        out = tree(lambda y, dx: jnp.where(r["f_on"] == 1, y, dx), st["fsend"], st["bsend"])
+        down = C.ppermute(out, PIPELINE, fwd, name="pipeline_forward")
+        up = C.ppermute(out, PIPELINE, bwd, name="pipeline_backward")
+        inb = _set(_set(_set(st["inb"], down, r["r_in"], n_slots["in"]), up, r["r_in_up"], n_slots["in"]),
+                   out, r["r_in_own"], n_slots["in"])
+        dyb = _set(_set(_set(st["dyb"], up, r["r_dy"], n_slots["dy"]), down, r["r_dy_down"], n_slots["dy"]),
+                   out, r["r_dy_own"], n_slots["dy"])
+        return {**st, "inb": inb, "dyb": dyb}, None
       got_f = C.ppermute(st["fsend"], PIPELINE, fwd, name="pipeline_forward")
       got_b = C.ppermute(st["bsend"], PIPELINE, bwd, name="pipeline_backward")
-      return {**st, "inb": _set(st["inb"], got_f, r["r_in"], n_slots["in"]),
-              "dyb": _set(st["dyb"], got_b, r["r_dy"], n_slots["dy"])}, None
+      st = {**st, "inb": _set(st["inb"], got_f, r["r_in"], n_slots["in"]),
+            "dyb": _set(st["dyb"], got_b, r["r_dy"], n_slots["dy"])}
+      return st, None
 
     st, _ = jax.lax.scan(tick, st, rows)
     loss = C.psum(st["loss"], PIPELINE, name="pipeline_loss")
