@@ -568,11 +568,11 @@ def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
   place = next(p for p in planner.placements(cfg, 32, pipeline=P) if p[:3] == (1, 2, 4))
   row = planner.evaluate_pipeline(cfg, place, P, "gpipe", M)
   t = row["slot_s"]
-  run = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], t["send"], sync=True)
+  run = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], t["send"], sync=True, t_head=t["head"])
   assert row["bubble"] == pytest.approx(run["bubble"], rel=1e-12)
   assert row["pipeline_step_s"] * cfg.train.mfu == pytest.approx(run["step_s"])
   assert row["step_time_s"] >= row["pipeline_step_s"]
-  free = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], 0.0, sync=True)["bubble"]   # free links: the book's
+  free = replay(build("gpipe", P, M), t["F"] + t["head"], t["B"], t["W"], 0.0, sync=True)["bubble"]   # free links: the book's
   assert free == pytest.approx(closed_form_bubble("gpipe", P, M)) and row["bubble"] >= free
   # its batch window: each microbatch's pass compute-bound from the first, the stage's HBM full just above the last
   w = planner.batch_range(cfg, row)

@@ -43,9 +43,8 @@ def predict(prog, pipeline, ticks, seconds, link) -> dict:
   stage holds in flight. `pipeline`: the run's PipelineConfig."""
   t = slot_seconds(prog, seconds, link)
   P, M, V = len(ticks[0]), pipeline.count(len(ticks[0])), pipeline.virtual_stages
-  t_f = t["F"] + t["head"]         # in lockstep the last stage's F (with the head) sets the pace
-  run = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=True)
-  ideal = PR.replay(ticks, t_f, t["B"], t["W"], t["send"], sync=False)
+  run = PR.replay(ticks, t["F"], t["B"], t["W"], t["send"], sync=True, t_head=t["head"])
+  ideal = PR.replay(ticks, t["F"], t["B"], t["W"], t["send"], sync=False, t_head=t["head"])
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
   return {"schedule": pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
           "slot_s": t, "step_s": run["step_s"], "bubble": run["bubble"],

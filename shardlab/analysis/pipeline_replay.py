@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.pipeline_tables import Action, needs, v_shaped
+from shardlab.pipeline_tables import Action, needs, v_shaped, vstage
 
 @dataclass(frozen=True)
 class Slot:
@@ -15,9 +15,11 @@ class Slot:
   end: float
 
 
-def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0, sync: bool = True) -> dict:
+def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0, sync: bool = True,
+           t_head: float = 0.0) -> dict:
   """Times of the table on real links. Times are per microbatch and chunk (an interleaved chunk holds 1/V of a
-  stage's layers: pass its own times): F takes t_f, B t_b (plus t_w unless the table splits W off), W t_w.
+  stage's layers: pass its own times): F takes t_f (t_f + t_head on the last virtual stage, which runs the head
+  in its F slot), B t_b (plus t_w unless the table splits W off), W t_w.
 
   sync=True: as the executor (`Pipeline`) runs it: each tick, a stage runs its slots back to back, then sends
   its forward output and its input gradient (t_comm, both ways at once); it starts the next tick when it and the
@@ -29,6 +31,8 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
   V, v_shape = 1 + max(a.chunk for row in ticks for cell in row for a in cell), v_shaped(ticks)
   dur = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}
+  last = V * P - 1
+  took = lambda a, s: dur[a.kind] + (t_head if a.kind == "F" and vstage(s, a.chunk, P, v_shape) == last else 0.0)
   slots = []
   if sync:
     near = [sorted({s, (s - 1) % P, (s + 1) % P} if V > 1 and not v_shape else
@@ -39,8 +43,8 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
       for s, cell in enumerate(row):
         at = begin[s]
         for a in cell:
-          slots.append(Slot(s, a, at, at + dur[a.kind]))
-          at += dur[a.kind]
+          slots.append(Slot(s, a, at, at + took(a, s)))
+          at += took(a, s)
         ended[s] = at + t_comm
     step = max(ended) - t_comm
   else:
@@ -51,7 +55,7 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
         for a in cell:
           ready = max([end[n] + (t_comm if n[0] != s else 0.0) for n in needs(a, s, P, V, v_shape)], default=0.0)
           start = max(free[s], ready)
-          free[s] = end[(s, a)] = start + dur[a.kind]
+          free[s] = end[(s, a)] = start + took(a, s)
           slots.append(Slot(s, a, start, free[s]))
     step = max(free)
   busy = [sum(x.end - x.start for x in slots if x.stage == s) for s in range(P)]

@@ -116,9 +116,8 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   gathered in every F and B: pipeline.gather=microbatch), B = k x the backward's roofline (without the data
   AllReduce), or, for a table that splits the weight gradient off, B = k max(math b, re-gather, tensor) and W = k
   max(math b, reduce-scatter); the head (the unembedding's forward and backward matmuls, 3 x 2 vocab d_model b / C:
-  b is per device) in the F slot, as the last stage runs it and its neighbours wait for it in lockstep
-  (pipeline_cost.predict does the same), spread over the V chunks' forwards (only the last virtual stage's runs it:
-  an approximation for V > 1, since replay takes one F time). send = one microbatch's residual stream per device (B
+  b is per device) in the last virtual stage's F slot, where the last stage runs it (replay's t_head, as
+  pipeline_cost.predict does). send = one microbatch's residual stream per device (B
   / (data fsdp M) tokens x d_model x compute bytes, / tensor when sequence-parallel) over the pipeline axis's
   bandwidth, at least one hop's latency. Step = replay(build(...), F, B, W, send, sync=True) (the executor's
   neighbour-synchronised ticks) + the data AllReduce of the stage's gradients beyond its last B + the embeddings'
@@ -136,7 +135,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   args = (bws[FSDP], bws[TENSOR], data, bws[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
   head = 0.0 if m.kind == "ffn" else 3 * 2 * m.vocab_size * m.d_model * b / hw.peak_flops
-  t_f = k * block.forward(b) + head / V
+  t_f = k * block.forward(b)
   regather = block.fsdp * c.weights.regathers
   if tab["split"]:
     t_b = k * max(block.math * b, regather, block.tensor_time(b))
@@ -147,7 +146,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   tp = c.tp                 # a sequence-parallel contraction sends 1/tensor of the residual stream
   send_bytes = tokens / (data * fsdp * M) * m.d_model * cb / (tensor if tp.seq_sharded else 1)
   t_send = max(send_bytes / bws[PIPELINE], hw.hop_latency_s)
-  run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True)
+  run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True, t_head=head)
   tail = max(0.0, m.n_layers // P * block.data - t_b)     # the data AllReduce behind the stage's last backward
   once = 2 * embed.fsdp                                   # embeddings: gathered, reduce-scattered once per step
   step = (run["step_s"] + tail + once) / c.train.mfu
@@ -188,7 +187,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
       PIPELINE: P, "schedule": name, "virtual_stages": V, "consecutive": consecutive, "bubble": run["bubble"],
       "bubble_closed_form": None if csv else closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
       "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
-      "slot_s": {"F": t_f, "B": t_b, "W": t_w, "send": t_send},
+      "slot_s": {"F": t_f, "B": t_b, "W": t_w, "head": head, "send": t_send},
       "pipeline_step_s": run["step_s"] / c.train.mfu,
   }
 
