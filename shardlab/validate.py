@@ -251,10 +251,12 @@ def _validate_kernel(cfg: Config, c) -> None:
   if cfg.context.kernel != "pallas" or C == 1 or cfg.compile_for != "target" or cfg.hardware.target_platform != "cuda":
     return
   strategy = c.cp
-  if callable(getattr(strategy, "kernel", None)) and "cuda" not in strategy.kernel(cfg.model.seq_len // C,
-                                                                                   cfg.model.head_dim):
+  if not callable(getattr(strategy, "kernel", None)):
+    return
+  step = getattr(strategy, "step_tokens", None)   # the ring's block: L / C, or USP's U L / C
+  local = step(cfg.model.seq_len, cfg.mesh.shape) if callable(step) else cfg.model.seq_len // C
+  if "cuda" not in strategy.kernel(local, cfg.model.head_dim):
     from shardlab.flash_kernel import usable
-    local = cfg.model.seq_len // C
     raise ConfigError(f"context.kernel=pallas: the Pallas kernel's Triton tiles do not fit this run "
                       f"({usable(local, local, cfg.model.head_dim)}); use context.kernel=auto (the kernel where it "
                       f"fits, pure JAX elsewhere) or jax")

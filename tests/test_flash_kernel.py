@@ -136,7 +136,8 @@ def test_the_pallas_ring_equals_the_reference(shape, balanced, model):
 
 def test_forcing_the_kernel_where_its_tiles_do_not_fit_is_one_line():
   """context.kernel=pallas for a GPU target whose local lengths or head dimension the Triton tiles cannot take
-  (here 8 tokens per device) is refused before anything is built; auto falls back to pure JAX."""
+  (here 8 tokens per device) is refused before anything is built; auto falls back to pure JAX. The strategy says
+  what its ring steps run on (`step_tokens`)."""
   from shardlab.config import compose
   from shardlab.errors import ConfigError
   from shardlab.validate import validate
@@ -145,3 +146,8 @@ def test_forcing_the_kernel_where_its_tiles_do_not_fit_is_one_line():
                                         r"run \(8 queries and 8 keys do not cut into blocks of a power of two"):
     validate(compose(base + ["context.kernel=pallas", "model.seq_len=64"]))
   validate(compose(base + ["model.seq_len=64"]))
+  # usp's ring runs on its group's U chunks (U L / C = 16 tokens here, tiles that fit), not on L / C
+  usp = ["context=usp", "context.ulysses=2", "context.kernel=pallas", "model.seq_len=64", "model.n_heads=4"]
+  validate(compose(base[:-1] + usp))
+  with pytest.raises(ConfigError, match=r"\(8 queries and 8 keys"):     # the ring alone: L / C = 8 tokens
+    validate(compose(base + ["context.kernel=pallas", "model.seq_len=64", "model.n_heads=4"]))

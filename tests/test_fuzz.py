@@ -116,6 +116,11 @@ BAD = [
      "context.ulysses=3: context=usp needs a Ulysses degree that divides mesh.context=4"),
     (["mesh.pipeline=2", "mesh.fsdp=2", "model.n_layers=4", "pipeline=interleaved", "pipeline.microbatches=4",
       "pipeline.consecutive=1"], "pipeline.consecutive=1: groups of at least mesh.pipeline=2 microbatches"),
+    (["mesh.pipeline=2", "mesh.fsdp=2", "model.n_layers=4", "pipeline=dualpipev"],
+     "pipeline=dualpipev needs at least 2 x mesh.pipeline = 4 microbatches"),
+    (["mesh.pipeline=2", "mesh.fsdp=2", "model.n_layers=4", "pipeline=zb_v", "pipeline.virtual_stages=1"],
+     "pipeline=zb_v runs two chunks per stage in a V (stage s holds model stages s and 2P - 1 - s): set "
+     "pipeline.virtual_stages=2, not 1"),
     (["schedule=deferred_reduce", "train.batch_size=10", "mesh=2x4"], "mesh.fsdp * schedule.microbatches"),
     (["hardware.peak_flops=-1"], "hardware.peak_flops=-1.0"),
     (["hardware.ici_bandwidth=0"], "hardware.ici_bandwidth=0.0"),

@@ -250,6 +250,11 @@ class Ring(AllGatherKV):
     if len(axes) > 1:
       raise ConfigError(f"layout rule length -> {' x '.join(axes)}: context=ring rotates over one mesh axis")
 
+  def step_tokens(self, seq_len: int, shape: dict) -> int:
+    """The tokens of each ring step's block (the `local` its kernel runs on) for a sequence of `seq_len` on a mesh
+    of `shape`: seq_len / C."""
+    return seq_len // self.heads_per_device(shape)[0]
+
   def kernel(self, local: int, head_dim: int) -> tuple:
     """The platforms on which this run's ring steps are the fused Pallas kernels (flash_kernel.on_platforms):
     `auto`, a GPU (Triton) and a TPU (Mosaic) target where the kernel's tiles fit these shapes; `pallas`, those and
@@ -374,6 +379,11 @@ class USP(Ring):
     o = self.ring(heads(q_BLHK), heads(k_BLGK), heads(v_BLGK), pos, outer,
                   self.cfg.order(q_BLHK.shape[SEQ_DIM] * c, c))
     return C.all_to_all(o, inner, SEQ_DIM, 2, name="cp_ulysses")   # o[B, L_grp, H_grp, K] -> o[B, L_ctx, H, K]
+
+  def step_tokens(self, seq_len: int, shape: dict) -> int:
+    """The ring's block: the group's U chunks, U seq_len / C tokens."""
+    c, u, _, _ = self._split(shape)
+    return seq_len * u // c
 
   def _parts_of(self, a) -> tuple[int, object]:
     """(U, the ring's Attn: R = C/U ranks of U x a.inside devices each, H/U and G/U heads) of one layer's
