@@ -1,0 +1,98 @@
+"""Megatron-Core's weak-scaling measurements on H100 without a pipeline, against shardlab's prediction of the
+same model on the same tensor-parallel degree.
+
+  python experiments/validate/megatron.py      # four target dry runs (15-60 s each): writes megatron.json
+
+Published (measurement; Megatron-LM README, "Weak Scaling Results", its table image as of r0.8.0): GPT models with
+sequence 4096 and vocabulary 131072 on H100s in BF16, data parallel 48, a global batch of 192 sequences, the
+gradient reduce-scatter, parameter all-gather and tensor-parallel communication overlapped:
+
+  1.7B  h 2048  24 layers  TP 1   408.8 TFLOP/s per GPU
+  7.1B  h 4096  30 layers  TP 2   465.9
+  16B   h 6144  32 layers  TP 4   489.1
+  32B   h 7168  48 layers  TP 8   459.6
+
+The prediction (a MODEL PREDICTION, not a measurement): one data-parallel replica compiled by the H100 compiler
+(deviceless, on this CPU machine: mesh.tensor = TP, nothing else), its step replayed by the calibrated model
+(`prediction.t_overlapped_s`), and the published convention for the FLOPs: Narayanan et al. 2021
+(arXiv:2104.04473) eq. 3 without recompute, 72 B s l h^2 (1 + s / 6h + V / 12 h l) per step for B sequences,
+over TP GPUs. Assumptions where the README is silent, the same for every row: 4 sequences per replica (192 / 48)
+as 4 microbatches of one sequence; heads of 128 (h / 128 heads); shardlab's SwiGLU MLP with 8h/3 (rounded to 128)
+in place of GPT's 4h GELU (the same parameters and FLOPs, three matmuls instead of two); cuDNN's causal attention
+(model.attention=dot_product); no remat; untied embeddings (the row's parameter count: 1.7B is 24 x 12 h^2 + 2 V
+h). Left out: the data-parallel gradient reduction over 48 replicas (assumed hidden, as Megatron overlaps it) and
+the distributed optimizer's sharding of the update (this replica updates all its parameters: a little more
+memory-bound time than Megatron's).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SEQ, VOCAB, SEQS_PER_REPLICA = 4096, 131072, 4
+ROWS = [  # (name, h, layers, TP, published TFLOP/s per GPU)
+    ("1.7B", 2048, 24, 1, 408.8), ("7.1B", 4096, 30, 2, 465.9), ("16B", 6144, 32, 4, 489.1),
+    ("32B", 7168, 48, 8, 459.6)]
+PEAK = 989e12   # H100 SXM dense BF16, the MFU the README quotes (41% at 408.8)
+
+
+def megatron_flops(h: int, layers: int, seqs: int) -> float:
+  """Model FLOPs of one step of `seqs` sequences, Narayanan et al. 2021 eq. 3 (no recompute)."""
+  return 72 * seqs * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (12 * h * layers))
+
+
+def run(name: str, h: int, layers: int, tp: int, root: Path) -> tuple[dict, list[str]]:
+  d_ff = round(8 * h / 3 / 128) * 128
+  args = ["dry_run=true", "compile_for=target", "hardware=h100", "precision=bf16", "model=gpt_1b",
+          f"model.name=megatron_{name}", f"model.d_model={h}", f"model.d_ff={d_ff}", f"model.n_layers={layers}",
+          f"model.n_heads={h // 128}", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
+          "model.attention=dot_product", "schedule.remat=none", f"schedule.microbatches={SEQS_PER_REPLICA}",
+          "mesh.data=1", "mesh.fsdp=1", f"mesh.tensor={tp}", f"train.batch_size={SEQS_PER_REPLICA}",
+          "progress=false"]
+  out = root / name
+  shutil.rmtree(out, ignore_errors=True)
+  subprocess.run([sys.executable, "-m", "shardlab", *args, f"hydra.run.dir={out}"], check=True,
+                 capture_output=True)
+  return json.loads((out / "summary.json").read_text()), args
+
+
+def main() -> None:
+  root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/shardlab-validate-megatron")
+  rows = []
+  for name, h, layers, tp, published in ROWS:
+    t0 = time.time()
+    s, args = run(name, h, layers, tp, root)
+    p = s["prediction"]
+    step = p["t_overlapped_s"]
+    tflops = megatron_flops(h, layers, SEQS_PER_REPLICA) / tp / step / 1e12
+    rows.append({"model": name, "hidden": h, "layers": layers, "tensor": tp, "params": s["n_params"],
+                 "published_tflops_per_gpu": published, "predicted_step_s": step,
+                 "predicted_tflops_per_gpu": tflops, "predicted_mfu": tflops * 1e12 / PEAK,
+                 "published_mfu": published * 1e12 / PEAK, "error": tflops / published - 1,
+                 "t_gemm_s": p["t_gemm_s"], "t_attention_kernels_s": p["t_attention_kernels_s"],
+                 "t_other_kernels_s": p["t_other_kernels_s"], "exposed_comm_s": p["exposed_comm_s"],
+                 "memory_gb": s["memory"]["peak"] / 1e9, "wall_s": round(time.time() - t0, 1),
+                 "command": "python -m shardlab " + " ".join(args)})
+    r = rows[-1]
+    print(f"{name:>5} TP {tp}: published {published:.1f} TFLOP/s (measurement), predicted {tflops:.1f} "
+          f"(step {step:.3f} s: GEMMs {r['t_gemm_s']:.3f}, attention {r['t_attention_kernels_s']:.3f}, other "
+          f"kernels {r['t_other_kernels_s']:.3f}, exposed communication {r['exposed_comm_s']:.3f}), error "
+          f"{r['error']:+.1%}", flush=True)
+  pub = [r["model"] for r in sorted(rows, key=lambda r: r["published_tflops_per_gpu"])]
+  pred = [r["model"] for r in sorted(rows, key=lambda r: r["predicted_tflops_per_gpu"])]
+  import jax
+  result = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+            "command": "python experiments/validate/megatron.py", "rows": rows,
+            "order_published_low_to_high": pub, "order_predicted_low_to_high": pred,
+            "lowest_row_right": pub[0] == pred[0], "order_right": pub == pred}
+  (HERE / "megatron.json").write_text(json.dumps(result, indent=1))
+  print(f"order, lowest first: published {pub}, predicted {pred}")
+
+
+if __name__ == "__main__":
+  main()
