@@ -176,8 +176,12 @@ def numbers(summary: dict) -> list[str]:
   if pred:
     t = pred["t_overlapped_s"]
     exposed = pred.get("exposed_comm_s", 0.0)
+    # a pipeline's step is its table's replay; the exposed communication is of one device's program walked alone
+    walked = pred.get("t_device_program_s")
+    of = (f"{100 * exposed / walked:.0f}% of one device's program walked alone, {human_seconds(walked)}"
+          if walked else f"{100 * exposed / t:.0f}% of the step")
     out.append(f"  step time           {human_seconds(t)} predicted, MFU {100 * pred['mfu']:.3g}%; exposed "
-               f"communication {human_seconds(exposed)} ({100 * exposed / t:.0f}% of the step)" if t > 0 else
+               f"communication {human_seconds(exposed)} ({of})" if t > 0 and (walked is None or walked > 0) else
                "  step time           0 predicted")
   median = summary.get("step_time_s_median")
   if median is not None:
