@@ -3,11 +3,13 @@ the executor (schedules/pipeline.py), the memory model, the planner and the repl
 all read the same tables.
 
 P stages (devices on the `pipeline` axis), M microbatches, V chunks per stage (interleaved: device s holds model
-stages s, s + P, ..., s + (V-1) P, Megatron's assignment; chunk c of device s is virtual stage c P + s). An action
+stages s, s + P, ..., s + (V-1) P, Megatron's assignment; chunk c of device s is virtual stage c P + s; in a V,
+zb_v's and dualpipev's, device s holds model stages s and 2P - 1 - s: `Ticks.v_shape`). An action
 is the forward (F), the backward (B: input gradient, and the weight gradient unless split off) or the split-off
 weight gradient (W, zero-bubble) of one microbatch on one chunk. A schedule is, per stage, the order of its
 actions (`orders`, torch.distributed.pipelining's `pipeline_order`); `table` places them on ticks, at most one
-F, then one B, then one W per stage per tick, each as soon as its inputs exist (an activation or cotangent sent at
+F, then one B, then one W per stage per tick (one action per tick where the backward is split or the chunks sit
+in a V), each as soon as its inputs exist (an activation or cotangent sent at
 the end of tick t is there in tick t+1): the static table the executor (schedules/pipeline.py: `Pipeline`) runs,
 the cost model replays with the compiled slots' times (analysis/pipeline_replay.py: `replay`, `draw`).
 
@@ -25,16 +27,22 @@ the cost model replays with the compiled slots' times (analysis/pipeline_replay.
   zb_h1        1f1b with each backward split into B (input gradient: on the critical path) and W (weight
                gradient: deferred into what would be bubble), holding no more microbatches than 1f1b (ZB-H1, Qi
                et al. 2023, arXiv:2401.10241)
+  zb_h2        zb_h1 warmed up with 2 (P - 1 - s) forwards: up to 2P - 1 in flight until W (ZB-H2)
+  zb_v         two chunks per stage in a V, each backward split (ZB-V, Qi et al. sec. 6; torch's
+               ScheduleZBVZeroBubble): 2P half-stage chunks in flight, 1F1B's memory
+  dualpipev    two chunks in a V, one chunk's forward beside the other's backward in its main phase (DeepSeek-V3's
+               DualPipe cut in half; torch's ScheduleDualPipeV): M >= 2P, 2P + 1 half-stage chunks in flight
   looped_bfs   breadth first over V chunks: every microbatch's forward through chunk 0, then chunk 1, ..., then
                the backwards in the reverse order (torch's ScheduleLoopedBFS, Lamy-Poirier 2023,
                arXiv:2211.05953): GPipe per chunk, M V microbatch-chunks in flight, the bubble of interleaved
 
-Closed forms with uniform per-microbatch stage times and free links: gpipe and 1f1b leave a bubble of
-(P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1) (Qi et al.'s hand-placed ZB-H1: (P-1)/(3M+P-1) when
-T_F = T_B = T_W). tests/test_pipeline_tables.py checks `replay(sync=False)` against each; in the executor's
-neighbour-synchronised ticks (`sync=True`) gpipe, eager_1f1b and interleaved keep theirs and 1f1b pays a tick
-per hop: its P - 1 - s warm-up forwards are too few to keep every stage busy when the backward wave takes a whole
-tick per stage (50% at P = 4, M = 8, T_B = 2 T_F, against 27%).
+Closed forms with uniform per-microbatch stage times and free links (`closed_form_bubble`): gpipe and 1f1b leave
+a bubble of (P-1)/(M+P-1) of the step, interleaved (P-1)/(V M+P-1); with T_F = T_B = T_W, zb_h1 and zb_h2
+(P-1)/(3M+P-1) (Qi et al.'s ZB-H1), zb_v and dualpipev (P-1)/(6M+P-1). tests/test_pipeline_tables.py checks
+`replay(sync=False)` against each; in the executor's neighbour-synchronised ticks (`sync=True`) gpipe, eager_1f1b,
+interleaved and the zero-bubble tables (one action per tick) keep theirs and 1f1b pays a tick per hop: its P - 1
+- s warm-up forwards are too few to keep every stage busy when the backward wave takes a whole tick per stage (50%
+at P = 4, M = 8, T_B = 2 T_F, against 27%).
 
 `check` rejects a table that reads an activation before it was sent, misses or repeats an action, or never runs a
 backward; `table` rejects orders that deadlock. Each is one ConfigError line naming the stage, tick and action.
@@ -75,6 +83,7 @@ class Ticks(list):
 
 
 def v_shaped(ticks) -> bool:
+  """Whether a table's chunks sit in a V (a plain list of ticks: looped)."""
   return getattr(ticks, "v_shape", False)
 
 
@@ -151,7 +160,7 @@ def _zb_v(P: int, M: int, s: int) -> list[Action]:
 def _dualpipe_v(P: int, M: int, s: int) -> list[Action]:
   """Stage s of DualPipeV (DeepSeek-V3's DualPipe cut in half, deepseek-ai/DualPipe `dualpipev.py`; torch's
   ScheduleDualPipeV): in its main phase each step runs a forward of one chunk beside a whole backward (B and W) of
-  the other, which a tick of this executor runs as its F and B slots. Phases: 2 (P - 1 - s) forwards of chunk 0;
+  the other, overlapped on a GPU; this executor, one action per tick in a V, runs them in consecutive ticks. Phases: 2 (P - 1 - s) forwards of chunk 0;
   s + 1 pairs of forwards (chunk 0, chunk 1); P - 1 - s rounds of chunk 1's B (its W queued) and F; M - 2P + s + 1
   main steps (F chunk 0 beside B chunk 1, F chunk 1 beside B chunk 0); P - 1 - s of chunk 1's B beside F chunk 1
   and B chunk 0; s + 1 pairs of backwards (chunk 1, chunk 0), split from the middle on; P - 1 - s backwards of
@@ -397,7 +406,7 @@ def check(ticks, M: int, V: int = 1) -> None:
                           f"{n[0]} is made {src}: it reads an activation before it was sent")
 
 
-def build(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> list[list[tuple[Action, ...]]]:
+def build(name: str, P: int, M: int, V: int = 1, consecutive: int = 0) -> Ticks:
   """The checked table of a named schedule."""
   ticks = table(orders(name, P, M, V, consecutive), V, name in V_SHAPED)
   check(ticks, M, V)

@@ -60,7 +60,8 @@ def test_moe_with_other_parts_equals_the_reference(dispatcher, label, mesh, mode
 
 # (the interleaved schedule's chunks carry the statistics the same way: tried, equal, left out for the suite's time)
 PIPELINED = [("ragged", "1f1b", "p2xe2xf2", {"microbatches": 4}),
-             ("all_to_all", "zb_h1", "p2xe2xt2", {"microbatches": 2})]
+             ("all_to_all", "zb_h1", "p2xe2xt2", {"microbatches": 2}),
+             ("all_to_all", "dualpipev", "p2xe2xf2", {"microbatches": 4, "virtual_stages": 2})]
 
 
 @pytest.mark.slow

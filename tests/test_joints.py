@@ -287,7 +287,8 @@ def test_a_users_weights_part_trains_like_the_reference_and_is_priced(weights, s
   monkeypatch.syspath_prepend(TESTS)
   model = {"n_layers": 4}
   knobs = {"weights": weights, **({} if pipeline else {"prefetch": 1})}
-  pipe = None if pipeline is None else {"impl": pipeline, "microbatches": 4}
+  from shardlab.pipeline_tables import chunks_per_stage
+  pipe = None if pipeline is None else {"impl": pipeline, "microbatches": 4, "virtual_stages": chunks_per_stage(pipeline)}
   _, (loss, grads) = testing.compile_schedule(knobs, {"fsdp": 1, "tensor": 1, **shape}, model, pipeline=pipe)
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss)), (float(loss), float(ref_loss))
@@ -305,6 +306,7 @@ PAIRS = [  # (id, mesh, schedule knobs, context strategy, pipeline)
     ("pipeline x context all_gather", {"pipeline": 2, "fsdp": 2, "context": 2}, {}, "all_gather", "1f1b"),
     ("pipeline x context ulysses", {"pipeline": 2, "fsdp": 2, "context": 2}, {}, "ulysses", "gpipe"),
     ("pipeline zb_h1 x context x tensor", {"pipeline": 2, "context": 2, "tensor": 2}, {}, "ulysses", "zb_h1"),
+    ("pipeline zb_v x context x tensor", {"pipeline": 2, "context": 2, "tensor": 2}, {}, "all_gather", "zb_v"),
     ("pipeline x tensor allreduce", {"pipeline": 2, "fsdp": 2, "tensor": 2}, {"tp": "allreduce"}, None, "1f1b"),
     ("pipeline zb_h1 x context all_gather x tensor allreduce", {"pipeline": 2, "context": 2, "tensor": 2},
      {"tp": "allreduce"}, "all_gather", "zb_h1"),
@@ -327,7 +329,8 @@ def test_every_pair_that_can_run_together_is_the_reference(shape, knobs, context
   from shardlab.testing import assert_trees_close
   from conftest import reference_loss_and_grads
   model = {"n_layers": 4}
-  pipe = None if pipeline is None else {"impl": pipeline, "microbatches": 4}
+  from shardlab.pipeline_tables import chunks_per_stage
+  pipe = None if pipeline is None else {"impl": pipeline, "microbatches": 4, "virtual_stages": chunks_per_stage(pipeline)}
   shape = {"fsdp": 1, "tensor": 1, **shape}
   _, (loss, grads) = testing.compile_schedule(knobs, shape, model, context=context, pipeline=pipe)
   ref_loss, ref_grads = reference_loss_and_grads(model)
