@@ -23,7 +23,8 @@ each sample as many back-to-back calls as fill 20 ms, so dispatch hides behind t
                                                                          -> hbm_bandwidth x hbm_efficiency
   attention     the kernels shardlab runs, forward and forward+backward: plain, blockwise, jax.nn's
                 dot_product (cuDNN's fused kernel on a GPU in bf16) and one off-diagonal step of the ring
-                (a query block against a key block, no mask)         -> attention_efficiency (cuDNN's, GPU)
+                (a query block against a key block, no mask)         -> attention_efficiency (cuDNN's, GPU),
+                blockwise on a GPU runs shardlab's Pallas kernel      -> flash_kernel_efficiency (its stated FLOPs)
   collectives   all-gather, reduce-scatter, all-reduce and a ring ppermute over every local device, by message
                 size; a line t = latency + bytes / bus bandwidth through them (one device: none, said so)
                                                                          -> link_efficiency, collective_latency_s
@@ -252,10 +253,12 @@ def attention(grid: dict, warmup: int, repeats: int, tick) -> list:
       c, prog = compiled(g, *args)
       r = timed(c, args, warmup, repeats)
       fl = attention_flops(B, n, n, H, K, causal, backward)
-      cudnn = any(hlo_attention(i) for instrs in prog.comps.values() for i in instrs)
+      calls = [i for instrs in prog.comps.values() for i in instrs if hlo_attention(i)]
+      stated = sum(stated_flops(i) or 0.0 for i in calls)     # shardlab's Pallas kernel: the FLOPs it states
       rows.append({"kernel": name, "pass": "fwd+bwd" if backward else "fwd", "shape": [B, n, H, K],
                    "dtype": jnp.dtype(dt).name, "causal": causal, "s": r["s"], "spread": r["spread"], "flops": fl,
-                   "flops_per_s": fl / r["s"], "fused_kernel": cudnn, "program": prog})
+                   "flops_per_s": fl / r["s"], "fused_kernel": bool(calls) and not stated, "pallas_kernel": stated > 0,
+                   "stated_flops": stated, "program": prog})
       tick(f"attention {name} {'fwd+bwd' if backward else 'fwd'}")
   return rows
 
@@ -263,6 +266,11 @@ def attention(grid: dict, warmup: int, repeats: int, tick) -> list:
 def hlo_attention(ins) -> bool:
   from shardlab.analysis.hlo import is_attention_call
   return is_attention_call(ins)
+
+
+def stated_flops(ins) -> float | None:
+  from shardlab.analysis.hlo import stated_flops as stated
+  return stated(ins)
 
 
 def collectives(grid: dict, warmup: int, repeats: int, tick) -> list:
@@ -390,6 +398,15 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
                                         f"(shape {fused[0]['shape']}, causal), over peak_flops")
   else:
     prov["attention_efficiency"] = kept("no fused attention kernel on this device: nothing to measure")
+  pallas = [r for r in m["attention"] if r.get("pallas_kernel") and r["pass"] == "fwd+bwd"]
+  if pallas:
+    rate = max(r["stated_flops"] / r["s"] for r in pallas)
+    fields["flash_kernel_efficiency"] = round(rate / fields["peak_flops"], 3)
+    prov["flash_kernel_efficiency"] = said(f"shardlab's Pallas flash kernel ({pallas[0]['kernel']}) forward + backward, "
+                                           f"{rate:.4g} FLOP/s of the FLOPs it states (shape {pallas[0]['shape']}, "
+                                           "causal), over peak_flops")
+  else:
+    prov["flash_kernel_efficiency"] = kept("shardlab's Pallas kernel does not run on this device: nothing to measure")
 
   if m["collectives"]:
     lat, inv = fit_line([r["bytes_sent"] for r in m["collectives"]], [r["s"] for r in m["collectives"]])
@@ -448,7 +465,7 @@ def table(fields: dict, base, rows: list[dict], m: dict) -> str:
   out = [f"shardlab.calibrate: {m['device']['kind']} ({m['device']['count']} x {m['device']['platform']}), "
          f"preset {fields['name']} against {base.name}:", f"  {'figure':<24}{'measured':>14}{base.name:>14}"]
   for k in ("peak_flops", "gemm_efficiency", "hbm_bandwidth", "hbm_efficiency", "attention_efficiency",
-            "kernel_launch_s", "ici_bandwidth", "link_efficiency", "collective_latency_s", "compute_units"):
+            "flash_kernel_efficiency", "kernel_launch_s", "ici_bandwidth", "link_efficiency", "collective_latency_s", "compute_units"):
     mark = "" if str(fields["provenance"].get(k, "")).startswith("measured") else "  (kept)"
     out.append(f"  {k:<24}{fields[k]:>14.4g}{getattr(base, k):>14.4g}{mark}")
   for dt, v in fields["gemm_flops_by_dtype"].items():

@@ -8,8 +8,13 @@ per-step kernel and blockwise attention on GPU and TPU targets (schedules/contex
 
 q[B, Lq, H, K] attends to k, v[B, Lk, G, K] (H query heads share G key/value heads, head h reads h // (H / G)); query
 n sees key m where pq[n] >= pk[m] (token positions: any placement, contiguous, zigzag or striped). A block pair
-whose keys all follow its queries is skipped at run time (`lax.cond` on the blocks' positions), so a causal step
-does the work of its visible blocks. Rows that see no key get lse = -inf and o = 0.
+whose keys all follow its queries is skipped at run time, so a causal step does the work of its visible blocks: on a
+GPU each cell loops over the range of blocks from its first to its last visible one (`spans`, computed from the
+positions before the call; every block in it for the positions of a causal sequence, a zigzag or a striped
+placement, which ascend on each device; positions that do not ascend may leave invisible blocks inside a range, which
+the mask makes add nothing), a loop with no branch, which Triton can software-pipeline; interpreted, each cell
+visits every block under `lax.cond` on the blocks' positions (a loop of static length: the HLO analyses read its
+trip count). Rows that see no key get lse = -inf and o = 0.
 
 Three Pallas kernels (Tri Dao, FlashAttention-2, arXiv:2307.08691: Algorithms 1 and 2): the forward, one grid cell
 per (query block, batch, head) looping over key blocks with an online softmax; the backward's dK/dV, one cell per
@@ -79,6 +84,11 @@ def _varying(*xs):
   return xs, jax.typeof(xs[0]).manual_axis_type
 
 
+def _one(index_map):
+  """The BlockSpec of one int32 per grid cell (a span's end), `index_map` naming which."""
+  return pl.BlockSpec((1,), index_map)
+
+
 def _out(shape, dtype, mat):
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
@@ -100,6 +110,31 @@ def _visit(pairs: int, total: int):
   return jax.named_scope(f"flash_visit_runs_{pairs}_of_{total}")
 
 
+def spans(pq, pk, block_q: int, block_k: int):
+  """(first, end) of the key blocks each query block sees (int32 [Lq / bq] each: blocks first..end-1 hold every
+  key at or before one of its queries; first = end = 0 where it sees none), and the same of the query blocks each
+  key block is seen by ([Lk / bk]), from the blocks' extreme positions: the loop ranges of the kernels' cells."""
+  seen = (jnp.max(pq.reshape(-1, block_q), 1)[:, None] >= jnp.min(pk.reshape(-1, block_k), 1)[None, :])
+
+  def span(m):                                  # m[rows, cols] -> first and one past the last True per row
+    n = m.shape[1]
+    first = jnp.argmax(m, axis=1)
+    end = n - jnp.argmax(m[:, ::-1], axis=1)
+    any_ = jnp.any(m, axis=1)
+    return jnp.where(any_, first, 0).astype(jnp.int32), jnp.where(any_, end, 0).astype(jnp.int32)
+  return span(seen), span(seen.T)
+
+
+def _loop(lo_ref, hi_ref, n: int, body, init, runs: tuple):
+  """body over the blocks a cell sees: with its span (lo_ref, hi_ref: one int32 each, the Triton kernels) a loop
+  over blocks lo..hi-1 with no branch; without (interpreted) every one of the n blocks under `lax.cond`, the
+  branch's count declared (`_visit`)."""
+  if lo_ref is not None:
+    return lax.fori_loop(jnp.min(lo_ref[...]), jnp.max(hi_ref[...]), lambda j, c: body(j, c, None), init)
+  with _visit(*runs):
+    return lax.fori_loop(0, n, lambda j, c: body(j, c, lax.cond), init)
+
+
 def _name(kind: str, flops: float) -> str:
   return f"{NAME}_{kind}_{int(flops)}f"
 
@@ -113,14 +148,15 @@ def _compiler_params(interpret: bool):
 
 # ------------------------------------------------------------------------------------------------ forward
 
-def _fwd_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, o_ref, lse_ref, *, block_k: int, scale: float,
-                interpret: bool, runs: tuple):
+def _fwd_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, *refs, block_k: int, scale: float, interpret: bool,
+                runs: tuple):
+  lo_ref, hi_ref, o_ref, lse_ref = refs if len(refs) == 4 else (None, None, *refs)
   q, pq = q_ref[...], pq_ref[...]                      # [bq, K], [bq]
   bq, K = q.shape
   top = jnp.max(pq)
   k_rows, v_rows, pk_rows = (_rows(r, interpret) for r in (k_ref, v_ref, pk_ref))
 
-  def body(j, carry):
+  def body(j, carry, cond):
     def visit(carry):
       m, l, acc = carry
       k, v, pk = k_rows(j * block_k, block_k), v_rows(j * block_k, block_k), pk_rows(j * block_k, block_k)
@@ -132,20 +168,22 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, o_ref, lse_ref, *, block_k:
       corr = jnp.exp(m - m_safe)
       pv = _mm(p.astype(v.dtype), v)
       return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
-    with _visit(*runs):
-      return lax.cond(top >= jnp.min(pk_rows(j * block_k, block_k)), visit, lambda c: c, carry)
+    if cond is None:
+      return visit(carry)
+    return cond(top >= jnp.min(pk_rows(j * block_k, block_k)), visit, lambda c: c, carry)
 
   init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, K), jnp.float32))
-  m, l, acc = lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
+  m, l, acc = _loop(lo_ref, hi_ref, k_ref.shape[0] // block_k, body, init, runs)
   seen = l > 0
   o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
 def block_attention(q, k, v, pq, pk, *, pairs: int | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
-                    interpret: bool = False):
+                    interpret: bool = False, ranged: bool | None = None):
   """o[B, Lq, H, K] (float32, normalised over this block's keys) and lse[B, H, Lq] (float32). `pairs`: the visible
-  block pairs (pair_counts) this call is stated to compute (default: all of them)."""
+  block pairs (pair_counts) this call is stated to compute (default: all of them). `ranged`: loop over each cell's
+  span of visible blocks (`spans`; default: when not interpreted)."""
   B, Lq, H, K = q.shape
   Lk, G = k.shape[1], k.shape[2]
   R = H // G
@@ -154,14 +192,16 @@ def block_attention(q, k, v, pq, pk, *, pairs: int | None = None, block_q: int =
   flops = 4.0 * B * H * pairs * bq * bk * K
   runs = (pairs, (Lq // bq) * (Lk // bk))
   kernel = functools.partial(_fwd_kernel, block_k=bk, scale=1.0 / math.sqrt(K), interpret=interpret, runs=runs)
-  args, mat = _varying(q, k, v, pq.astype(jnp.int32), pk.astype(jnp.int32))
+  pq, pk = pq.astype(jnp.int32), pk.astype(jnp.int32)
+  span = list(spans(pq, pk, bq, bk)[0]) if (not interpret if ranged is None else ranged) else []
+  args, mat = _varying(q, k, v, pq, pk, *span)
   return pl.pallas_call(
       kernel, grid=(Lq // bq, B, H),
       in_specs=[pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0)),
                 pl.BlockSpec((None, Lk, None, K), lambda i, b, h: (b, 0, h // R, 0)),
                 pl.BlockSpec((None, Lk, None, K), lambda i, b, h: (b, 0, h // R, 0)),
                 pl.BlockSpec((bq,), lambda i, b, h: (i,)),
-                pl.BlockSpec((Lk,), lambda i, b, h: (0,))],
+                pl.BlockSpec((Lk,), lambda i, b, h: (0,))] + [_one(lambda i, b, h: (i,))] * len(span),
       out_specs=[pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
       out_shape=[_out((B, Lq, H, K), jnp.float32, mat), _out((B, H, Lq), jnp.float32, mat)],
@@ -189,14 +229,15 @@ def _probs(q, k, pq, pk, lse, scale):
   return jnp.where(pq[:, None] >= pk[None, :], jnp.exp(s - lse[:, None]), 0.0)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, dk_ref, dv_ref, *, block_q: int,
+def _dkv_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, *refs, block_q: int,
                 scale: float, interpret: bool, runs: tuple):
+  lo_ref, hi_ref, dk_ref, dv_ref = refs if len(refs) == 4 else (None, None, *refs)
   k, v, pk = k_ref[...], v_ref[...], pk_ref[...]       # [bk, K], [bk]
   low = jnp.min(pk)
   q_rows, do_rows, pq_rows, lse_rows, delta_rows = (_rows(r, interpret)
                                                     for r in (q_ref, do_ref, pq_ref, lse_ref, delta_ref))
 
-  def body(i, carry):
+  def body(i, carry, cond):
     def visit(carry):
       dk, dv = carry
       at = (i * block_q, block_q)
@@ -206,21 +247,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref,
       dp = _mm(do, v, tb=True)
       ds = (p * (dp - delta_rows(*at)[:, None]) * scale).astype(q.dtype)
       return dk + _mm(ds, q, ta=True), dv
-    with _visit(*runs):
-      return lax.cond(jnp.max(pq_rows(i * block_q, block_q)) >= low, visit, lambda c: c, carry)
+    if cond is None:
+      return visit(carry)
+    return cond(jnp.max(pq_rows(i * block_q, block_q)) >= low, visit, lambda c: c, carry)
 
   zero = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zero, zero))
+  dk, dv = _loop(lo_ref, hi_ref, q_ref.shape[0] // block_q, body, (zero, zero), runs)
   dk_ref[...], dv_ref[...] = dk, dv
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, dq_ref, *, block_k: int,
+def _dq_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, *refs, block_k: int,
                scale: float, interpret: bool, runs: tuple):
+  lo_ref, hi_ref, dq_ref = refs if len(refs) == 3 else (None, None, *refs)
   q, do, pq, lse, delta = q_ref[...], do_ref[...], pq_ref[...], lse_ref[...], delta_ref[...]
   top = jnp.max(pq)
   k_rows, v_rows, pk_rows = (_rows(r, interpret) for r in (k_ref, v_ref, pk_ref))
 
-  def body(j, dq):
+  def body(j, dq, cond):
     def visit(dq):
       at = (j * block_k, block_k)
       k, v = k_rows(*at), v_rows(*at)
@@ -228,16 +271,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, pq_ref, pk_ref, lse_ref, do_ref, delta_ref, 
       dp = _mm(do, v, tb=True)
       ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
       return dq + _mm(ds, k)
-    with _visit(*runs):
-      return lax.cond(top >= jnp.min(pk_rows(j * block_k, block_k)), visit, lambda c: c, dq)
+    if cond is None:
+      return visit(dq)
+    return cond(top >= jnp.min(pk_rows(j * block_k, block_k)), visit, lambda c: c, dq)
 
-  dq_ref[...] = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = _loop(lo_ref, hi_ref, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32), runs)
 
 
 def block_attention_bwd(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = None, block_q: int = BLOCK_Q,
-                        block_k: int = BLOCK_K, interpret: bool = False):
+                        block_k: int = BLOCK_K, interpret: bool = False, ranged: bool | None = None):
   """dq[B, Lq, H, K], dk, dv[B, Lk, G, K] (float32) of this block pair's attention, given the final lse[B, H, Lq]
-  and delta[B, H, Lq] = rowsum(dO * O) of the whole attention the block is part of."""
+  and delta[B, H, Lq] = rowsum(dO * O) of the whole attention the block is part of. `ranged`: as block_attention's."""
   B, Lq, H, K = q.shape
   Lk, G = k.shape[1], k.shape[2]
   R = H // G
@@ -245,7 +289,10 @@ def block_attention_bwd(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = 
   pairs = (Lq // bq) * (Lk // bk) if pairs is None else pairs
   scale = 1.0 / math.sqrt(K)
   runs = (pairs, (Lq // bq) * (Lk // bk))
-  args, mat = _varying(q, k, v, pq.astype(jnp.int32), pk.astype(jnp.int32), lse, do, delta)
+  pq, pk = pq.astype(jnp.int32), pk.astype(jnp.int32)
+  by_q, by_k = spans(pq, pk, bq, bk) if (not interpret if ranged is None else ranged) else ((), ())
+  args, mat = _varying(q, k, v, pq, pk, lse, do, delta, *by_q, *by_k)
+  args, by_q, by_k = args[:8], args[8:8 + len(by_q)], args[8 + len(by_q):]
   params, f32 = _compiler_params(interpret), jnp.float32
   whole_q = pl.BlockSpec((None, Lq, None, K), lambda j, b, h: (b, 0, h, 0))
   kv_block = pl.BlockSpec((None, bk, None, K), lambda j, b, h: (b, j, h // R, 0))
@@ -253,21 +300,22 @@ def block_attention_bwd(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = 
       functools.partial(_dkv_kernel, block_q=bq, scale=scale, interpret=interpret, runs=runs), grid=(Lk // bk, B, H),
       in_specs=[whole_q, kv_block, kv_block, pl.BlockSpec((Lq,), lambda j, b, h: (0,)),
                 pl.BlockSpec((bk,), lambda j, b, h: (j,)), pl.BlockSpec((None, None, Lq), lambda j, b, h: (b, h, 0)),
-                whole_q, pl.BlockSpec((None, None, Lq), lambda j, b, h: (b, h, 0))],
+                whole_q, pl.BlockSpec((None, None, Lq), lambda j, b, h: (b, h, 0))]
+               + [_one(lambda j, b, h: (j,))] * len(by_k),
       out_specs=[pl.BlockSpec((None, bk, None, K), lambda j, b, h: (b, j, h, 0))] * 2,
       out_shape=[_out((B, Lk, H, K), f32, mat)] * 2,
       compiler_params=params, interpret=interpret, name=_name("bwd_dkv", 8.0 * B * H * pairs * bq * bk * K),
-  )(*args)
+  )(*args, *by_k)
   q_block = pl.BlockSpec((None, bq, None, K), lambda i, b, h: (b, i, h, 0))
   whole_kv = pl.BlockSpec((None, Lk, None, K), lambda i, b, h: (b, 0, h // R, 0))
   row = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
   dq = pl.pallas_call(         # three matmuls per visited pair: s, dP, dQ
       functools.partial(_dq_kernel, block_k=bk, scale=scale, interpret=interpret, runs=runs), grid=(Lq // bq, B, H),
       in_specs=[q_block, whole_kv, whole_kv, pl.BlockSpec((bq,), lambda i, b, h: (i,)),
-                pl.BlockSpec((Lk,), lambda i, b, h: (0,)), row, q_block, row],
+                pl.BlockSpec((Lk,), lambda i, b, h: (0,)), row, q_block, row] + [_one(lambda i, b, h: (i,))] * len(by_q),
       out_specs=q_block, out_shape=_out((B, Lq, H, K), f32, mat),
       compiler_params=params, interpret=interpret, name=_name("bwd_dq", 6.0 * B * H * pairs * bq * bk * K),
-  )(*args)
+  )(*args, *by_q)
   group = lambda x: x.reshape(B, Lk, G, R, K).sum(3)
   return dq, group(dk), group(dv)
 

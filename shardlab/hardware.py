@@ -48,6 +48,8 @@ class HardwareConfig:
   gemm_tile: int = 128              # GEMM output tile edge (a tile is gemm_tile x 2 gemm_tile): wave quantization
   compute_units: int = 0            # SMs (GPU) / cores: tiles run in waves of this many (0: no quantization)
   attention_efficiency: float = 1.0  # fraction of peak_flops a fused (flash) attention kernel reaches
+  flash_kernel_efficiency: float = 0.0  # that of shardlab's own Pallas kernel (flash_kernel.py), forward +
+                                    # backward over the FLOPs it states, where measured; 0: attention_efficiency
   hbm_efficiency: float = 1.0       # fraction of hbm_bandwidth a memory-bound kernel reaches
   link_efficiency: float = 1.0      # achieved collective bus bandwidth / ici_bandwidth for large messages
   link_half_bytes: float = 0.0      # message size at which a collective reaches half its bus bandwidth
@@ -64,6 +66,12 @@ class HardwareConfig:
     """Achieved FLOP/s of a large GEMM whose narrowest operand is `dtype`: the measured rate where the preset has
     one, else peak_flops x gemm_efficiency (the published bf16 peak's fraction)."""
     return self.gemm_flops_by_dtype.get(dtype) or self.peak_flops * self.gemm_efficiency
+
+  def attention_rate(self, pallas: bool = False) -> float:
+    """Achieved FLOP/s of a fused attention kernel: shardlab's Pallas kernel (`pallas`) at flash_kernel_efficiency
+    where the preset has one, any other (cuDNN's) at attention_efficiency."""
+    eff = self.flash_kernel_efficiency if pallas and self.flash_kernel_efficiency else self.attention_efficiency
+    return self.peak_flops * eff
 
   def describes(self, platform: str) -> bool:
     """Its rates were measured on devices of `platform` (a local program there is replayed at them)."""
@@ -88,6 +96,7 @@ class HardwareConfig:
     """This preset with every achieved rate at its peak: the ceiling the calibrated model is compared with."""
     import dataclasses
     return dataclasses.replace(self, gemm_efficiency=1.0, compute_units=0, attention_efficiency=1.0,
+                               flash_kernel_efficiency=0.0,
                                hbm_efficiency=1.0, link_efficiency=1.0,
                                link_half_bytes=0.0, collective_latency_s=0.0, kernel_launch_s=0.0,
                                gemm_flops_by_dtype={})

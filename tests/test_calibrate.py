@@ -43,6 +43,7 @@ def test_preset_is_valid_and_says_where_each_figure_came_from(tmp):
   for k in MEASURED:                               # 8 fake devices here: collectives are measured too
     assert hw.provenance[k].startswith("measured ") and "python -m shardlab.calibrate" in hw.provenance[k], k
   assert hw.provenance["attention_efficiency"].startswith("kept from cpu (no fused attention kernel")
+  assert hw.provenance["flash_kernel_efficiency"].startswith("kept from cpu (shardlab's Pallas kernel does not run")
   assert hw.peak_flops == hw.gemm_flops_by_dtype["float32"] > 0 and hw.gemm_efficiency == 1.0
   assert hw.hbm_bandwidth > 0 and hw.hbm_efficiency == 1.0
   m = r["measurements"]

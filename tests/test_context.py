@@ -389,3 +389,38 @@ def test_usp_beside_an_expert_dispatcher_is_the_reference():
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
   assert_trees_close(grads, ref_grads, rtol=1e-4, atol=2e-6, label="usp x experts: ")
+
+
+def test_each_kernel_is_priced_at_its_own_measured_rate():
+  """A layer's attention is priced at the rate of the kernel that runs it (HardwareConfig.attention_rate): the
+  ring's steps (shardlab's Pallas kernel on a GPU target) at the preset's flash_kernel_efficiency, Ulysses with
+  cuDNN's kernel (dot_product) at attention_efficiency, Ulysses with blockwise (the Pallas kernel again) and one
+  device's blockwise at the Pallas rate (the kernels alone: a ring's merges run at HBM rate); a preset with no Pallas
+  figure prices every kernel at attention_efficiency.
+  On a TPU preset (no Pallas figure measured) nothing changes."""
+  import dataclasses
+  from shardlab.analysis import context_cost as CC
+  from shardlab.config import ContextConfig
+  from shardlab.layout import Layout
+  from shardlab.schedules import context as CP
+  cfg = _config("hardware=h100", "model=llama3_8b")
+  hw = cfg.hardware
+  assert hw.flash_kernel_efficiency and hw.flash_kernel_efficiency != hw.attention_efficiency
+  cudnn_only = dataclasses.replace(hw, flash_kernel_efficiency=0.0)
+  a = CC.Attn(b=1, L=65536, C=8, H=32, G=8, K=128)
+  ratio = hw.attention_efficiency / hw.flash_kernel_efficiency
+
+  def attention_s(impl, attention, hw, a=a):
+    part = CP.make(ContextConfig(impl=impl, name=impl), dataclasses.replace(cfg.model, attention=attention), Layout())
+    return CC.layer_time(part, a, hw, hw.ici_bandwidth, balanced=True, merge=False).attention_s   # kernels alone
+  assert CP.make(ContextConfig(impl="ring"), cfg.model, Layout()).pallas_on(a) == ("cuda", "tpu")
+  for impl, attention, pallas in (("ring", "dot_product", True), ("ulysses", "dot_product", False),
+                                  ("ulysses", "blockwise", True)):
+    got, base = attention_s(impl, attention, hw), attention_s(impl, attention, cudnn_only)
+    assert got == pytest.approx(base * (ratio if pallas else 1.0), rel=1e-9), (impl, attention)
+  one = dataclasses.replace(a, C=1, L=8192)
+  assert attention_s("ulysses", "blockwise", hw, one) == pytest.approx(
+      ratio * attention_s("ulysses", "blockwise", cudnn_only, one), rel=1e-9)
+  assert attention_s("ulysses", "dot_product", hw, one) == attention_s("ulysses", "dot_product", cudnn_only, one)
+  tpu = _config("hardware=tpu_v5p").hardware
+  assert not tpu.flash_kernel_efficiency and tpu.attention_rate(True) == tpu.attention_rate(False)

@@ -52,6 +52,44 @@ def test_the_kernel_is_attention_forward_and_backward_for_any_positions():
     np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"d{name}")
 
 
+def test_the_ranged_loop_is_attention_for_any_positions():
+  """The Triton kernels' loop over each cell's span of visible blocks (flash_kernel.spans, `ranged=True`: the GPU's
+  default, no branch per block), run by the interpreter: plain attention's output, log-sum-exp and gradients for
+  ascending positions with whole key blocks unseen, for positions in no order (a span then holds invisible blocks,
+  which the mask makes add nothing), and for keys that all follow some queries (empty spans)."""
+  import jax
+  import jax.numpy as jnp
+  from shardlab import flash_kernel as F
+  B, Lq, Lk, H, G, K = 1, 32, 48, 4, 2, 16
+  keys = jax.random.split(jax.random.PRNGKey(2), 4)
+  q = jax.random.normal(keys[0], (B, Lq, H, K))
+  k, v = (jax.random.normal(x, (B, Lk, G, K)) for x in keys[1:3])
+  rs = np.random.RandomState
+  cases = {"ascending": (np.sort(rs(0).permutation(64)[:Lq]), 8 + np.sort(rs(1).permutation(56)[:Lk])),
+           "no order": (rs(2).permutation(64)[:Lq], rs(3).permutation(64)[:Lk]),
+           "late keys": (np.arange(Lq), 20 + np.arange(Lk))}
+  for name, (pq, pk) in cases.items():
+    pq, pk = jnp.asarray(pq), jnp.asarray(pk)
+    o_ref, lse_ref = _attention(q, k, v, pq, pk)
+    seen = np.isfinite(lse_ref)
+    o, lse = F.block_attention(q, k, v, pq, pk, block_q=16, block_k=16, interpret=True, ranged=True)
+    np.testing.assert_allclose(o, o_ref, atol=2e-6, err_msg=name)
+    np.testing.assert_array_equal(np.isinf(lse), ~seen, err_msg=name)
+    np.testing.assert_allclose(np.where(seen, lse, 0), np.where(seen, lse_ref, 0), atol=2e-6, err_msg=name)
+    do = jax.random.normal(keys[3], o.shape)
+    grads = jax.grad(lambda q, k, v: jnp.sum(_attention(q, k, v, pq, pk)[0] * do), (0, 1, 2))(q, k, v)
+    delta = jnp.einsum("blhk,blhk->bhl", do, o_ref)
+    got = F.block_attention_bwd(q, k, v, pq, pk, jnp.where(seen, lse_ref, 0.0), do, delta, block_q=16, block_k=16,
+                                interpret=True, ranged=True)
+    for d, a, b in zip("qkv", got, grads):
+      np.testing.assert_allclose(a, b, atol=5e-6, err_msg=f"{name}: d{d}")
+  # the spans of the late keys: query block 0 (positions 0..15) sees no key (keys start at 20), block 1 sees key
+  # block 0 (keys 20..35) alone; key blocks 1 and 2 (keys 36 on) follow every query
+  (first, end), (kfirst, kend) = F.spans(jnp.arange(Lq), 20 + jnp.arange(Lk), 16, 16)
+  assert first.tolist() == [0, 0] and end.tolist() == [0, 1]
+  assert kfirst.tolist() == [1, 0, 0] and kend.tolist() == [2, 0, 0]
+
+
 def test_the_tpu_kernel_is_attention_forward_and_backward():
   """The Mosaic kernels (flash_kernel.block_attention_tpu, block_attention_bwd_tpu: a grid over key blocks with
   the online softmax in scratch, 128-token blocks, the blocks' extreme positions in scalar memory), interpreted:

@@ -5,14 +5,14 @@ the same compiled program twice: with the stock preset of this device and with a
 
     python -m shardlab.calibrate out=experiments/calibrate/cpu.yaml
     python experiments/calibrate/study.py calibrated=experiments/calibrate/cpu.yaml [out=DIR] [steps=N]
-        [deadline_s=S] [set=dense|moe]
+        [deadline_s=S] [set=dense|moe] [only='LABEL;LABEL']
 
 Writes DIR/study.json and DIR/study.md (DIR defaults to experiments/calibrate/results/<device>). One process
 compiles each case once (trainer.build + the local compile, as `python -m shardlab` does), trains `steps` steps on
 the Markov data, and replays that one program with both presets (analysis/costmodel.predict: the calibrated
 replay where the preset describes the device, the peak-rate replay for a stock CPU preset, which has no
 measured rates). `deadline_s`: start no case after this many seconds (a lent GPU's minutes are counted).
-`set=moe`: mixture-of-experts steps instead (experiments/moe/README.md): the grouped GEMM of the dropless
+`only`: the cases of these labels alone. `set=moe`: mixture-of-experts steps instead (experiments/moe/README.md): the grouped GEMM of the dropless
 dispatchers (expert=ragged: on one device every expert is local) against all_to_all's capacity buffers, with the
 dense model of the same active parameters beside them.
 """
@@ -174,7 +174,10 @@ def main(argv: list[str]) -> int:
          "calibrated": opts["calibrated"], "stock": stock_name(dev.platform, dev.device_kind), "steps": steps,
          "rows": []}
   start = time.perf_counter()
+  only = opts["only"].split(";") if opts.get("only") else None
   for label, extra in CASES[kind]:
+    if only is not None and label not in only:
+      continue
     if time.perf_counter() - start > deadline:
       print(f"study: deadline reached, {label} and later cases not run", flush=True)
       break

@@ -10,7 +10,8 @@ stream (NCCL runs collectives one after another on its own stream):
               q the wave-quantization of its output tiles over the device's compute units, or its bytes at HBM
               rate if that is longer;
               fused attention (cuDNN's; shardlab's Pallas kernel, flash_kernel.py, at the FLOPs its name
-              states): FLOPs / (C attention_efficiency), causal blocks skipped;
+              states): FLOPs / (C attention_efficiency), causal blocks skipped; shardlab's kernel at
+              flash_kernel_efficiency where the preset has one (HardwareConfig.attention_rate);
               any other kernel: bytes accessed / (hbm_bandwidth hbm_efficiency); each + kernel_launch_s
   -start      the collective starts when the compute stream issues it and the collective stream is free, and
               takes collective_latency_s + bytes / (W link_efficiency r(bytes)), r(S) = S / (S + link_half_bytes)
@@ -243,7 +244,8 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
         fl = f(ins, shapes)
         nbytes = kernel_bytes(ins, shapes, comps)
         if hlo.is_attention_call(ins):             # a fused flash-attention kernel: its own achieved rate
-          d = max(fl / (hw.peak_flops * hw.attention_efficiency), nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
+          d = max(fl / hw.attention_rate(hlo.stated_flops(ins) is not None),
+                  nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
           st["attention"] += d + hw.kernel_launch_s
         else:
           d = (gemm_seconds(fl, dims(ins.shape), nbytes, hw, operand_dtype(ins, shapes, comps)) if fl > 0 else

@@ -44,6 +44,7 @@ from shardlab.config import ContextConfig, ModelConfig, placement_of
 from shardlab.composition import Composition
 from shardlab.layout import Layout
 from shardlab.errors import ConfigError
+from shardlab import flash_kernel as F
 from shardlab.schedules import context as CP
 from shardlab.loading import protocol_members
 from shardlab.schedules.protocol import ContextCost
@@ -178,7 +179,7 @@ def ring_pass(work: list[list[float]], kernel_s: float, merge_s: float, comm_s: 
 @dataclass
 class Rates:
   """What a strategy's `layer_time` evaluates its terms with (schedules/context.py): one full block's forward and
-  backward seconds at the preset's attention rate, the causal work per ring step and device, transfers over
+  backward seconds at the preset's rate of the kernel that runs (HardwareConfig.attention_rate), the causal work per ring step and device, transfers over
   `context`, and a ring's merges (`merge`: count them at HBM rate, kernels outside the attention kernel as
   ring-flash-attention runs them)."""
   a: Attn
@@ -187,10 +188,11 @@ class Rates:
   balanced: bool
   skips: bool
   merge: bool = True
+  pallas: bool = False          # the attention kernel is shardlab's Pallas kernel on the preset's platform
 
   @property
   def block_s(self) -> tuple[float, float]:
-    rate = self.hw.peak_flops * self.hw.attention_efficiency
+    rate = self.hw.attention_rate(self.pallas)
     return self.a.block_flops() / rate, self.a.block_flops() * BWD_OVER_FWD / rate
 
   def work(self) -> list[list[float]]:
@@ -237,13 +239,25 @@ class Rates:
     return ring_pass(self.work(), kernel_s, merge_s, comm_s)
 
 
+def pallas_on(strategy, a: Attn) -> tuple:
+  """The platforms on which the layer's attention kernel is shardlab's Pallas kernel (flash_kernel.platforms): the
+  model's own kernel without a context split (model.attention=blockwise), else what the strategy says it runs
+  (its `pallas_on`; none for a strategy that does not say)."""
+  part = strategy_of(strategy)
+  if a.C == 1:
+    return F.platforms(a.L, a.L, a.K) if part.model.attention == "blockwise" else ()
+  said = getattr(part, "pallas_on", None)
+  return said(a) if callable(said) else ()
+
+
 def layer_time(strategy, a: Attn, hw, bandwidth: float, balanced: bool, skips_masked: bool = True,
                merge: bool = True) -> LayerTime:
   """A prediction of one layer's attention, forward and backward, on the busiest device (module doc): the
   strategy's own `layer_time` terms evaluated at these rates (Rates). `skips_masked`: the inner kernel skips
   masked blocks (flash, cuDNN); False: every block computed whole (shardlab's ring, the plain kernel under
   all_gather). `merge`: count a ring's online-softmax merges at HBM rate."""
-  cost = Rates(a, hw, bandwidth, balanced, skips_masked, merge)
+  cost = Rates(a, hw, bandwidth, balanced, skips_masked, merge,
+               pallas=getattr(hw, "target_platform", "") in pallas_on(strategy, a))
   by = bytes_per_layer(strategy, a)
   if a.C == 1:
     fwd, bwd = cost.block_s

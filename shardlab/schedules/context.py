@@ -128,6 +128,11 @@ class AllGatherKV:
     """Whether its attention kernel skips the blocks the causal mask hides: the plain attention computes them."""
     return False
 
+  def pallas_on(self, a) -> tuple:
+    """The platforms on which its attention kernel is shardlab's Pallas kernel (context_cost.pallas_on: priced at
+    the preset's flash_kernel_efficiency there): none, the plain attention against the gathered keys."""
+    return ()
+
   def layer_time(self, a, cost) -> dict:
     """Each device's queries against every key (the busiest device paces the layer); K/V gathered before and
     dK/dV scattered after the attention: exposed."""
@@ -217,6 +222,10 @@ class Ulysses(AllGatherKV):
     """The model's own kernel: it skips masked blocks unless it is the plain one."""
     return self.model.attention != "plain"
 
+  def pallas_on(self, a) -> tuple:
+    """The model's own kernel over the whole sequence: shardlab's Pallas kernel where it is blockwise."""
+    return F.platforms(a.L, a.L, a.K) if self.model.attention == "blockwise" else ()
+
   def layer_time(self, a, cost) -> dict:
     """Every device the whole sequence on H/C heads (balanced in any order); the four all-to-alls (q, k, v, o)
     each way on the critical path."""
@@ -292,6 +301,10 @@ class Ring(AllGatherKV):
   def skips_masked(self) -> bool:
     """A flash kernel per step that skips the sub-block pairs the mask hides wholly (ring_plan)."""
     return True
+
+  def pallas_on(self, a) -> tuple:
+    """The ring steps' kernel (Ring.kernel) on the local L/C tokens."""
+    return self.kernel(a.L // a.C, a.K)
 
   def layer_time(self, a, cost) -> dict:
     """A ring pass forward and one backward at the busiest device's pace (context_cost.ring_makespan): each step
@@ -390,6 +403,12 @@ class USP(Ring):
     attention `a`."""
     u = self.ulysses_degree(a.C, a.H, a.G, a.inside)
     return u, dataclasses.replace(a, C=a.C // u, H=a.H // u, G=a.G // u, inside=a.inside * u)
+
+  def pallas_on(self, a) -> tuple:
+    """The ring's steps over R ranks (Ring.pallas_on of the ring's Attn); with no ring (R = 1), the model's own
+    kernel as Ulysses runs it."""
+    _, ring = self._parts_of(a)
+    return super().pallas_on(ring) if ring.C > 1 else Ulysses.pallas_on(self, a)
 
   def bytes_per_layer(self, a) -> dict:
     """Ulysses' all-to-alls over U, (U-1)/U x b (L/C) (2 H + 2 G) K e each way, and the ring's shifts over R
