@@ -405,10 +405,9 @@ class USP(Ring):
     return u, dataclasses.replace(a, C=a.C // u, H=a.H // u, G=a.G // u, inside=a.inside * u)
 
   def pallas_on(self, a) -> tuple:
-    """The ring's steps over R ranks (Ring.pallas_on of the ring's Attn); with no ring (R = 1), the model's own
-    kernel as Ulysses runs it."""
-    _, ring = self._parts_of(a)
-    return super().pallas_on(ring) if ring.C > 1 else Ulysses.pallas_on(self, a)
+    """The ring's steps over R ranks (Ring.pallas_on of the ring's Attn: U L / C tokens per rank), a ring of one
+    rank (R = 1) too: `attend` runs the group's attention through the ring's kernel either way."""
+    return super().pallas_on(self._parts_of(a)[1])
 
   def bytes_per_layer(self, a) -> dict:
     """Ulysses' all-to-alls over U, (U-1)/U x b (L/C) (2 H + 2 G) K e each way, and the ring's shifts over R
