@@ -380,15 +380,20 @@ def test_usp_degrees_and_refusals():
     CP.make(ContextConfig(impl="usp", ulysses=3), m, Layout()).check({"fsdp": 1, "context": 8, "tensor": 1})
 
 
-def test_usp_beside_an_expert_dispatcher_is_the_reference():
-  """usp (U = 2, a ring of 2) on expert 2 x context 4 with the all_to_all dispatcher's MoE layers: the two parts'
-  all-to-alls over their own axes, loss and every gradient against the plain reference."""
-  model = {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "n_layers": 2}
-  _, (loss, grads) = testing.compile_schedule(None, {"expert": 2, "fsdp": 1, "context": 4, "tensor": 1}, model,
-                                              context="usp", ulysses=2, expert={"impl": "all_to_all"})
+@pytest.mark.parametrize("strategy, ulysses, beside", [("usp", 2, "expert"), ("a2a_p2p", 0, "expert"),
+                                                      ("a2a_p2p", 0, "data")])
+def test_usp_and_a2a_p2p_beside_experts_and_data_are_the_reference(strategy, ulysses, beside):
+  """usp (U = 2, a ring of 2) and a2a_p2p (its own degree: with no node size every rank in one node, all-to-alls
+  over the 4 context ranks and a ring of one) on expert 2 x context 4 with the all_to_all dispatcher's MoE layers,
+  and a2a_p2p on data 2 x context 4 (dense): each part's collectives over its own axes, loss and every gradient
+  against the plain reference."""
+  model = {"n_experts": 8, "top_k": 2, "expert_d_ff": 32, "n_layers": 2} if beside == "expert" else {}
+  _, (loss, grads) = testing.compile_schedule(None, {beside: 2, "fsdp": 1, "context": 4, "tensor": 1}, model,
+                                              context=strategy, ulysses=ulysses,
+                                              expert={"impl": "all_to_all"} if beside == "expert" else None)
   ref_loss, ref_grads = reference_loss_and_grads(model)
   assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-  assert_trees_close(grads, ref_grads, rtol=1e-4, atol=2e-6, label="usp x experts: ")
+  assert_trees_close(grads, ref_grads, rtol=1e-4, atol=2e-6, label=f"{strategy} x {beside}: ")
 
 
 def test_each_kernel_is_priced_at_its_own_measured_rate():

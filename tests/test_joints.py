@@ -102,27 +102,36 @@ def _losses(run) -> list[float]:
   return json.loads((run / "summary.json").read_text())["losses"]
 
 
+# Every schedule of conf/pipeline/ in one chain of resumes, each writing the checkpoint the next reads: chunks per
+# stage in a loop (interleaved, looped_bfs), in a V (zb_v, dualpipev), one per stage with the backward split
+# (zb_h1, zb_h2) or whole (gpipe, 1f1b, eager_1f1b).
+CHAIN = ["interleaved", "zb_v", "zb_h1", "dualpipev", "looped_bfs", "zb_h2", "1f1b", "eager_1f1b"]
+
+
 @pytest.mark.slow
-def test_a_gpipe_checkpoint_resumes_under_interleaved_and_zb_v_to_the_same_losses(tmp_path):
+def test_a_checkpoint_resumes_under_every_schedule_to_the_same_losses(tmp_path):
   """The layers are stored in the model's order in a checkpoint and placed on stages as the schedule runs them
-  (the same reordering places a fresh run's parameters): a gpipe run resumed under interleaved continues the
-  network gpipe trains (it used to continue another network: 5.41923 against 5.45445 at step 3), and so does one
-  resumed under zb_v, whose stages hold their chunks in a V. In this process
-  (the library entry point), to share the start-up."""
+  (the same reordering places a fresh run's parameters): a gpipe run's checkpoint resumed under interleaved
+  continues the network gpipe trains (it used to continue another network: 5.41923 against 5.45445 at step 3),
+  and so on down a chain through every schedule, each resuming the checkpoint the one before wrote and training
+  one step more: the losses are gpipe's uninterrupted run's, step for step. In this process (the library entry
+  point), to share the start-up."""
   from shardlab.config import to_config
+  from shardlab.pipeline_tables import chunks_per_stage
   from shardlab.run import train
-  base = [*PIPE, "mesh.tensor=2", "progress=false", "figures=false"]
-  inter = ["pipeline=interleaved", "pipeline.virtual_stages=2"]
-  whole, resumed = tmp_path / "gpipe", tmp_path / "resumed"
-  ref = train(to_config(compose(*base, "pipeline=gpipe", "train.steps=4")), whole)["losses"]
-  train(to_config(compose(*base, "pipeline=gpipe", "train.steps=2")), resumed)
-  shutil.copytree(resumed, tmp_path / "v")
-  got = train(to_config(compose(*base, *inter, "train.steps=4", "checkpoint.resume=true")), resumed)["losses"]
-  assert got == pytest.approx(ref, rel=1e-6, abs=0) and _losses(resumed) == got
-  # and under a V (zb_v: stage s holds model stages s and 2P - 1 - s)
-  got = train(to_config(compose(*base, "pipeline=zb_v", "train.steps=4",
-                                "checkpoint.resume=true")), tmp_path / "v")["losses"]
-  assert got == pytest.approx(ref, rel=1e-6, abs=0)
+  # the learning rate's cosine decays over train.steps, which grows down the chain: a warm-up longer than the chain
+  # keeps every link's schedule the uninterrupted run's (decay_steps = max(steps, warmup_steps + 1))
+  base = [*PIPE, "mesh.tensor=2", "progress=false", "figures=false", f"train.warmup_steps={3 + len(CHAIN)}"]
+  steps = 2 + len(CHAIN)
+  ref = train(to_config(compose(*base, "pipeline=gpipe", f"train.steps={steps}")), tmp_path / "gpipe")["losses"]
+  run = tmp_path / "chain"
+  train(to_config(compose(*base, "pipeline=gpipe", "train.steps=2")), run)
+  for n, name in enumerate(CHAIN, start=3):
+    over = [f"pipeline={name}", f"pipeline.virtual_stages={chunks_per_stage(name)}", f"train.steps={n}",
+            "checkpoint.resume=true"]
+    got = train(to_config(compose(*base, *over)), run)["losses"]
+    assert got == pytest.approx(ref[:n], rel=1e-6, abs=0), (name, got, ref[:n])
+  assert _losses(run) == got
 
 
 @pytest.mark.slow
