@@ -4,14 +4,15 @@
 # study.py, whose blockwise case runs the same kernel inside a step), everything into $OUT/results.tgz.
 #   run(command="bash experiments/context/device.sh", carry=[".whl"], timeout_s=420)
 # FAST=1: cuDNN and shardlab's kernels only (flash_gpu.py fast=true), and the study's d2048 steps with cuDNN's and
-# with shardlab's kernel (blockwise) alone.
+# with shardlab's kernel (blockwise) alone. TILES=N: the first N tiles of flash_gpu.py; STUDY=0: no study.
 set -u
 source experiments/device_env.sh   # Hydra's wheels, the GPU's and jax's description into $OUT
 RES=/tmp/res; rm -rf "$RES"; mkdir -p "$RES"   # a warm machine keeps /tmp: start from nothing
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . ; }
 F=false; ONLY=; [ "${FAST:-0}" != 0 ] && F=true && ONLY="d2048;d2048 blockwise"
-timeout 210 python3 experiments/context/flash_gpu.py out="$RES/flash" deadline_s=160 fast=$F > "$RES/flash.log" 2>&1
+timeout 210 python3 experiments/context/flash_gpu.py out="$RES/flash" deadline_s=160 fast=$F tiles=${TILES:-9} > "$RES/flash.log" 2>&1
 grep -E "^\| " "$RES/flash.log" | cut -c1-260; grep -E "Error|error:" "$RES/flash.log" | head -5 | cut -c1-300; pack
+[ "${STUDY:-1}" = 0 ] && { date -u +%FT%TZ >> "$OUT/env.txt"; exit 0; }
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$GPU" in *H200*) CAL=h200_run2 ;; *) CAL=h100_run2 ;; esac
 timeout 180 python3 experiments/calibrate/study.py calibrated="experiments/calibrate/results/$CAL/gpu_measured.yaml" \

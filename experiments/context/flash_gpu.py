@@ -3,7 +3,7 @@ cuDNN's fused attention (what `model.attention=dot_product` runs), XLA's pure-JA
 readable reference) and JAX's own Pallas flash attention (jax.experimental.pallas.ops.gpu.attention.mha), each
 beside the calibrated cost model's PREDICTION of the same compiled program with the stock preset of the device.
 
-    python experiments/context/flash_gpu.py [out=DIR] [deadline_s=S] [smoke=true] [fast=true]
+    python experiments/context/flash_gpu.py [out=DIR] [deadline_s=S] [smoke=true] [fast=true] [tiles=N]
 
 Three shapes, bf16, causal: the calibration's 4 x 4096 tokens x 16 heads of 128 (experiments/calibrate), one
 device's share of llama3_8b's 64K tokens over a ring of 8 (8192 tokens, 32 query heads over 8 K/V heads), and one
@@ -11,7 +11,7 @@ ring step of that run (the zigzag ring's local 8192 queries against another devi
 pairs visible, flash_kernel.block_attention and block_attention_bwd called as schedules/context.py calls them).
 shardlab's kernel is run at several tiles (block_q x block_k, Triton warps and pipeline stages), the default first,
 and at the default tile once more with a branch per block instead of each cell's loop over its span of visible
-blocks (flash_kernel.spans; `fast=true`: cuDNN and shardlab's kernels only).
+blocks (flash_kernel.spans; `fast=true`: cuDNN and shardlab's kernels only; `tiles=N`: the first N of TILES).
 Each implementation's output and gradients are checked against plain attention in float32 (max |error| over max
 |reference|). `smoke=true`: tiny shapes, a few seconds, any platform (on a CPU every kernel falls back to its
 pure-JAX path or is skipped: a check of this script, not a measurement). Writes DIR/flash_gpu.json and
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
   out = Path(opts.get("out", ROOT / "experiments" / "context" / f"results_{dev.device_kind.replace(' ', '_')}"))
   out.mkdir(parents=True, exist_ok=True)
   deadline = float(opts.get("deadline_s", 1e9))
-  tiles = TILES[:3] if smoke else TILES
+  tiles = TILES[:3] if smoke else TILES[:int(opts.get("tiles", len(TILES)))]
   res = {"device": {"platform": dev.platform, "kind": dev.device_kind, "jax": jax.__version__},
          "date": datetime.date.today().isoformat(),
          "command": "python experiments/context/flash_gpu.py " + " ".join(argv), "preset": preset,
