@@ -6,6 +6,7 @@
 # FAST=1: cuDNN and shardlab's kernels only (flash_gpu.py fast=true), and the study's d2048 steps with cuDNN's and
 # with shardlab's kernel (blockwise) alone. TILES=N: the first N tiles of flash_gpu.py; STUDY=0: no study.
 set -u
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}   # flash_gpu's float32 reference, 8192 tokens: >60 GB
 source experiments/device_env.sh   # Hydra's wheels, the GPU's and jax's description into $OUT
 RES=/tmp/res; rm -rf "$RES"; mkdir -p "$RES"   # a warm machine keeps /tmp: start from nothing
 pack() { tar -czf "$OUT/results.tgz" -C "$RES" . ; }
