@@ -52,6 +52,16 @@ def preset_names():
   return sorted(p.stem for p in (CONF_DIR / "schedule").glob("*.yaml"))
 
 
+# the quick subset (pytest -m "not slow") compiles one schedule preset of each kind: all-gathers as placed, a
+# prefetch, a ring of ppermutes, the compiler's own; the full suite every preset
+QUICK_PRESETS = {"baseline", "fsdp_prefetch", "prefetch_ring", "gspmd"}
+
+
+def preset_params():
+  """preset_names() as pytest params, those outside QUICK_PRESETS marked slow."""
+  return [pytest.param(p, marks=() if p in QUICK_PRESETS else pytest.mark.slow) for p in preset_names()]
+
+
 def compose(*overrides: str):
   """The config `python -m shardlab OVERRIDES` would run, composed by Hydra (nothing runs)."""
   from hydra import compose as hydra_compose, initialize_config_dir

@@ -57,6 +57,7 @@ def test_gqa_and_attention_match_reference(mesh_shape, kv, attention, knobs):
   assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL, label=label)
 
 
+@pytest.mark.slow
 def test_kv_heads_replicated_and_not_aligned_to_devices():
   """H = 6, G = 3 on tensor = 2: neither divides the other; each device's 3 query heads read 2 of the 3
   replicated K/V heads (0, 0, 1 and 1, 2, 2), picked per query head."""

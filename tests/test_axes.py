@@ -19,6 +19,7 @@ TOY = X.declare(X.Axis("replica", ("batch",), link="slow", short="r", doc="a tes
 TOY_LAYOUT = Layout.of({**DEFAULT_RULES, "batch": ("replica", X.FSDP)}, "toy")
 
 
+@pytest.mark.slow
 def test_a_declared_toy_axis_trains_a_step_as_the_reference():
   """mesh replica 2 x fsdp 2 x tensor 2 with the rule batch -> (replica, fsdp): one optimizer step equals the
   unsharded reference's (loss, gradient norm, every parameter), and the gradients of the replicated weights are

@@ -56,6 +56,7 @@ def test_preset_is_valid_and_says_where_each_figure_came_from(tmp):
   assert "median |error| of the PREDICTIONS" in r["table"]
 
 
+@pytest.mark.slow            # a second calibration: the quick subset keeps the first
 def test_a_second_calibration_reproduces_the_rates(tmp):
   """The same machine, measured again: within a factor of 3 (the quick grid's few samples, with the suite's other
   worker on the second of two cores beside it: "noise" here is wide; each figure's own spread is in the sidecar,

@@ -95,7 +95,7 @@ def check_with_stats(got, model, label):
   assert_trees_close(stats, want, rtol=1e-5, atol=1e-5, label="router statistics: ")
 
 
-@pytest.mark.parametrize("mesh", ["e2xf2xt2", "e8xf1xt1"])
+@pytest.mark.parametrize("mesh", [pytest.param("e2xf2xt2", marks=pytest.mark.slow), "e8xf1xt1"])
 def test_moe_under_gspmd_equals_the_reference(mesh):
   """schedule=gspmd with a mixture of experts: the plain MoE layer (every expert, dropless) under jit, the expert
   weights over `expert` as the layout puts them and the dispatch placed by the compiler: loss, every gradient and

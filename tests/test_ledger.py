@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from conftest import MESHES, compiled_grads, load_preset, mesh_of, preset_names, tiny_config
+from conftest import MESHES, compiled_grads, load_preset, mesh_of, preset_params, tiny_config
 from shardlab.composition import resolve
 from shardlab.testing import abstract_batch
 
@@ -146,7 +146,7 @@ def test_program_ledger_equals_hand_count(mesh_shape):
     assert got == hand_ledger(mesh_shape, dict(knobs_of(preset))), f"{preset} on {mesh_shape}"
 
 
-@pytest.mark.parametrize("preset", preset_names())
+@pytest.mark.parametrize("preset", preset_params())
 def test_compiled_ledger_equals_program_and_hand_count_and_nothing_unplanned(preset):
   """One 2D mesh, every hand-placed preset: HLO ledger = program ledger = hand count; the audit finds nothing
   unplanned (and, for a compiler-placed preset, flags every collective).

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import compiled_grads, load_preset, mesh_of, preset_names
+from conftest import compiled_grads, load_preset, mesh_of, preset_params
 from shardlab.composition import resolve
 from shardlab.analysis import hlo
 from shardlab.analysis.program import memory
@@ -16,7 +16,7 @@ def _knobs(preset):
   return {k: v for k, v in load_preset(preset).items() if k != "name"}
 
 
-@pytest.mark.parametrize("preset", preset_names())
+@pytest.mark.parametrize("preset", preset_params())
 def test_claimed_overlap_is_structurally_possible(preset):
   """On CPU nothing overlaps in time; what a GPU scheduler needs is that the transfer does not wait on the
   compute it should hide behind. Prefetched FSDP gathers: independent of every matmul of the layer loop

@@ -1,6 +1,8 @@
 """Design rules a command can check."""
 import re
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -35,6 +37,7 @@ def test_no_axis_name_literal_outside_the_declarations():
   assert out.stdout.strip().endswith("0 axis-name literals outside axes.py, collectives.py, schedules/")
 
 
+@pytest.mark.slow            # builds a wheel
 def test_the_wheel_ships_conf_inside_the_package(tmp_path):
   """conf/ is at the repository's top level; a wheel (pip install ., not editable) carries it as shardlab/conf/,
   which shardlab.config.CONF_DIR finds when the source tree is not there."""
