@@ -402,9 +402,9 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
   if pallas:
     rate = max(r["stated_flops"] / r["s"] for r in pallas)
     fields["flash_kernel_efficiency"] = round(rate / fields["peak_flops"], 3)
-    prov["flash_kernel_efficiency"] = said(f"shardlab's Pallas flash kernel ({pallas[0]['kernel']}) forward + backward, "
-                                           f"{rate:.4g} FLOP/s of the FLOPs it states (shape {pallas[0]['shape']}, "
-                                           "causal), over peak_flops")
+    prov["flash_kernel_efficiency"] = said(f"shardlab's Pallas flash kernel ({pallas[0]['kernel']}) forward + "
+                                           f"backward, {rate:.4g} FLOP/s of the FLOPs it states "
+                                           f"(shape {pallas[0]['shape']}, causal), over peak_flops")
   else:
     prov["flash_kernel_efficiency"] = kept("shardlab's Pallas kernel does not run on this device: nothing to measure")
 
@@ -465,7 +465,8 @@ def table(fields: dict, base, rows: list[dict], m: dict) -> str:
   out = [f"shardlab.calibrate: {m['device']['kind']} ({m['device']['count']} x {m['device']['platform']}), "
          f"preset {fields['name']} against {base.name}:", f"  {'figure':<24}{'measured':>14}{base.name:>14}"]
   for k in ("peak_flops", "gemm_efficiency", "hbm_bandwidth", "hbm_efficiency", "attention_efficiency",
-            "flash_kernel_efficiency", "kernel_launch_s", "ici_bandwidth", "link_efficiency", "collective_latency_s", "compute_units"):
+            "flash_kernel_efficiency", "kernel_launch_s", "ici_bandwidth", "link_efficiency", "collective_latency_s",
+            "compute_units"):
     mark = "" if str(fields["provenance"].get(k, "")).startswith("measured") else "  (kept)"
     out.append(f"  {k:<24}{fields[k]:>14.4g}{getattr(base, k):>14.4g}{mark}")
   for dt, v in fields["gemm_flops_by_dtype"].items():

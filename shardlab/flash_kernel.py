@@ -312,7 +312,8 @@ def block_attention_bwd(q, k, v, pq, pk, lse, do, delta, *, pairs: int | None = 
   dq = pl.pallas_call(         # three matmuls per visited pair: s, dP, dQ
       functools.partial(_dq_kernel, block_k=bk, scale=scale, interpret=interpret, runs=runs), grid=(Lq // bq, B, H),
       in_specs=[q_block, whole_kv, whole_kv, pl.BlockSpec((bq,), lambda i, b, h: (i,)),
-                pl.BlockSpec((Lk,), lambda i, b, h: (0,)), row, q_block, row] + [_one(lambda i, b, h: (i,))] * len(by_q),
+                pl.BlockSpec((Lk,), lambda i, b, h: (0,)), row, q_block, row]
+               + [_one(lambda i, b, h: (i,))] * len(by_q),
       out_specs=q_block, out_shape=_out((B, Lq, H, K), f32, mat),
       compiler_params=params, interpret=interpret, name=_name("bwd_dq", 6.0 * B * H * pairs * bq * bk * K),
   )(*args, *by_q)

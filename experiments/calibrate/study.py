@@ -12,7 +12,8 @@ compiles each case once (trainer.build + the local compile, as `python -m shardl
 the Markov data, and replays that one program with both presets (analysis/costmodel.predict: the calibrated
 replay where the preset describes the device, the peak-rate replay for a stock CPU preset, which has no
 measured rates). `deadline_s`: start no case after this many seconds (a lent GPU's minutes are counted).
-`only`: the cases of these labels alone. `set=moe`: mixture-of-experts steps instead (experiments/moe/README.md): the grouped GEMM of the dropless
+`only`: the cases of these labels alone.
+`set=moe`: mixture-of-experts steps instead (experiments/moe/README.md): the grouped GEMM of the dropless
 dispatchers (expert=ragged: on one device every expert is local) against all_to_all's capacity buffers, with the
 dense model of the same active parameters beside them.
 """

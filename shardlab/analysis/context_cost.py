@@ -179,9 +179,9 @@ def ring_pass(work: list[list[float]], kernel_s: float, merge_s: float, comm_s: 
 @dataclass
 class Rates:
   """What a strategy's `layer_time` evaluates its terms with (schedules/context.py): one full block's forward and
-  backward seconds at the preset's rate of the kernel that runs (HardwareConfig.attention_rate), the causal work per ring step and device, transfers over
-  `context`, and a ring's merges (`merge`: count them at HBM rate, kernels outside the attention kernel as
-  ring-flash-attention runs them)."""
+  backward seconds at the preset's rate of the kernel that runs (HardwareConfig.attention_rate), the causal work
+  per ring step and device, transfers over `context`, and a ring's merges (`merge`: count them at HBM rate,
+  kernels outside the attention kernel as ring-flash-attention runs them)."""
   a: Attn
   hw: object
   bandwidth: float
