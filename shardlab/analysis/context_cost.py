@@ -244,8 +244,9 @@ def pallas_on(strategy, a: Attn) -> tuple:
   model's own kernel without a context split (model.attention=blockwise), else what the strategy says it runs
   (its `pallas_on`; none for a strategy that does not say)."""
   part = strategy_of(strategy)
-  if a.C == 1:
-    return F.platforms(a.L, a.L, a.K) if part.model.attention == "blockwise" else ()
+  if a.C == 1:           # a user's part need not keep the model: then no kernel of shardlab's is known to run
+    blockwise = getattr(getattr(part, "model", None), "attention", None) == "blockwise"
+    return F.platforms(a.L, a.L, a.K) if blockwise else ()
   said = getattr(part, "pallas_on", None)
   return said(a) if callable(said) else ()
 
