@@ -221,7 +221,9 @@ def main(argv: list[str]) -> int:
   import jax
   from shardlab.plan import compose
   dev = jax.devices()[0]
-  preset = "cpu" if dev.platform == "cpu" else "h200" if "h200" in dev.device_kind.lower() else "h100"
+  sys.path.insert(0, str(ROOT / "experiments" / "calibrate"))
+  from study import stock_name                 # the stock preset of this device, as the step study picks it
+  preset = stock_name(dev.platform, dev.device_kind)
   hw = compose([f"hardware={preset}"]).hardware
   out = Path(opts.get("out", ROOT / "experiments" / "context" / f"results_{dev.device_kind.replace(' ', '_')}"))
   out.mkdir(parents=True, exist_ok=True)
