@@ -276,7 +276,8 @@ class TrainConfig:
   grad_clip: float = 1.0
   # Used by prediction and the planner only.
   global_batch_tokens: int = 0    # 0: batch_size * seq_len
-  mfu: float = 0.5
+  mfu: float = 0.0                # 0: the planner times each layout by its program (analysis/step_model.py);
+                                  # a fraction in (0, 1]: the Scaling Book's form, roofline / mfu
 
 
 @dataclass

@@ -247,12 +247,12 @@ def expert_table(ans: dict) -> str:
 
 
 def context_answer(c, devices: int | None = None) -> dict:
-  """summary.json-style answer of context_cost.choose: the best strategy and degree, the reason, every candidate
+  """summary.json-style answer of context_search.choose: the best strategy and degree, the reason, every candidate
   in brief (predicted step, attention, exposed context transfers, bytes over context, memory) and the excluded
   ones with why; `why_no_split` says, when no context split is chosen though some were costed, why none pays.
   MODEL PREDICTIONS."""
-  from shardlab.analysis import context_cost as CC
-  got = CC.choose(c, devices)
+  from shardlab.analysis import context_search as CS
+  got = CS.choose(c, devices)
   brief = lambda p: {"label": p["label"], "strategy": p["strategy"], CONTEXT: p[CONTEXT], FSDP: p[FSDP],
                      "load_balance": p["load_balance"], "remat": p["remat"], "microbatches": p["microbatches"],
                      "weights_over_context": p["weights_over_context"], "overrides": p["overrides"],
@@ -446,12 +446,12 @@ def table(result: dict, cfg, rows: int = 5) -> str:
       r[6:6] = [f"{100 * l['bubble']:.0f}%" if pp else "-"]
   compiled = any("target" in l for l in layouts[:rows])
   if compiled:    # top=K: each layout compiled for the target, its calibrated replay beside the closed forms
-    cols[-1:-1] = ["compiled: step", "compiled MFU", "compiled memory"]
-    right |= {"compiled: step", "compiled MFU", "compiled memory"}
+    cols[-1:-1] = ["compiled: step", "step vs compiled", "compiled MFU", "compiled memory"]
+    right |= {"compiled: step", "step vs compiled", "compiled MFU", "compiled memory"}
     for r, l in zip(body, layouts):
       t = l.get("target") or {}
-      r[-1:-1] = ([human_seconds(t["step_time_s"]), f"{100 * t['mfu']:.0f}%", human_bytes(t["memory_compiled_bytes"])]
-                  if t.get("compiled") else ["-", "-", "-"])
+      r[-1:-1] = ([human_seconds(t["step_time_s"]), f"{t['search_error']:+.0%}", f"{100 * t['mfu']:.0f}%",
+                   human_bytes(t["memory_compiled_bytes"])] if t.get("compiled") else ["-", "-", "-", "-"])
   width = [max(len(r[i]) for r in [cols, *body]) for i in range(len(cols))]
   line = lambda r: "  ".join(c.rjust(w) if cols[i] in right else c.ljust(w)
                              for i, (c, w) in enumerate(zip(r, width))).rstrip()
@@ -474,7 +474,9 @@ def table(result: dict, cfg, rows: int = 5) -> str:
           "", "Ties (equal predicted step time): the least recomputation, then the fewest microbatches, then the most "
           "slack (smallest worst comm/math), then the least memory.",
           "Each layout runs at the remat and microbatches that fit it fastest (a microbatch re-gathers the weights; "
-          "recomputation is left to train.mfu, as in the book)."]
+          + ("recomputation is left to train.mfu, as in the book)." if cfg.train.mfu else
+             "the step is the time model's: each layout's kernels at the preset's calibrated rates, recomputation "
+             "and exposed communication included; `--json` has each one's `step_model` breakdown).")]
   out = [textwrap.fill(l, 118) if l.startswith(("Ties", "Each layout")) else l for l in out]   # the rules
   if result.get("warnings"):
     out += [f"Warning: {x}" for x in result["warnings"]]

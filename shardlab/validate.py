@@ -53,7 +53,7 @@ RANGES = [
     ("train.weight_decay", 0, None, "AdamW weight decay"),
     ("train.grad_clip", [0], None, "global gradient-norm clip: 0 would zero every update"),
     ("train.global_batch_tokens", 0, None, "prediction's batch in tokens (0: batch_size * seq_len)"),
-    ("train.mfu", [0], 1, "prediction's model FLOP utilization"),
+    ("train.mfu", 0, 1, "the planner's assumed model FLOP utilization (0: its time model)"),
     ("data.branching", 1, None, "successors per token"),
     ("context.ulysses", 0, None, "usp, a2a_p2p: the Ulysses degree (0: chosen)"),
     ("context.node_devices", 0, None, "a2a_p2p: devices per node (0: one node)"),

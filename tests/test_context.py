@@ -293,21 +293,21 @@ def test_weights_over_fsdp_and_context_with_a_pipeline_or_experts(mesh, model, e
 
 
 def test_choose_names_the_strategy_and_flips_with_heads_and_kernel():
-  """context_cost.choose at C = 8 on 8 H100s, a 4-layer llama3_8b at 32K tokens, one sequence (its weights fit
+  """context_search.choose at C = 8 on 8 H100s, a 4-layer llama3_8b at 32K tokens, one sequence (its weights fit
   replicated over context, which the run's schedule keeps them): with shardlab's kernels Ulysses (cuDNN inside,
   masked blocks skipped) beats the ring (its sub-blocks skipped too, but its merges run outside a fused kernel);
   all_gather, which runs the plain attention, is excluded with the line the run itself would refuse it with (it
   used to be priced); with 12 query heads Ulysses cannot split them 8 ways and is excluded with that reason, and
   the choice flips."""
-  from shardlab.analysis import context_cost as CC
+  from shardlab.analysis import context_search as CS
   base = ["model=llama3_8b", "model.n_layers=4", "model.seq_len=32768", "train.batch_size=1", "mesh.tensor=1",
           "precision=bf16", "model.attention=dot_product", "schedule.remat=save_qkv_attn_out", "hardware=h100",
           "context.load_balance=true"]
-  got = CC.choose(_config(*base), devices=8, degrees=(8,))
+  got = CS.choose(_config(*base), devices=8, degrees=(8,))
   assert got["best"]["label"] == "ulysses zigzag C=8" and got["reason"].startswith("ulysses zigzag C=8: predicted")
   assert got["excluded"]["all_gather zigzag C=8"].startswith(
       "model.attention=dot_product: context=all_gather runs the plain attention")
-  flipped = CC.choose(_config(*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"), devices=8,
+  flipped = CS.choose(_config(*base, "model.n_heads=12", "model.n_kv_heads=4", "model.d_model=1536"), devices=8,
                       degrees=(8,))
   assert flipped["excluded"]["ulysses zigzag C=8"].startswith("ulysses splits the heads: 12 query and 4 K/V heads")
   assert flipped["best"]["strategy"] != "ulysses"

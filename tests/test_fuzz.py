@@ -80,7 +80,7 @@ BAD = [
     (["train.seed=-1"], "train.seed=-1"),
     (["train.seed=4294967296"], "train.seed=4294967296"),
     (["train.global_batch_tokens=-1"], "train.global_batch_tokens=-1"),
-    (["train.mfu=0"], "train.mfu=0"),
+    (["train.mfu=-0.5"], "train.mfu=-0.5"),
     (["train.mfu=1.5"], "train.mfu=1.5"),
     (["model.seq_len=1"], "model.seq_len=1"),
     (["model.seq_len=0"], "model.seq_len=0"),

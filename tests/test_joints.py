@@ -242,21 +242,21 @@ def test_a_users_context_strategy_trains_like_the_reference_and_its_bytes_are_th
 def test_a_users_context_strategy_is_priced_like_the_one_it_copies(user, builtin, monkeypatch):
   """The planner's context prediction and the memory breakdown of a user's strategy are the built-in's, number
   for number (llama3_8b at 32K tokens on 8 H100s, context 4); one without cost terms is one line."""
-  from shardlab.analysis import context_cost as CC, memory_model as MM
+  from shardlab.analysis import context_search as CS, memory_model as MM
   from shardlab.composition import resolve
   from shardlab.config import to_config
   from shardlab.mesh import ConfigError
   monkeypatch.syspath_prepend(TESTS)
   cfg = resolve(to_config(compose("model=llama3_8b", "model.seq_len=32768", "train.batch_size=1", "mesh.fsdp=8",
                                   "mesh.tensor=1", "precision=bf16", "model.attention=plain", "hardware=h100")))
-  ours, theirs = (CC.predict(CC.with_context(cfg, 4, s, fsdp=2)) for s in (user, builtin))
+  ours, theirs = (CS.predict(CS.with_context(cfg, 4, s, fsdp=2)) for s in (user, builtin))
   assert {**ours, "strategy": None} == {**theirs, "strategy": None} and ours["strategy"] == user
-  at = lambda s: CC.with_context(cfg, 4, s, fsdp=2)
+  at = lambda s: CS.with_context(cfg, 4, s, fsdp=2)
   assert MM.breakdown(at(user)) == MM.breakdown(at(builtin))
   if builtin == "ring":   # what it keeps: the blockwise kernel's set, not the plain attention's scores
     assert MM.breakdown(at(user))["activations"] < MM.breakdown(at("all_gather"))["activations"]
   with pytest.raises(ConfigError, match=r"^context.impl=user_parts:Unpriced: Unpriced states no cost terms "):
-    CC.predict(CC.with_context(cfg, 4, "user_parts:Unpriced", fsdp=2))
+    CS.predict(CS.with_context(cfg, 4, "user_parts:Unpriced", fsdp=2))
 
 
 @pytest.mark.parametrize("tp", ["user_parts:AllGatherCopy", "user_parts:ProtocolTP"])

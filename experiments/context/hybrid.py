@@ -7,7 +7,7 @@ Every configuration: llama3_8b with 2 layers (32 query and 8 K/V heads), one seq
 save_qkv_attn_out, zigzag placement, hardware=h100 (NVLink inside a node of 8, one 400 Gbps NIC per GPU across
 nodes: conf/hardware/h100.yaml). Each run is `python -m shardlab dry_run=true compile_for=target ...`: the H100
 compiler's program (memory: the compiler's, a measurement of the compiled program) and the calibrated replay of
-its scheduled order (a MODEL PREDICTION), with context_cost.predict's analytic figure (also a prediction) beside.
+its scheduled order (a MODEL PREDICTION), with context_search.predict's analytic figure (also a prediction) beside.
 Ulysses cannot split 8 K/V heads 16 ways: at C = 16 the run's own refusal is recorded instead.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ Every configuration: llama3_8b with 2 layers (the per-layer picture; a step's la
 65536 tokens over context 8 (8192 tokens per H100, one node), bf16, remat save_qkv_attn_out. Each run is
 `python -m shardlab dry_run=true compile_for=target hardware=h100 ...`: the H100 compiler's program (memory: the
 compiler's memory_analysis(), a measurement of the compiled program, not of a GPU) and the calibrated replay of
-its scheduled order (`prediction`: a MODEL PREDICTION), with context_cost.predict's analytic figure beside it (a
+its scheduled order (`prediction`: a MODEL PREDICTION), with context_search.predict's analytic figure beside it (a
 flash-kernel model: also a prediction).
 """
 from __future__ import annotations
@@ -46,13 +46,13 @@ def dry_run(overrides: list[str]) -> tuple[dict, str]:
 
 def analytic(overrides: list[str]) -> dict:
   from hydra import compose, initialize_config_dir
-  from shardlab.analysis import context_cost as CC
+  from shardlab.analysis import context_search as CS
   from shardlab.composition import resolve
   from shardlab.config import CONF_DIR, register_configs, to_config
   register_configs()
   with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
     cfg = to_config(compose("config", overrides=[o for o in overrides if not o.startswith("+xla")]))
-  p = CC.predict(resolve(cfg))
+  p = CS.predict(resolve(cfg))
   return {k: p[k] for k in ("t_step_s", "t_matmul_s", "t_attention_s", "exposed_comm_s")}
 
 

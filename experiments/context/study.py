@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from shardlab.analysis import context_cost as CC
+from shardlab.analysis import context_search as CS
 
 HERE = Path(__file__).parent
 BASE = ["model=llama3_8b", "mesh.tensor=1", "precision=bf16", "model.attention=dot_product",
@@ -44,21 +45,21 @@ def balance_at_8() -> list[dict]:
   cfg = config(BASE + ["model.seq_len=65536", "train.batch_size=1", "hardware=h100"])
   out = []
   for balanced in (False, True):
-    p = CC.predict(CC.with_context(cfg, 8, "ring", balanced=balanced, fsdp=1), skips_masked=True)
+    p = CS.predict(CS.with_context(cfg, 8, "ring", balanced=balanced, fsdp=1), skips_masked=True)
     out.append({**p, "imbalance": CC.imbalance(8, balanced)})
   return out
 
 
 def choose(cfg, n: int, degrees: tuple, skips) -> dict:
-  """context_cost.choose over the three strategies, each with the attention it runs: Ulysses and the ring the
+  """context_search.choose over the three strategies, each with the attention it runs: Ulysses and the ring the
   model's own (cuDNN's, model.attention=dot_product), all_gather the plain one (model.attention=plain: what the run
   needs for it; with dot_product it refuses, and so does the planner)."""
   plain = cfg.replace(model={"attention": "plain"})
-  a = CC.choose(cfg, devices=n, degrees=degrees, skips_masked=skips, strategies=STRATEGIES)
-  b = CC.choose(plain, devices=n, degrees=degrees, skips_masked=skips, strategies=("all_gather",))
+  a = CS.choose(cfg, devices=n, degrees=degrees, skips_masked=skips, strategies=STRATEGIES)
+  b = CS.choose(plain, devices=n, degrees=degrees, skips_masked=skips, strategies=("all_gather",))
   cands = sorted(a["candidates"] + b["candidates"], key=lambda p: p["t_step_s"])
   return {"best": cands[0] if cands else None, "candidates": cands, "excluded": {**a["excluded"], **b["excluded"]},
-          "reason": CC.reason(cands) if cands else "nothing fits"}
+          "reason": CS.reason(cands) if cands else "nothing fits"}
 
 
 def main() -> None:
@@ -85,7 +86,7 @@ def main() -> None:
     for label, why in r["excluded"].items():
       if "does not divide the batch" not in why:
         lines.append(f"| {r['seq'] // 1024}K | {r['devices']} {r['hardware']} | {r['kernel']} | {label} | excluded: {why} | | | | | |")
-  lines += ["", "Choices (`context_cost.choose`):", ""]
+  lines += ["", "Choices (`context_search.choose`):", ""]
   lines += [f"- {r['seq'] // 1024}K tokens, {r['devices']} x {r['hardware']}, {r['kernel']} kernel: {r['reason']}"
             for r in rows]
   plain, zig = bal

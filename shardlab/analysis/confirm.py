@@ -106,6 +106,8 @@ def confirm_layouts(layouts: list[dict[str, Any]], c: Composition, k: int, build
         "memory_closed_form_bytes": layout["memory_per_device_bytes"],
         "fits": r["fits"], "headroom_bytes": r["headroom_bytes"],
         "step_time_s": pred["t_overlapped_s"], "step_time_closed_form_s": layout["step_time_s"],
+        # how far the search's figure (the time model's, or train.mfu's) is from the compiled replay's
+        "search_error": layout["step_time_s"] / pred["t_overlapped_s"] - 1 if pred["t_overlapped_s"] else None,
         "mfu": pred["mfu"], "prediction_model": pred["model"], "compile_time_s": r["compile_time_s"]}})
   return out
 

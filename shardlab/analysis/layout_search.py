@@ -11,7 +11,8 @@ from shardlab.analysis import memory_model as MM
 from shardlab.analysis.batch_window import batch_window, microbatches_to_fit
 from shardlab.analysis.closed_forms import block_costs, divisors, embed_params, param_count
 from shardlab.analysis.links import default_torus, mesh_links, switch_bandwidths, torus_axes
-from shardlab.axes import DATA, FSDP, PIPELINE, TENSOR, shape_of
+from shardlab.analysis import step_model
+from shardlab.axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR, shape_of
 from shardlab.composition import Composition
 
 
@@ -40,6 +41,11 @@ def evaluate_layout(c: Composition, data: int, fsdp: int, tensor: int, bandwidth
   fraction of its roofline a compute-bound step reaches: the book's 40% gives its 300 ms), so a comm-bound
   layout is slower by its comm / math. compute_bound is the book's test: every axis's comms within the math of
   its pass. mfu = 6 P B / (N C step).
+
+  Without train.mfu (its default, 0) the step time is the time model's instead (analysis/step_model.py: the
+  layout's program priced kernel by kernel at the preset's calibrated rates, recomputation and the exposed
+  communication of the schedule's parts included), and `step_model` holds its breakdown; the roofline's
+  comm/math ratios still decide compute_bound.
   """
   m, hw, hbm = c.model, c.hardware, c.hardware.hbm_bytes
   tokens = c.global_tokens
@@ -49,7 +55,10 @@ def evaluate_layout(c: Composition, data: int, fsdp: int, tensor: int, bandwidth
   args = (bandwidth[FSDP], bandwidth[TENSOR], data, bandwidth[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
   k = max(1, c.schedule.microbatches)
-  step = (m.n_layers * block.step(b, k) + embed.step(b, k)) / c.train.mfu
+  step, timed = (m.n_layers * block.step(b, k) + embed.step(b, k)) / (c.train.mfu or 1), None
+  if not c.train.mfu:
+    timed = step_model.predict(sub.replace(mesh={CONTEXT: 1}), b, data, {**bandwidth}, hops)
+    step = timed["t_step_s"]
   ratios = block.comm_to_math(b / k)         # per microbatch: what one pass's communication hides behind
   mem = MM.breakdown(sub)
   state = mem["master_params"] + mem["grads"] + mem["optimizer"]
@@ -86,6 +95,7 @@ def evaluate_layout(c: Composition, data: int, fsdp: int, tensor: int, bandwidth
       "critical_batch_per_device": {"this_mesh": critical, "binding_axis": binding},
       **{key: v for key, v in batch_window(sub).items() if key.startswith("max_batch_per_device")},
       "ici_axes": ici_axes, "axis_bandwidth": bandwidth, "latency_hops": hops, "notes": notes,
+      **({"step_model": timed} if timed else {}),
   }
 
 
@@ -158,8 +168,8 @@ def search(c: Composition, devices: int | None = None, torus: tuple[int, ...] | 
 REMAT_BY_RECOMPUTE = ("none", "save_matmuls_attn_out", "save_matmuls", "save_qkv_attn_out", "save_qkv_proj", "full")
 
 CHOICE = ("each layout runs at the remat policy and microbatch count that fit its memory with the shortest predicted "
-          "step time (a microbatch gathers the weights again; recomputation is not charged: train.mfu absorbs it, "
-          "as in the book); at equal times the least recomputation (none, save_matmuls_attn_out, save_matmuls, "
+          "step time (a microbatch gathers the weights again; the time model charges the recomputation, train.mfu "
+          "when given absorbs it, as in the book); at equal times the least recomputation (none, save_matmuls_attn_out, save_matmuls, "
           "save_qkv_attn_out, save_qkv_proj, full), then the fewest microbatches. Nothing fits: the setting with "
           "the least memory")
 

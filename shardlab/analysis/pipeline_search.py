@@ -6,7 +6,8 @@ stage's per-microbatch slot times from this module's block roofline (F = n_layer
 microbatch's per-device tokens, B its backward, or B and W for a table that splits the weight gradient off; the
 head in F) and the send of one microbatch's residual stream over the pipeline axis's bandwidth, replayed through
 the schedule's own tick table as the executor runs it (replay(build(...), sync=True): neighbour-synchronised
-ticks, so the bubble is the executor's, not the closed form's), / train.mfu. Memory per stage: memory_model.breakdown's
+ticks, so the bubble is the executor's, not the closed form's), / train.mfu, or without one / the fraction of
+peak the time model predicts for the stage's kernels (step_model.kernel_efficiency). Memory per stage: memory_model.breakdown's
 terms for the stage's layers, with activations for the most microbatch-chunks a stage holds in flight by the
 table (in_flight) at one microbatch's tokens, plus the residual-stream buffers the executor allocates
 (evaluate_pipeline, pipeline_memory). These are predictions of the closed forms and the replay, like every other
@@ -24,7 +25,8 @@ from shardlab.analysis.closed_forms import block_costs, divisors, embed_params, 
 from shardlab.analysis.layout_search import REMAT_BY_RECOMPUTE, placements, sharding_problems
 from shardlab.analysis.memory_model import breakdown, dtype_bytes
 from shardlab.analysis.pipeline_replay import replay
-from shardlab.axes import DATA, FSDP, PIPELINE, TENSOR, shape_of
+from shardlab.analysis.step_model import kernel_efficiency
+from shardlab.axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR, shape_of
 from shardlab.composition import Composition
 from shardlab.pipeline_tables import (SCHEDULES, Plan, check_shape, chunks_per_stage, closed_form_bubble,
                                       in_flight, table_of)
@@ -121,7 +123,8 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   / (data fsdp M) tokens x d_model x compute bytes, / tensor when sequence-parallel) over the pipeline axis's
   bandwidth, at least one hop's latency. Step = replay(build(...), F, B, W, send, sync=True) (the executor's
   neighbour-synchronised ticks) + the data AllReduce of the stage's gradients beyond its last B + the embeddings'
-  gather and reduce-scatter (once per step), / train.mfu. All predictions."""
+  gather and reduce-scatter (once per step), / train.mfu (0: / step_model.kernel_efficiency at one microbatch's
+  tokens). All predictions."""
   data, fsdp, tensor, bws, axes, hops, untiled = place
   m, hw, hbm = c.model, c.hardware, c.hardware.hbm_bytes
   V = V or pipeline_virtual_stages(name)
@@ -149,7 +152,8 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True, t_head=head)
   tail = max(0.0, m.n_layers // P * block.data - t_b)     # the data AllReduce behind the stage's last backward
   once = 2 * embed.fsdp                                   # embeddings: gathered, reduce-scattered once per step
-  step = (run["step_s"] + tail + once) / c.train.mfu
+  mfu = c.train.mfu or kernel_efficiency(sub.replace(mesh={CONTEXT: 1}), b, data, bws, hops)
+  step = (run["step_s"] + tail + once) / mfu
 
   ratios = block.comm_to_math(b)
   mem = pipeline_memory(c, data, fsdp, tensor, P, name, M, V=V, csv=csv, consecutive=consecutive)
@@ -188,7 +192,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
       "bubble_closed_form": None if csv else closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
       "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
       "slot_s": {"F": t_f, "B": t_b, "W": t_w, "head": head, "send": t_send},
-      "pipeline_step_s": run["step_s"] / c.train.mfu,
+      "pipeline_step_s": run["step_s"] / mfu, "kernel_efficiency": mfu,
   }
 
 

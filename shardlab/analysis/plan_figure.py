@@ -43,9 +43,11 @@ def efficiency_curve(c: Composition, path, layouts: list[dict] | None = None) ->
   batches = np.geomspace(max(lo, 1e-3), hi, 96)
 
   fig, (ax_t, ax_e) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
+  top = 100 * c.train.mfu
   for i, (l, crit, limit) in enumerate(zip(layouts, marks, limits)):
     color = f"C{i}"
     steps, mfus = curve(c, l, batches)
+    top = max(top, 100 * max(mfus))
     fits = batches <= limit
     label = f"data {l[DATA]} x fsdp {l[FSDP]} x tensor {l[TENSOR]}, remat {l['remat']}" + (
         f", {l['microbatches']} microbatches" if l["microbatches"] > 1 else "")
@@ -61,9 +63,10 @@ def efficiency_curve(c: Composition, path, layouts: list[dict] | None = None) ->
     ax_e.plot([l["batch_per_device_tokens"]], [100 * l["mfu"]], "o", color=color)
   ax_t.set(xscale="log", yscale="log", ylabel="predicted step time (s)",
            title=f"{c.model.label} on {layouts[0][DATA] * layouts[0][FSDP] * layouts[0][TENSOR]} x "
-                 f"{c.hardware.name} (predicted; MFU when compute-bound: {c.train.mfu:.0%})")
+                 f"{c.hardware.name} (predicted" + (f"; MFU when compute-bound: {c.train.mfu:.0%})" if c.train.mfu
+                                                     else ": the time model)"))
   ax_e.set(xscale="log", xlabel="batch per device B / N (tokens)", ylabel="predicted MFU (%)",
-           ylim=(0, 100 * c.train.mfu * 1.15))
+           ylim=(0, top * 1.15))
   ax_t.plot([], [], "k--", lw=1, label="critical batch (below: comm-bound)")
   ax_t.plot([], [], "k-.", lw=1, label="memory limit (dotted beyond: does not fit)")
   ax_t.plot([], [], "ko", label="the configured global batch")

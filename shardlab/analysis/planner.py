@@ -86,12 +86,22 @@ def check(c: Composition) -> None:
     raise ValueError(f"model.kind={m.kind!r} must be transformer or ffn")
   if m.kind == "transformer" and (m.n_heads < 1 or m.d_model % m.n_heads):
     raise ValueError(f"model.d_model={m.d_model} must be a multiple of model.n_heads={m.n_heads}")
-  if not 0 < t.mfu <= 1:
-    raise ValueError(f"train.mfu={t.mfu} must be in (0, 1]")
+  if not 0 <= t.mfu <= 1:
+    raise ValueError(f"train.mfu={t.mfu} must be in [0, 1] (0: the time model, analysis/step_model.py)")
   if c.global_tokens <= 0:
     raise ValueError("the global batch must hold at least one token (train.global_batch_tokens or batch_size)")
   if hw.peak_flops <= 0 or hw.ici_bandwidth <= 0 or hw.hbm_bytes <= 0:
     raise ValueError("hardware.peak_flops, ici_bandwidth and hbm_bytes must be > 0")
+
+
+def timed(c: Composition, p: int, tokens: float, n: int) -> dict[str, Any]:
+  """{"mfu", "step_time_s", "step_model"}: with train.mfu set, the Scaling Book's step (6 P B / (N C mfu)); else
+  the time model's prediction of the configured mesh's program (analysis/step_model.py) and its breakdown."""
+  if c.train.mfu:
+    return {"mfu": c.train.mfu, "step_time_s": step_time(p, tokens, c.hardware.peak_flops, n, c.train.mfu)}
+  from shardlab.analysis import step_model
+  got = step_model.predict(c.replace(mesh={DATA: 1}), tokens_per_device=tokens / n, data=1)
+  return {"mfu": got["mfu"], "step_time_s": got["t_step_s"], "step_model": got}
 
 
 # ------------------------------------------------------------------------------------------------------ the plan
@@ -169,8 +179,7 @@ def plan(c: Composition) -> dict[str, Any]:
       "compute_bound": max(per_layer["fsdp_fwd"], per_layer["tensor_fwd"]) <= per_layer["math_fwd"],
       "compute_bound_additive": per_layer["fsdp_fwd"] + per_layer["tensor_fwd"] <= per_layer["math_fwd"],
       "roofline_step_s": {"overlapped": max(t_math, *t_comm.values()), "additive": t_math + sum(t_comm.values())},
-      "mfu": c.train.mfu,
-      "step_time_s": step_time(p, tokens, hw.peak_flops, n, c.train.mfu),
+      **timed(c, p, tokens, n),
       "warnings": warnings,
       "assumptions": [
           "FSDP is ZeRO-3 over all N = fsdp * tensor devices; Adam moments in param_dtype",

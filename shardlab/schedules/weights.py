@@ -130,6 +130,12 @@ class FSDPWeights:
     return self.cfg.grad_reduce == "deferred"
 
   # ---------------------------------------------------------------------------------------- what it costs
+  @property
+  def prefetches(self) -> bool:
+    """The next layer's weights are gathered (and this layer's gradient reduced) while this layer computes, so the
+    time model (analysis/step_model.py) hides them behind its kernels; without prefetch each layer waits."""
+    return bool(self.cfg.prefetch) and not self.once_per_step
+
   def element_bytes(self, precision) -> int:
     """Bytes of one weight element gathered, and of one element of a layer's whole gradient before its
     reduction (gather_dtype: the parameter's dtype, or the compute dtype cast before the gather)."""
