@@ -562,7 +562,8 @@ def test_plan_top_k_compiles_the_best_layouts_for_the_target():
     t = l["target"]
     assert t["compiled"] and t["platform"] == "gpu" and t["devices"] == 8 and t["topology"] == "1x1x8"
     assert t["prediction_model"].startswith("calibrated") and t["step_time_s"] > 0 and 0 < t["mfu"] < 1
-    assert t["step_time_closed_form_s"] == l["step_time_s"]
+    assert t["step_time_closed_form_s"] == l["step_time_s"] and "t_gemm_s" in l["step_model"]   # the time model's
+    assert t["search_error"] == pytest.approx(l["step_time_s"] / t["step_time_s"] - 1)
     assert t["memory_closed_form_bytes"] == l["memory_per_device_bytes"]
     data_bytes = (2 * 16 // (l["data"] * l["fsdp"]) * 32 + 32) * 4   # inputs, targets [B_fsdp, L]; positions [L]
     assert 12 * n_params / 8 < t["memory_compiled"]["argument"] < 1.02 * 12 * n_params / 8 + data_bytes
