@@ -436,6 +436,15 @@ def table(result: dict, cfg, rows: int = 5) -> str:
            human_seconds(l["step_time_s"]),
            f"{100 * l['mfu']:.0f}%", _critical(l), _verdict(l)] for i, l in enumerate(layouts[:rows])]
   right = {"#", "micro", "memory/device", "step", "MFU"}
+  if any("step_model" in l for l in layouts[:rows]):   # the time model's reasons: what it recomputes and waits for
+    cols[8:8] = ["recompute", "exposed comm"]
+    right |= {"recompute", "exposed comm"}
+    for r, l in zip(body, layouts):
+      sm = l.get("step_model")
+      r[8:8] = [human_seconds(sm["t_recompute_s"]) if sm["t_recompute_s"] else "0",
+                (human_seconds(sm["t_exposed_comm_s"]) + " " + "+".join(
+                    a for a, v in sm["exposed_comm_s"].items() if v > 0.05 * sm["t_exposed_comm_s"])).rstrip()
+                if sm["t_exposed_comm_s"] else "0"] if sm else ["-", "-"]
   if any(PIPELINE in l for l in layouts):      # pipeline_search: P and schedule before the mesh, bubble after M
     cols[1:1], cols[6:6] = ["P", "schedule"], ["bubble"]
     right |= {"P", "bubble"}

@@ -9,6 +9,7 @@ import pytest
 
 from shardlab.analysis import planner
 from shardlab.composition import resolve
+from shardlab.outputs import human_seconds
 from shardlab.plan import compose, main
 
 pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
@@ -101,6 +102,14 @@ def test_the_70b_question_in_one_command(capsys):
   assert out["answer"]["considered"] == 28 and out["answer"]["qualifying"] >= 1
   assert best["remat"] != "none" or best["microbatches"] > 1      # 70B at 64k tokens per GPU needs one of them
   assert out["warnings"] == []                                    # h100 is nodes of 8: cross-node axes are costed
+  # the time model: the first two layouts differ, and the screen says by what (recomputed, waited for)
+  second = out["layouts"][1]
+  assert best["step_time_s"] < second["step_time_s"] and "step_model" in best
+  head = text.splitlines()[2]
+  assert "recompute" in head and "exposed comm" in head
+  sm = best["step_model"]
+  assert f"{human_seconds(sm['t_recompute_s'])}  " in text.splitlines()[3]
+  assert human_seconds(sm["t_exposed_comm_s"]) in text.splitlines()[3]
 
 
 @pytest.mark.parametrize("bad", ["devices=abc", "devices=0", "json=", "model=nope"])
