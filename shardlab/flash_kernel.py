@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 NAME = "shardlab_flash"           # the kernels' names start with this (analysis/hlo.py reads their stated FLOPs)
+BWD_OVER_FWD = (8 + 6) / 4        # the FLOPs its backward states over its forward's, per visible block pair: dK/dV
+                                  # 8 and dQ 6 (S and dP again in each) x B H bq bk K against the forward's 4
 BLOCK_Q, BLOCK_K = 64, 64         # tile sizes on a GPU: [64, 64] float32 scores per cell; powers of two >= 16
 WARPS, STAGES = 4, 2
 

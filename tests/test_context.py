@@ -429,3 +429,9 @@ def test_each_kernel_is_priced_at_its_own_measured_rate():
   assert attention_s("ulysses", "dot_product", hw, one) == attention_s("ulysses", "dot_product", cudnn_only, one)
   tpu = _config("hardware=tpu_v5p").hardware
   assert not tpu.flash_kernel_efficiency and tpu.attention_rate(True) == tpu.attention_rate(False)
+  # and at the FLOPs it does: shardlab's kernel states 8 (dK/dV) + 6 (dQ) per block pair in backward against 4
+  # forward (flash_kernel.py's names), FlashAttention-2 (cuDNN) 2.5 x the forward
+  from shardlab import flash_kernel as F
+  assert CC.bwd_over_fwd(True) == F.BWD_OVER_FWD == 3.5 and CC.bwd_over_fwd(False) == 2.5
+  rates = lambda pallas: CC.Rates(a, hw, hw.ici_bandwidth, True, True, False, pallas=pallas).block_s
+  assert rates(True)[1] / rates(True)[0] == 3.5 and rates(False)[1] / rates(False)[0] == 2.5

@@ -186,7 +186,7 @@ class Rates:
   @property
   def block_s(self) -> tuple[float, float]:
     rate = self.hw.attention_rate(self.pallas)
-    return self.a.block_flops() / rate, self.a.block_flops() * BWD_OVER_FWD / rate
+    return self.a.block_flops() / rate, self.a.block_flops() * bwd_over_fwd(self.pallas) / rate
 
   def work(self) -> list[list[float]]:
     """work[s][r]: full blocks device r computes at ring step s (every block whole unless the kernel skips)."""
@@ -232,6 +232,17 @@ class Rates:
     return ring_pass(self.work(), kernel_s, merge_s, comm_s)
 
 
+def bwd_over_fwd(pallas: bool) -> float:
+  """A kernel's backward FLOPs over its forward's: shardlab's Pallas kernel's as it states them (its dQ kernel
+  recomputes what its dK/dV kernel did: flash_kernel.BWD_OVER_FWD, 3.5), else FlashAttention-2's 2.5."""
+  return F.BWD_OVER_FWD if pallas else BWD_OVER_FWD
+
+
+def runs_pallas(strategy, a: Attn, hw) -> bool:
+  """Whether the layer's attention kernel is shardlab's Pallas kernel on hw's target platform (pallas_on)."""
+  return getattr(hw, "target_platform", "") in pallas_on(strategy, a)
+
+
 def pallas_on(strategy, a: Attn) -> tuple:
   """The platforms on which the layer's attention kernel is shardlab's Pallas kernel (flash_kernel.platforms): the
   model's own kernel without a context split (model.attention=blockwise), else what the strategy says it runs
@@ -250,8 +261,7 @@ def layer_time(strategy, a: Attn, hw, bandwidth: float, balanced: bool, skips_ma
   strategy's own `layer_time` terms evaluated at these rates (Rates). `skips_masked`: the inner kernel skips
   masked blocks (flash, cuDNN); False: every block computed whole (shardlab's ring, the plain kernel under
   all_gather). `merge`: count a ring's online-softmax merges at HBM rate."""
-  cost = Rates(a, hw, bandwidth, balanced, skips_masked, merge,
-               pallas=getattr(hw, "target_platform", "") in pallas_on(strategy, a))
+  cost = Rates(a, hw, bandwidth, balanced, skips_masked, merge, pallas=runs_pallas(strategy, a, hw))
   by = bytes_per_layer(strategy, a)
   if a.C == 1:
     fwd, bwd = cost.block_s

@@ -155,7 +155,7 @@ def predict(c: Composition, tokens_per_device: float | None = None, data: int | 
         CC.own_kernel_skips(m) if C == 1 else CC.strategy_of(c.cp).skips_masked()
     lt = CC.layer_time(c.cp, a, hw, bandwidth.get(CONTEXT, hw.ici_bandwidth),
                        c.context.balanced, skips)
-    share = 1 / (1 + CC.BWD_OVER_FWD)
+    share = 1 / (1 + CC.bwd_over_fwd(CC.runs_pallas(c.cp, a, hw)))    # of the attention, the forward's
     fwd.add("attention", lt.attention_s * share + launch)
     bwd.add("attention", lt.attention_s * (1 - share) + launch)
     if m.attention == "plain" and C == 1:   # the [b, H, L, L] scores and probabilities in float32, each way
