@@ -46,6 +46,7 @@ def test_a_gemm_is_priced_as_the_compiled_replay_prices_it():
       ("qkv", t, D, (H + 2 * G) * K), ("o", t, H * K, D), ("w_in", t, D, 2 * F), ("w_out", t, F, D)]
   got = step_model.predict(c)
   assert got["t_gemm_s"] > 3 * 80 * 8 * fwd           # forward + dX + dW of every layer and microbatch, and the head
+  assert 0.5 < got["gemm_fraction_of_peak"] <= hw.gemm_efficiency    # the shapes' efficiency, below a large GEMM's
 
 
 def test_recomputation_is_charged_by_what_the_policy_saves():

@@ -226,7 +226,10 @@ def predict(c: Composition, tokens_per_device: float | None = None, data: int | 
              "recompute": k * m.n_layers * sum(fwd.compute.get(p, 0.0) for p in recomputed),
              "head": k * head, "stacks": k * m.n_layers * stacks, "accumulate": accumulate,
              "optimizer": ADAMW_BYTES * per_device / hbm + 3 * launch * 12}
-  gemms = {g[0] for g in _gemms(c, t)}
+  shapes = _gemms(c, t)
+  gemms = {g[0] for g in shapes}
+  gemm_flops = k * (m.n_layers * sum(6 * M * K * N for _, M, K, N in shapes)
+                    + (6 * t * D * V / Y if m.kind != "ffn" else 0))
   t_gemm = k * m.n_layers * sum(fwd.compute.get(p, 0.0) + bwd.compute.get(p, 0.0) for p in gemms) + k * head_gemm
   t_attn = k * m.n_layers * (fwd.compute.get("attention", 0.0) + bwd.compute.get("attention", 0.0))
   t_exposed = sum(exposed.values())
@@ -235,6 +238,7 @@ def predict(c: Composition, tokens_per_device: float | None = None, data: int | 
   return {"t_step_s": step, "t_gemm_s": t_gemm, "t_attention_s": t_attn, "t_recompute_s": compute["recompute"],
           "t_other_kernels_s": sum(compute.values()) - t_gemm - t_attn - compute["recompute"],
           "t_exposed_comm_s": t_exposed, "exposed_comm_s": exposed,
+          "gemm_fraction_of_peak": gemm_flops / (hw.peak_flops * t_gemm) if t_gemm else 0.0,   # shapes, waves
           "kernels_s": compute,          # the layers (forward and backward), recompute, and around them
           "mfu": flops / (hw.peak_flops * step) if step > 0 else 0.0,
           "tflops_per_device": flops / step / 1e12 if step > 0 else 0.0,
