@@ -83,9 +83,11 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   D.initialize(cfg.distributed)                   # jax.distributed, when this is one of several processes
   import jax
   from shardlab import target as TG
-  TG.check_flags(cfg.xla.flags)                   # every XLA option known to this XLA (a trivial compile)
-  if cfg.compile_for == "target":                 # the target's compiler installed, its topology valid
+  target = cfg.compile_for == "target"
+  if target:                                      # the target's compiler installed, its topology valid
     TG.check(cfg.hardware, cfg.mesh.n_devices)
+  # every XLA option known to the compiler that takes it (a trivial compile)
+  TG.check_flags(cfg.xla.flags, cfg.hardware if target else None, cfg.mesh.n_devices)
   # The mesh against every process's devices (a dry run compiled for a target needs none of them).
   validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))
   # Process 0's run dir holds the run's results: its verdict, for every process (no peer left waiting for it).

@@ -147,15 +147,23 @@ def compile_reading_buffers(lowered, flags: dict | None = None) -> tuple:
   return compiled, text
 
 
-def check_flags(flags: dict) -> None:
-  """XLA takes every option in `flags`: a trivial program compiled with them on the local CPU (milliseconds)
-  raises the one ConfigError line compile_with gives, before the run writes or compiles anything."""
+def check_flags(flags: dict, hw: HardwareConfig | None = None, n_devices: int = 1) -> None:
+  """The compiler takes every option in `flags`: a trivial program compiled with them raises the one ConfigError
+  line compile_with gives, before the run writes or compiles anything. On the local CPU (milliseconds), whose XLA
+  knows the options XLA's GPU compiler takes; for a TPU target (`hw`, `n_devices`) by libtpu on a device of that
+  slice (seconds), which alone knows its own options (`xla_tpu_...`: conf/xla/maxtext_v5p.yaml)."""
+  tpu = hw is not None and hw.target_platform == "tpu"
+  own = [k for k in flags if k.startswith("xla_tpu_")]
+  if own and not tpu:
+    raise ConfigError(f"xla.flags.{own[0]}: a libtpu option; only a target compile for a TPU preset takes it "
+                      f"(compile_for=target hardware=tpu_v5p or tpu_v5e)")
   if flags:
     import jax
     import jax.numpy as jnp
-    cpu = jax.local_devices(backend="cpu")[0]
+    device = (devices(hw, n_devices)[0] if tpu else
+              jax.local_devices(backend="cpu")[0])
     compile_with(jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32,
-                                                                     sharding=jax.sharding.SingleDeviceSharding(cpu))),
+                                                                     sharding=jax.sharding.SingleDeviceSharding(device))),
                  flags)
 
 

@@ -256,3 +256,80 @@ ENTRY %main (x: pred[36,8,128], i: s32[], y: f32[36,8,128], w: f32[4,8,128]) -> 
   shapes = {i.name: i.shape for i in comps[entry]}
   mask_block, index, v_whole, w_whole, out = 8 * 128, 4, 36 * 8 * 128 * 4, 4 * 8 * 128 * 4, 8 * 128 * 4
   assert calibrated.kernel_bytes(ins, shapes, comps) == pytest.approx(mask_block + index + v_whole + w_whole + out)
+
+
+ASYNC_FUSION = """HloModule m, is_scheduled=true
+
+%start_body (p0: bf16[256,1024]) -> (bf16[256,1024], bf16[1024,1024]) {
+  %p0 = bf16[256,1024]{1,0} parameter(0)
+  %ag0 = bf16[1024,1024]{1,0} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="0"}
+  ROOT %cs = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) custom-call(%ag0), custom_call_target="AsyncCollectiveStart"
+}
+
+%cont_body (p0: bf16[256,1024], p1: bf16[1024,1024], x: bf16[2048,2048], w: bf16[2048,2048]) -> (bf16[2048,2048], bf16[256,1024], bf16[1024,1024]) {
+  %x = bf16[2048,2048]{1,0} parameter(2)
+  %w = bf16[2048,2048]{1,0} parameter(3)
+  %y = bf16[2048,2048]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %p0 = bf16[256,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  %ag1 = bf16[1024,1024]{1,0} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="0"}
+  ROOT %t = (bf16[2048,2048]{1,0}, bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%y, %p0, %p1)
+}
+
+%done_body (p0: bf16[256,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[256,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  %ag2 = bf16[1024,1024]{1,0} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="0"}
+  ROOT %cd = bf16[1024,1024]{1,0} custom-call(%p0, %p1, %ag2), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (w0: bf16[256,1024], x: bf16[2048,2048], w: bf16[2048,2048]) -> (bf16[2048,2048], bf16[1024,1024]) {
+  %w0 = bf16[256,1024]{1,0} parameter(0)
+  %x = bf16[2048,2048]{1,0} parameter(1)
+  %w = bf16[2048,2048]{1,0} parameter(2)
+  %s = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) fusion(%w0), kind=kCustom, calls=%start_body
+  %s0 = bf16[256,1024]{1,0} get-tuple-element(%s), index=0
+  %s1 = bf16[1024,1024]{1,0} get-tuple-element(%s), index=1
+  %c = (bf16[2048,2048]{1,0}, bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) fusion(%s0, %s1, %x, %w), kind=kOutput, calls=%cont_body
+  %y = bf16[2048,2048]{1,0} get-tuple-element(%c), index=0
+  %c1 = bf16[256,1024]{1,0} get-tuple-element(%c), index=1
+  %c2 = bf16[1024,1024]{1,0} get-tuple-element(%c), index=2
+  %g = bf16[1024,1024]{1,0} fusion(%c1, %c2), kind=kCustom, calls=%done_body
+  ROOT %out = (bf16[2048,2048]{1,0}, bf16[1024,1024]{1,0}) tuple(%y, %g)
+}
+"""
+
+
+def test_libtpu_async_collective_fusion_runs_beside_the_kernels_it_continues_in():
+  """libtpu's async collective fusion (conf/xla/maxtext_v5p.yaml's flags) splits one all-gather over a start
+  fusion, a compute fusion it continues in and a done fusion, each with a copy of it under one chain_id: the ledger
+  counts one collective, and the replay starts its transfer at the start, runs the matmul fusion beside it (at the
+  matmul's own bytes, not the gather's buffers it carries) and waits at the done: exposed is what the matmul does
+  not cover; the overlap report pairs its start and done around the matmul. The same program with the gather
+  synchronous waits for all of it."""
+  import numpy as np
+  import pytest
+  from shardlab.analysis import calibrated, hlo
+  from shardlab.analysis.links import collective_seconds
+  from shardlab.analysis.program import Program
+  from conftest import compose
+  from shardlab.config import to_config
+  hw = to_config(compose("hardware=tpu_v5p")).hardware
+  prog = Program(ASYNC_FUSION, np.arange(4), ("fsdp",), "tpu")
+  assert [(c.kind, c.axis, c.bytes_full) for c in prog.collectives] == [("all-gather", "fsdp", 1024 * 1024 * 2)]
+  roles = [hlo.async_fusion(i, prog.comps) for i in prog.comps[prog.entry] if i.opcode == "fusion"]
+  assert [r[0] for r in roles] == ["start", "continuation", "done"] and len({r[1] for r in roles}) == 1
+  pairs = prog.async_pairs()                                # summary.json's `overlap` reads these
+  assert [(p.coll.kind, p.gemms, p.kernels) for p in pairs] == [("all-gather", 1, 1)]
+  c = prog.collectives[0]
+  comm = collective_seconds(c.kind, c.bytes_moved, c.group_size, c.axis, hw, {})
+  matmul_bytes = 3 * 2048 * 2048 * 2                          # x, w and y: not the gather's 0.5 + 2 + 2 MiB
+  kernel = calibrated.gemm_seconds(2 * 2048 ** 3, [2048, 2048], matmul_bytes, hw, "bfloat16") + hw.kernel_launch_s
+  r = calibrated.replay(prog, hw)
+  assert r.t_comm_s == {"fsdp": pytest.approx(comm)} and r.kernels == 1
+  assert r.t_compute_s == pytest.approx(kernel)
+  assert r.t_exposed_comm_s == pytest.approx(max(0.0, comm - kernel))
+  assert r.t_total_s == pytest.approx(max(comm, kernel))
+  sync = ASYNC_FUSION.replace('frontend_attributes={chain_id="0"}', "")
+  s = calibrated.replay(Program(sync, np.arange(4), ("fsdp",), "tpu"), hw)
+  assert s.t_total_s > r.t_total_s

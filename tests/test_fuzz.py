@@ -152,6 +152,10 @@ BAD = [
     (["cpu_devices=0"], "cpu_devices=0"),
     (["+typo=1"], "typo: no such setting"),
     (["+xla.flags.xla_bogus_option=true"], "No such compile option: 'xla_bogus_option'"),
+    (["xla=maxtext_v5p"], "xla.flags.xla_tpu_enable_async_collective_fusion_fuse_all_gather: a libtpu option; only a "
+     "target compile for a TPU preset takes it (compile_for=target hardware=tpu_v5p or tpu_v5e)"),
+    (["dry_run=true", "compile_for=target", "hardware=tpu_v5p", "+xla.flags.xla_tpu_bogus_option=true"],
+     "No such compile option: 'xla_tpu_bogus_option'"),
     (["+train.typo=1"], "train.typo: no such setting"),
     (["schedule.prefech=1"], "Key 'prefech' not in 'ScheduleConfig'"),
     (["mesh.fsdp=two"], "mesh.fsdp=two"),
@@ -171,7 +175,7 @@ BAD = [
     (["hydra.run.dir=''"], "hydra.run.dir='': empty"),
     (["hydra.run.dir"], "Error parsing override 'hydra.run.dir' (missing EQUAL at '<EOF>'); write each setting as key=value"),
     (["--bogus-flag"], "unknown option --bogus-flag: settings are key=value"),
-    (["xla=nonexistent"], "Could not find 'xla/nonexistent'; choose one of: maxtext_a3, none"),
+    (["xla=nonexistent"], "Could not find 'xla/nonexistent'; choose one of: maxtext_a3, maxtext_v5p, none"),
     (["model.vocab_size=1", "mesh=8x1"], "data.branching=4 is more than model.vocab_size=1 (each token's successors are "
      "drawn from the vocabulary); choose data.branching <= 1 or model.vocab_size >= 4"),
     (["profile.enabled=true", "train.steps=1"], "profile.start_step=3: the run has only train.steps=1 steps"),

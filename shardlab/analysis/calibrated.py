@@ -20,6 +20,11 @@ stream (NCCL runs collectives one after another on its own stream):
   -done       the compute stream waits until that collective has finished
   synchronous collective (no pair)   the compute stream waits for it whole
 
+libtpu writes its collectives synchronous unless its async collective fusion is on (MaxText's TPU recipes turn it
+on: conf/xla/maxtext_v5p.yaml). Then one collective is split over fusions that hold copies of it under one
+chain_id (hlo.async_fusion): its start fusion is replayed as `-start`, its done fusion as `-done`, and the compute
+fusions it continues in as the kernels they are (their bytes without the collective's buffers they carry).
+
 A loop is walked until two iterations in a row change the state alike (its steady state); the rest are then
 added at once, each as the one before (`loop, folded` in the timeline): a 70B step replays in a fraction of a
 second instead of a minute, to the same figure. Loops that run pipeline slots (conditionals) are walked whole.
@@ -169,6 +174,8 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
   ici_axes, scale = ici_axes or {}, scale or {}
   comps, f = prog.comps, flops_fn(prog.comps)
   colls = {(c.computation, c.name): c for c in prog.collectives}
+  chained = prog.chained()    # libtpu's async collective fusions: chain -> its collective
+  roles: dict = {}            # (computation, fusion) -> hlo.async_fusion, memoised
   st = {"t": 0.0, "link": 0.0, "gemm": 0.0, "other": 0.0, "attention": 0.0, "exposed": 0.0, "kernels": 0}
   comm: dict = {}
   events: list = []
@@ -209,6 +216,17 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
         return
       prev = delta
 
+  def send(c, key, it: tuple):
+    """Collective `c` on its axis's link from now (after the one before it there); `key` finishes with it."""
+    d = coll_time(c)
+    s = max(st["t"], st["link"])
+    st["link"] = finish[key] = s + d
+    wrote.append(key)
+    comm[c.axis] = comm.get(c.axis, 0.0) + d
+    events.append(_event(f"{c.kind} {c.axis} ({c.scope})", "comm", f"comm {c.axis}", s, d, it,
+                         {"kind": c.kind, "axis": c.axis, "bytes_moved": c.bytes_moved, "scope": c.scope,
+                          "hlo": c.name}, c))
+
   def run(comp: str, it: tuple):
     instrs = comps[comp]
     shapes = {i.name: i.shape for i in instrs}
@@ -223,16 +241,17 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
       elif op == "conditional":              # a pipeline slot: its branch, as often as declared (hlo.spread)
         for c in hlo.spread(ins, seen):
           run(c, it)
+        continue
+      role = roles.setdefault((comp, ins.name), hlo.async_fusion(ins, comps) if op == "fusion" else None)
+      if role and role[1] not in chained:
+        role = None
+      if role and role[0] == "start":             # libtpu's async collective fusion: the transfer begins
+        send(chained[role[1]], role[1], it)
+      elif role and role[0] == "done":            # ... and its result is needed
+        if role[1] in finish:
+          _wait(st, finish[role[1]])
       elif (comp, ins.name) in colls:              # a collective: async start, or synchronous
-        c = colls[(comp, ins.name)]
-        d = coll_time(c)
-        s = max(st["t"], st["link"])
-        st["link"] = finish[ins.name] = s + d
-        wrote.append(ins.name)
-        comm[c.axis] = comm.get(c.axis, 0.0) + d
-        events.append(_event(f"{c.kind} {c.axis} ({c.scope})", "comm", f"comm {c.axis}", s, d, it,
-                             {"kind": c.kind, "axis": c.axis, "bytes_moved": c.bytes_moved, "scope": c.scope,
-                              "hlo": c.name}, c))
+        send(colls[(comp, ins.name)], ins.name, it)
         if not op.endswith("-start"):
           _wait(st, finish[ins.name])
       elif op.endswith("-done"):
@@ -242,7 +261,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
         continue
       else:
         fl = f(ins, shapes)
-        nbytes = kernel_bytes(ins, shapes, comps)
+        nbytes = kernel_bytes(ins, shapes, comps) - (_carried_bytes(ins, comps) if role else 0.0)
         if hlo.is_attention_call(ins):             # a fused flash-attention kernel: its own achieved rate
           d = max(fl / hw.attention_rate(hlo.stated_flops(ins) is not None),
                   nbytes / (hw.hbm_bandwidth * hw.hbm_efficiency))
@@ -262,6 +281,29 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
   total = max(st["t"], st["link"])
   return Replayed(total, st["gemm"] + st["other"], st["gemm"], st["other"], comm, st["exposed"], st["kernels"],
                   events, st["attention"])
+
+
+def _carried_bytes(ins: hlo.Instr, comps: dict) -> float:
+  """Of a continuation of libtpu's async collective fusion (a compute kernel the transfer runs beside), the bytes
+  kernel_bytes counts that are the collective's own buffers, not the kernel's: the parameters only the collective
+  or the output tuple take, and the outputs that are a parameter or the collective passed on."""
+  body = comps.get(hlo.called(ins)[0], [])
+  users: dict = {}
+  for i in body:
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+  root = body[-1]
+  carried = {i.name for i in body if i.opcode in hlo.COLLECTIVES}
+  out = 0.0
+  for i in body:
+    if i.opcode == "parameter" and users.get(i.name) and all(
+        u.opcode in hlo.COLLECTIVES or u is root for u in users[i.name]):
+      out += hlo.shape_bytes(i.shape)
+      carried.add(i.name)
+  if root.opcode == "tuple":
+    inner = {i.name: i.shape for i in body}
+    out += sum(hlo.shape_bytes(inner[o]) for o in root.operands if o in carried)
+  return out
 
 
 def _has_slot(comp: str, comps: dict, memo: dict) -> bool:

@@ -378,9 +378,8 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
         continue
       # libtpu's async collective fusion splits one collective over a start fusion and its continuations, each
       # holding a copy of the instruction marked with the same chain_id: one collective, counted once
-      chain = re.search(r'chain_id="(\d+)"', ins.attrs)
-      if chain:   # the copies share the chain, the array (dtype and dims, whatever the layout) and the groups
-        key = (chain.group(1), re.sub(r"\{[^}]*\}", "", ins.shape), str(_groups(ins)))
+      key = chain_key(ins)
+      if key:
         if key in chains:
           continue
         chains.add(key)
@@ -407,6 +406,31 @@ def collectives_in(comps: dict, mult: dict, device_ids, axis_names=None) -> list
                             moved_bytes(kind, full, n), mult[comp], scope, comp, ins.name, len(operands),
                             ins.op_name, _parts([shapes.get(o, "") for o in operands], full)))
   return out
+
+
+def chain_key(ins: Instr) -> tuple | None:
+  """The chain of one libtpu async collective fusion that `ins` (a collective) is a copy in, None when it is in
+  none: its chain_id, its array (dtype and dims, whatever the layout) and its groups, which its copies share."""
+  chain = re.search(r'chain_id="(\d+)"', ins.attrs)
+  return (chain.group(1), re.sub(r"\{[^}]*\}", "", ins.shape), str(_groups(ins))) if chain else None
+
+
+def async_fusion(ins: Instr, comps: dict) -> tuple[str, tuple] | None:
+  """(role, chain_key) of a fusion in libtpu's async collective fusion (its flags
+  `xla_tpu_enable_async_collective_fusion*`, conf/xla/maxtext_v5p.yaml), None for any other instruction. libtpu
+  splits such a collective over three kinds of fusion, each holding a copy of the collective with the same
+  chain_id: the start (its root a custom call `AsyncCollectiveStart`: the transfer begins), continuations (compute
+  kernels the transfer runs beside) and the done (root `AsyncCollectiveDone`: the result is needed)."""
+  if ins.opcode != "fusion":
+    return None
+  body = comps.get(next(iter(called(ins)), ""), [])
+  key = next((chain_key(i) for i in body if i.opcode in COLLECTIVES and chain_key(i)), None)
+  if key is None:
+    return None
+  root = body[-1]
+  role = ("start" if 'custom_call_target="AsyncCollectiveStart"' in root.attrs else
+          "done" if 'custom_call_target="AsyncCollectiveDone"' in root.attrs else "continuation")
+  return role, key
 
 
 def _parts(operands: list[str], full: int) -> tuple:

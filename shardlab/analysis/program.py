@@ -91,18 +91,42 @@ class Program:
   def audit(self) -> dict:
     return audit(self.collectives)
 
+  def chained(self) -> dict:
+    """{chain: its collective} of libtpu's async collective fusions (hlo.async_fusion): the collective the
+    program's list holds for each chain (hlo.collectives_in counts one copy of each)."""
+    if not hasattr(self, "_chained"):
+      self._chained = {}
+      for c in self.collectives:
+        ins = next((i for i in self.comps.get(c.computation, []) if i.name == c.name), None)
+        key = hlo.chain_key(ins) if ins is not None else None
+        if key:
+          self._chained[key] = c
+    return self._chained
+
   def async_pairs(self) -> list[AsyncPair]:
-    """Every async collective with what its computation issues between start and done (scheduled programs)."""
+    """Every async collective with what its computation issues between start and done (scheduled programs): a
+    `-start` .. `-done` pair, or libtpu's async collective fusion from its start fusion to its done fusion."""
     by_name = {(c.computation, c.name): c for c in self.collectives}
+    chained = self.chained()
     out = []
     for comp, instrs in self.comps.items():
       if not self.mult.get(comp):
         continue
       pos = {i.name: k for k, i in enumerate(instrs)}
+      roles = {k: r for k, r in enumerate(hlo.async_fusion(i, self.comps) if chained and i.opcode == "fusion"
+                                          else None for i in instrs) if r and r[1] in chained}
+      starts = {r[1]: k for k, r in roles.items() if r[0] == "start"}
       for k, ins in enumerate(instrs):
-        if not ins.opcode.endswith("-done") or not ins.operands or (comp, ins.operands[0]) not in by_name:
+        if k in roles:
+          role = roles[k]
+          if role[0] != "done" or role[1] not in starts:
+            continue
+          s = starts[role[1]]
+          by_name.setdefault((comp, instrs[s].name), chained[role[1]])
+        elif not ins.opcode.endswith("-done") or not ins.operands or (comp, ins.operands[0]) not in by_name:
           continue
-        s = pos[ins.operands[0]]
+        else:
+          s = pos[ins.operands[0]]
         between = instrs[s + 1:k] if s < k else instrs[s + 1:] + instrs[:k]
         work = [w for w in (self.issued(i, comp) for i in between) if w[1]]
         start = instrs[s]
