@@ -145,7 +145,7 @@ def test_run_writes_prediction_timeline_and_memory(tmp_path):
 
 def test_memory_breakdown_by_hand():
   """ZeRO (arXiv:1910.02054): fp32 master + grads + 2 Adam moments = 16 B per local parameter; gathered weights W[D, N_tp]
-  for prefetch+1 layers plus the embedding, unembedding and final norm kept for backward."""
+  for prefetch+1 layers plus the embedding, unembedding and final norm, which the layers' backward does without."""
   from shardlab.analysis.memory_model import breakdown
   cfg = tiny_config(prefetch=1)
   cfg.mesh.fsdp, cfg.mesh.tensor = X, Y = 4, 2
@@ -158,11 +158,15 @@ def test_memory_breakdown_by_hand():
   assert got["gathered_weights"] == 4 * (2 * (2 * D + mats // Y) + 2 * V * D // Y + D)
   assert got["layer_gradient"] == 4 * (2 * D + mats // Y)          # one layer's W[D, N_tp] gradient, fp32
   assert got["top_gradient"] == 4 * V * D // Y                      # the [V, D] embedding's (or head's), fp32
-  # one pass: the gradients come after the loss's logits (fp32 logits and softmax: 8 B each) are gone
+  # one pass: the gradients come after the loss's logits (fp32 logits and softmax: 8 B each) are gone, and so are
+  # the gathered embedding, head and final norm (the forward's lookup and the loss read them; baseline gathers
+  # every layer again for backward)
   logits = cfg.train.batch_size // X * m.seq_len * V // Y * 8
+  top = 4 * (2 * V * D // Y + D)
   state = got["master_params"] + got["optimizer"]
   common = got["gathered_weights"] + got["activations"] - logits
-  assert got["total"] == state + common + max(logits, got["grads"] + max(got["layer_gradient"], got["top_gradient"]))
+  assert got["total"] == state + common + max(logits, got["grads"] + max(got["layer_gradient"], got["top_gradient"])
+                                              - top)
 
 
 def test_widened_collectives_are_costed_at_the_program_bytes():

@@ -163,7 +163,7 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
       "grads": shard * pb + accum + (top * cb + (layers_here * per_layer * cb if step_gather else 0) if P > 1 else 0),
       "optimizer": 2 * shard * pb,                                # Adam mu and nu
       "compute_params": shard * wp.cast_bytes(c.precision),     # the cast shard
-      "gathered_weights": (live * per_layer + top) * cb,          # embed/unembed stay gathered for backward
+      "gathered_weights": (live * per_layer + top) * cb,          # + embed/unembed (let go for backward: peak)
       # One layer's whole weight gradient W[D, N_tp], produced by its backward before the reduce-scatter over
       # fsdp takes its shard (in the gather's dtype); deferred reduction holds the stack instead (in grads).
       # A collective-matmul ring's backward makes one partial weight gradient per ring step (in the compute
@@ -179,7 +179,11 @@ def breakdown(c: Composition, residuals: dict | None = None) -> dict:
                       * gb,
       "activations": acts,
   }
-  out["total"] = peak(out, logits, P == 1 and micro == 1)
+  # the embedding and the head gathered serve the forward's lookup and the loss; a weights part that gathers again
+  # for backward lets them go before the layers' backward (llama3_8b at 8 layers on 4x2 with fsdp_prefetch: the
+  # H100 compiler gives the head's float32 gradient their buffer; kept in the estimate, the peak was 13% high)
+  gone = top * cb if wp.regathers and not wp.once_per_step and math.prod(sizes[a] for a in weight) > 1 else 0
+  out["total"] = peak(out, logits, P == 1 and micro == 1, gone)
   return out
 
 
@@ -209,12 +213,13 @@ def moe_layer_bytes(c: Composition, tokens: int, cb: int) -> int:
   return held
 
 
-def peak(parts: dict, logits: int, one_pass: bool) -> int:
+def peak(parts: dict, logits: int, one_pass: bool, top_gone: int = 0) -> int:
   """The peak of `parts` (breakdown's). In one forward and backward pass (no pipeline, one microbatch) the
   gradients and a layer's weight gradient do not exist until the backward runs, and the logits and their softmax
   are gone before the layers' backward starts: the peak is the larger of the loss (every residual, the logits)
   and the backward (every residual, the gradients, the larger of a layer's and the top weight's whole
-  gradient); the H100 compiler gives the layers' stacked float32 gradients the logits' buffer (llama3_8b at 32K
+  gradient; without `top_gone`, the gathered embedding and head when the weights part gathers again for
+  backward); the H100 compiler gives the layers' stacked float32 gradients the logits' buffer (llama3_8b at 32K
   tokens: experiments/context/README.md). Microbatches and pipeline stages accumulate the gradients through the
   step, so there the logits and the gradients are live at once."""
   state = parts["master_params"] + parts["optimizer"]
@@ -222,7 +227,7 @@ def peak(parts: dict, logits: int, one_pass: bool) -> int:
   # a layer's whole weight gradient and the top weight's are made at different times of the backward
   backward = parts["grads"] + max(parts["layer_gradient"], parts["top_gradient"])
   if one_pass:
-    return state + common + max(logits, backward)
+    return state + common + max(logits, backward - top_gone)
   return state + common + logits + backward
 
 
