@@ -5,7 +5,9 @@ adds (temporaries, copies, fusion buffers) or saves (buffer reuse) against the t
 
 ZeRO-3 (arXiv:1910.02054): fp32 master weights, fp32 gradients and two fp32 Adam moments are 16 B/param,
 sharded over every device (ZeRO-3); the compute-dtype copy, the gathered weights (one layer at prefetch 0, k+1 at
-depth k, every layer when they are kept for backward or gathered once per step) and the activations come on top.
+depth k, every layer when they are kept for backward or gathered once per step; the embedding and head gathered
+for the forward's lookup and the loss, let go before the layers' backward where the weights part gathers again
+for it: `peak`) and the activations come on top.
 Local sizes here are exact (from the parameter declarations and the mesh). Activations: with one layer's
 residuals read off the traced step (run.lower, schedules.stage.Stage.residual_bytes: the shapes and dtypes AD keeps
 on a device), n_layers x the saved set + one layer's set without remat (held while that layer's backward runs);
