@@ -242,9 +242,12 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
         for c in hlo.spread(ins, seen):
           run(c, it)
         continue
-      role = roles.setdefault((comp, ins.name), hlo.async_fusion(ins, comps) if op == "fusion" else None)
-      if role and role[1] not in chained:
-        role = None
+      role = None
+      if chained and op == "fusion":
+        if (comp, ins.name) not in roles:
+          found = hlo.async_fusion(ins, comps)
+          roles[(comp, ins.name)] = found if found and found[1] in chained else None
+        role = roles[(comp, ins.name)]
       if role and role[0] == "start":             # libtpu's async collective fusion: the transfer begins
         send(chained[role[1]], role[1], it)
       elif role and role[0] == "done":            # ... and its result is needed
