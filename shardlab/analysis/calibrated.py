@@ -232,15 +232,15 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
     shapes = {i.name: i.shape for i in instrs}
     for ins in instrs:
       op = ins.opcode
-      if op == "while":
-        trips = hlo.trip_count(ins, comp, comps)
-        body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
-        loop(body, trips, it)
-      elif op == "call":
-        run(re.search(r"to_apply=%?([\w.\-]+)", ins.attrs).group(1), it)
-      elif op == "conditional":              # a pipeline slot: its branch, as often as declared (hlo.spread)
-        for c in hlo.spread(ins, seen):
-          run(c, it)
+      if op in ("while", "call", "conditional"):
+        if op == "while":
+          trips = hlo.trip_count(ins, comp, comps)
+          loop(re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1), trips, it)
+        elif op == "call":
+          run(re.search(r"to_apply=%?([\w.\-]+)", ins.attrs).group(1), it)
+        else:                                 # a pipeline slot: its branch, as often as declared (hlo.spread)
+          for c in hlo.spread(ins, seen):
+            run(c, it)
         continue
       role = None
       if chained and op == "fusion":
