@@ -548,8 +548,9 @@ def test_plan_top_k_compiles_the_best_layouts_for_the_target():
   """`python -m shardlab.plan search=true top=2` compiles the two best layouts for 8 x H100 and puts the compiled
   memory and the calibrated step time beside the closed forms. The tiny model with a 1.5 MB HBM budget: the HSDP
   layouts (data > 1) do not fit by the closed forms, so the best two by the time model are 1x1x8 and 1x2x4 (with
-  train.mfu's roofline they were 1x4x2 and 1x2x4), which the train step can express. The compiled arguments are the training state (fp32 params and two Adam moments, sharded over the
-  8 devices: 12 B/param / 8, a little more where norms are replicated over tensor) and the batch."""
+  train.mfu's roofline they were 1x4x2 and 1x2x4), which the train step can express. The compiled arguments are
+  the training state (fp32 params and two Adam moments, sharded over the 8 devices: 12 B/param / 8, a little more
+  where norms are replicated over tensor) and the batch."""
   from shardlab.analysis import planner
   from shardlab.plan import run
   r = run(["search=true", "top=2", "model=tiny", "hardware=h100", "mesh.fsdp=4", "mesh.tensor=2",

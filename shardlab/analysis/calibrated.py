@@ -175,7 +175,6 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
   comps, f = prog.comps, flops_fn(prog.comps)
   colls = {(c.computation, c.name): c for c in prog.collectives}
   chained = prog.chained()    # libtpu's async collective fusions: chain -> its collective
-  roles: dict = {}            # (computation, fusion) -> hlo.async_fusion, memoised
   st = {"t": 0.0, "link": 0.0, "gemm": 0.0, "other": 0.0, "attention": 0.0, "exposed": 0.0, "kernels": 0}
   comm: dict = {}
   events: list = []
@@ -242,12 +241,7 @@ def replay(prog, hw, ici_axes: dict | None = None, scale: dict | None = None, en
           for c in hlo.spread(ins, seen):
             run(c, it)
         continue
-      role = None
-      if chained and op == "fusion":
-        if (comp, ins.name) not in roles:
-          found = hlo.async_fusion(ins, comps)
-          roles[(comp, ins.name)] = found if found and found[1] in chained else None
-        role = roles[(comp, ins.name)]
+      role = prog.async_role(comp, ins)           # libtpu's async collective fusion: start, continuation, done
       if role and role[0] == "start":             # libtpu's async collective fusion: the transfer begins
         send(chained[role[1]], role[1], it)
       elif role and role[0] == "done":            # ... and its result is needed

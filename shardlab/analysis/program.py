@@ -54,6 +54,7 @@ class Program:
     self.loop_bodies = {b for instrs in self.comps.values() for i in instrs if i.opcode == "while"
                         for b in re.findall(r"body=%?([\w.\-]+)", i.attrs)}
     self._flops, self._issued, self._shape_of = flops_fn(self.comps), {}, {}
+    self._chained, self._roles = None, {}
 
   @classmethod
   def of(cls, compiled, mesh, buffers: str | None = None) -> "Program":
@@ -94,7 +95,7 @@ class Program:
   def chained(self) -> dict:
     """{chain: its collective} of libtpu's async collective fusions (hlo.async_fusion): the collective the
     program's list holds for each chain (hlo.collectives_in counts one copy of each)."""
-    if not hasattr(self, "_chained"):
+    if self._chained is None:
       self._chained = {}
       for c in self.collectives:
         ins = next((i for i in self.comps.get(c.computation, []) if i.name == c.name), None)
@@ -102,6 +103,16 @@ class Program:
         if key:
           self._chained[key] = c
     return self._chained
+
+  def async_role(self, comp: str, ins) -> tuple[str, tuple] | None:
+    """hlo.async_fusion of `ins` (in computation `comp`) where its chain's collective is known, else None;
+    looked up once per instruction, and only in a program that has such chains."""
+    if ins.opcode != "fusion" or not self.chained():
+      return None
+    if (comp, ins.name) not in self._roles:
+      found = hlo.async_fusion(ins, self.comps)
+      self._roles[(comp, ins.name)] = found if found and found[1] in self._chained else None
+    return self._roles[(comp, ins.name)]
 
   def async_pairs(self) -> list[AsyncPair]:
     """Every async collective with what its computation issues between start and done (scheduled programs): a
@@ -113,8 +124,7 @@ class Program:
       if not self.mult.get(comp):
         continue
       pos = {i.name: k for k, i in enumerate(instrs)}
-      roles = {k: r for k, r in enumerate(hlo.async_fusion(i, self.comps) if chained and i.opcode == "fusion"
-                                          else None for i in instrs) if r and r[1] in chained}
+      roles = {k: r for k, r in enumerate(self.async_role(comp, i) for i in instrs) if r}
       starts = {r[1]: k for k, r in roles.items() if r[0] == "start"}
       for k, ins in enumerate(instrs):
         if k in roles:
