@@ -239,7 +239,8 @@ def test_cli_prints_contract_json():
   assert out["mesh"]["devices"] == 4096 and close(out["x_opt"], 1333)
 
 
-@pytest.mark.parametrize("bad", ["mesh.fsdpp=2", "mesh.fsdp=two", "hardware=tpu_v9", "train.mfu=-0.1"])
+@pytest.mark.parametrize("bad", ["mesh.fsdpp=2", *(pytest.param(b, marks=pytest.mark.slow)   # one process each: one quick
+                                                   for b in ("mesh.fsdp=two", "hardware=tpu_v9", "train.mfu=-0.1"))])
 def test_cli_bad_override_exits_2_with_one_line(bad):
   r = subprocess.run([sys.executable, "-m", "shardlab.plan", bad], cwd=REPO, capture_output=True, text=True)
   assert r.returncode == 2 and r.stdout == ""
@@ -584,6 +585,7 @@ def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
   assert mem(w["fits_per_pass_tokens"]) <= 80e9 < mem(w["fits_per_pass_tokens"] + unit)
 
 
+@pytest.mark.slow   # a pipeline search (7 s)
 def test_pipeline_shapes_need_layers_divisible_and_interleaved_groups_of_p():
   cfg = resolve(compose(["model=tiny"])).replace(model={"n_layers": 8})
   shapes = {(P, name): counts for P, name, V, counts in planner.pipeline_shapes(cfg, 16)}

@@ -188,6 +188,7 @@ def test_collectives_the_compiler_adds_are_caught():
 
 # ------------------------------------------------------------------------------------------- schedules
 
+@pytest.mark.slow   # the kit's byte-claim check stays quick in test_schedule_that_moves_more_bytes_than_it_claims_is_caught
 def test_prefetch_matches_baseline_and_moves_no_more_bytes():
   out = T.assert_schedule_matches_baseline({"prefetch": 1}, mesh_shapes=["2x4"], comm="baseline")
   assert out["2x4"]["ledger"]["all-gather"][FSDP] == out["2x4"]["baseline"]["all-gather"][FSDP]
