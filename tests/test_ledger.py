@@ -28,7 +28,7 @@ def grad_fn_and_args(mesh_shape: tuple, knobs: tuple, model: tuple = ()):
   """The grad function conftest.compiled_grads compiles, and abstract arguments to trace it with."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
   from shardlab import params as PM, schedules, train as T
   cfg = tiny_config(dict(model), **dict(knobs))
   mesh, decls = mesh_of(*mesh_shape), PM.declare(cfg.model)
@@ -170,7 +170,8 @@ def test_compiled_ledger_equals_program_and_hand_count_and_nothing_unplanned(pre
       key: t["bytes"] for key, t in hand_ledger((2, 4), dict(knobs)).items()}
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((4, 2), marks=pytest.mark.slow)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rings_and_allreduce_move_the_bytes_of_the_collectives_they_replace(mesh_shape):
   """Bandwidth-optimal TP: a ring of n-1 ppermutes moves (n-1)/n of the array, as the all-gather or
   reduce-scatter it replaces; an all-reduce (2 V (n-1)/n) moves what a reduce-scatter plus an all-gather do."""
@@ -207,7 +208,7 @@ def test_dead_collectives_are_not_counted():
   assert gathers(jaxpr) > live == hand_ledger((2, 4), dict(knobs_of("baseline")))[("all-gather", "fsdp")]["count"]
 
 
-@pytest.mark.parametrize("preset", ["baseline", "deferred_reduce"])
+@pytest.mark.parametrize("preset", ["baseline", pytest.param("deferred_reduce", marks=pytest.mark.slow)])
 def test_hsdp_compiled_ledger_equals_program_and_nothing_unplanned(preset):
   """HSDP on 2x2x2: the compiled program holds the traced program's collectives and nothing unplanned; each
   weight's gradient is reduce-scattered over fsdp and then all-reduced over data on the fsdp shard, so the

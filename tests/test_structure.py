@@ -1,4 +1,5 @@
 """Design rules a command can check."""
+import functools
 import re
 
 import pytest
@@ -52,9 +53,11 @@ def test_the_wheel_ships_conf_inside_the_package(tmp_path):
   assert want and want <= names, sorted(want - names)[:5]
 
 
+@functools.lru_cache(maxsize=None)
 def _imports() -> tuple[dict, dict]:
   """({module: the shardlab modules it imports, in functions too}, {module: parsed tree}); `from pkg import mod`
-  is an import of mod, and a module's own package __init__ (run first anyway) is left out."""
+  is an import of mod, and a module's own package __init__ (run first anyway) is left out. Parsed once per process
+  (the tests only read it)."""
   import ast
   mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
           for p in (ROOT / "shardlab").rglob("*.py")}
@@ -78,7 +81,7 @@ def test_no_import_circle_and_analysis_imports_nothing_above_it():
   """The import graph of shardlab/ (imports inside functions included) has no circle, and nothing in analysis/
   imports the application layer (the trainer, the run and plan entry points, preflight, sweeps, reports)."""
   graph, _ = _imports()
-  seen, done, circles = set(), set(), []
+  done, circles = set(), []
 
   def visit(m, path):
     if m in path:
