@@ -170,3 +170,37 @@ allocation 7: size 1536, color 7, thread-local:
 """
   assert hlo.allocations(text) == {"parameter": 1879048196, "temp": 16521019656, "other": 1536,
                                    "total": 1879048196 + 16521019656 + 1536}
+
+
+RING_STEP_HLO = """HloModule step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (w: f32[64,64], kv: f32[2,16]) -> (f32[64,64], f32[2,16], f32[64,64]) {
+  %w = f32[64,64]{1,0} parameter(0)
+  %kv = f32[2,16]{1,0} parameter(1)
+  %cp-start = (f32[2,16]{1,0}, f32[2,16]{1,0}) collective-permute-start(%kv), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, metadata={op_name="jit(step)/ring_bwd_step1/shardlab.cp_ring_grad/ppermute"}
+  %cp-done = f32[2,16]{1,0} collective-permute-done(%cp-start), metadata={op_name="jit(step)/ring_bwd_step1/shardlab.cp_ring_grad/ppermute"}
+  %ar-start = f32[64,64]{1,0} all-reduce-start(%w), channel_id=2, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(shardlab.replicated_weight))/psum_invariant"}
+  %dot = f32[64,64]{1,0} dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/ring_bwd_step1/dot_general"}
+  %ar-done = f32[64,64]{1,0} all-reduce-done(%ar-start), metadata={op_name="jit(step)/transpose(jvp(shardlab.replicated_weight))/psum_invariant"}
+  ROOT %out = (f32[64,64]{1,0}, f32[2,16]{1,0}, f32[64,64]{1,0}) tuple(%ar-done, %cp-done, %dot)
+}
+"""
+
+
+def test_a_ring_shift_not_hidden_names_the_collective_in_flight_instead():
+  """overlap.ring_steps: a shift the compiler scheduled with nothing of its step between start and done, while
+  another collective spans that step's attention (under XLA's GPU default of one collective in flight, the one
+  that took the slot: at 64K tokens the layer's weight-gradient all-reduce over context), names that collective."""
+  import numpy as np
+  from shardlab.analysis.program import Program
+  prog = Program(RING_STEP_HLO, np.arange(4), ("context",), "gpu")
+  [row] = prog.overlap()["ring_steps"]
+  assert (row["pass"], row["step"], row["shift"], row["hidden"]) == ("backward", 1, "dK/dV", False), row
+  assert row["in_flight_instead"] == [{"name": "ar-start", "kind": "all-reduce", "axis": "context",
+                                        "scope": "replicated_weight", "bytes": 64 * 64 * 4}], row

@@ -79,9 +79,19 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+STEP_HEAD = ["| pass | step | shift | steps between start and done | can hide behind step | hidden | in flight across "
+             "that step instead |", "|---|---:|---|---|---:|---|---|"]
+
+
+def instead(x: dict) -> str:
+  """The collectives the compiler kept in flight across the step a shift could hide behind, where it is not."""
+  return "; ".join(f"{c['kind']} over {c['axis']} ({c['scope']}, {c['bytes'] / 1e6:.0f} MB)"
+                   for c in x.get("in_flight_instead", [])) or ("nothing" if "in_flight_instead" in x else "")
+
+
 def steps(r: dict) -> str:
   return "\n".join(f"| {x['pass']} | {x['step']} | {x['shift']} | {x['steps_between']} | {x['can_hide_behind']} | "
-                   f"{'yes' if x['hidden'] else 'no'} |" for x in r["ring_steps"])
+                   f"{'yes' if x['hidden'] else 'no'} | {instead(x)} |" for x in r["ring_steps"])
 
 
 def main() -> None:
@@ -106,9 +116,7 @@ def main() -> None:
         f"over the Pallas kernel's: {rows[4]['predicted_step_s'] / zig:.2f}x; striped over zigzag: "
         f"{rows[3]['predicted_step_s'] / zig:.2f}.", "",
         "Per ring step, zigzag (default XLA: one collective in flight) and with two in flight:", "",
-        "| pass | step | shift | steps between start and done | can hide behind step | hidden |", "|---|---:|---|---|---:|---|",
-        steps(rows[1]), "", "| pass | step | shift | steps between start and done | can hide behind step | hidden |",
-        "|---|---:|---|---|---:|---|", steps(rows[2])]
+        *STEP_HEAD, steps(rows[1]), "", *STEP_HEAD, steps(rows[2])]
   (HERE / "ring.md").write_text("\n".join(md) + "\n")
   print(f"wrote {HERE / 'ring.md'}")
 

@@ -217,7 +217,8 @@ class Program:
     issues it: a K/V shift carries the block the next step reads, a backward step's shift also the dK/dV of the
     block held before (one collective, `cp_ring_kv_grad`; the last step's alone), which its next holder adds after
     its own compute. The last shift takes the dK/dV home after the last step: no ring step follows it, any kernel
-    can hide it."""
+    can hide it. A shift not hidden names the collectives the compiler kept in flight across that step's attention
+    instead (`in_flight_instead`: under XLA's GPU default of one collective in flight, the one that took the slot)."""
     tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
     shifts = {"cp_ring": "K/V", "cp_ring_kv_grad": "K/V + dK/dV", "cp_ring_grad": "dK/dV", "cp_ring_home": "dK/dV home"}
     rows = []
@@ -235,11 +236,31 @@ class Program:
           steps.add(int(got[-1][1]))
       home = p.coll.scope == "cp_ring_home"
       behind = None if home else int(step)
-      rows.append({"pass": "forward" if pas == "fwd" else "backward", "step": int(step),
-                   "shift": shifts[p.coll.scope], "name": p.coll.name, "count": p.coll.count,
-                   "steps_between": sorted(steps), "can_hide_behind": behind,
-                   "hidden": p.kernels > 0 if home else behind in steps, "kernels_between": p.kernels})
+      row = {"pass": "forward" if pas == "fwd" else "backward", "step": int(step),
+             "shift": shifts[p.coll.scope], "name": p.coll.name, "count": p.coll.count,
+             "steps_between": sorted(steps), "can_hide_behind": behind,
+             "hidden": p.kernels > 0 if home else behind in steps, "kernels_between": p.kernels}
+      if not row["hidden"] and not home:
+        row["in_flight_instead"] = self._in_flight_across(pairs, p, pas, behind)
+      rows.append(row)
     return rows
+
+  def _in_flight_across(self, pairs: list[AsyncPair], shift: AsyncPair, pas: str, step: int) -> list[dict]:
+    """The async collectives of `shift`'s computation (other than it) in flight while ring step `step` of pass
+    `pas` issues its work: started before one of that step's kernels and done after it."""
+    tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
+    instrs = self.comps[shift.computation]
+    at = [k for k, i in enumerate(instrs)
+          if (got := tag.findall(i.op_name)) and got[-1] == (pas, str(step)) and self.issued(i, shift.computation)[0]]
+    out = []
+    for q in pairs:
+      if q is shift or q.computation != shift.computation or not at:
+        continue
+      covers = (lambda k: k > q.start or k < q.done) if q.wraps else (lambda k: q.start < k < q.done)
+      if any(covers(k) for k in at):
+        out.append({"name": q.coll.name, "kind": q.coll.kind, "axis": q.coll.axis, "scope": q.coll.scope,
+                    "bytes": q.coll.bytes_full})
+    return out
 
 
 def memory(compiled, buffers: str | None = None) -> dict:
