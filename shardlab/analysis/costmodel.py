@@ -173,13 +173,17 @@ def calibrates(prog, hw) -> bool:
   return prog.scheduled and (prog.platform != "cpu" or hw.describes(prog.platform))
 
 
-def computation_seconds(prog, hw, ici_axes: dict, entry: str, scale: dict | None = None) -> float:
-  """Seconds of one run of computation `entry` of the compiled program (a pipeline slot's branch), by the model
-  that predicts the run's step (`calibrates`): the same kernel rates, collective latency and bandwidth ramp."""
+def computation_seconds(prog, hw, ici_axes: dict, entry: str, scale: dict | None = None) -> tuple[float, float]:
+  """(seconds of one run of computation `entry` of the compiled program (a pipeline slot's branch), the part of
+  them its compute waits for a collective), by the model that predicts the run's step (`calibrates`): the same
+  kernel rates, collective latency and bandwidth ramp."""
   if calibrates(prog, hw):
     from shardlab.analysis import calibrated
-    return calibrated.replay(prog, hw, ici_axes, scale, entry=entry).t_total_s
-  return _peak_replay(prog, hw, ici_axes, scale or {}, entry)[3].makespan
+    r = calibrated.replay(prog, hw, ici_axes, scale, entry=entry)
+    return r.t_total_s, r.t_exposed_comm_s
+  tasks, dur, _, rep = _peak_replay(prog, hw, ici_axes, scale or {}, entry)
+  busy = sum(d for t, d in zip(tasks, dur) if t.kind == "compute")
+  return rep.makespan, max(0.0, rep.makespan - busy)
 
 
 def link_seconds(prog, hw, ici_axes: dict, c, scale: dict | None = None) -> float:

@@ -19,35 +19,40 @@ from shardlab.analysis import hlo, pipeline_replay as PR
 from shardlab.axes import PIPELINE
 
 
-def slot_seconds(prog, seconds, link) -> dict:
-  """{"F", "B", "W", "head", "send"}: seconds of one run of each pipeline slot's branch (0 if absent; the longest
-  branch, the slot's work, not the idle one) and of one tick's sends over `pipeline`, by the run's model:
-  `seconds(computation)` times one run of a computation, `link(collective)` one collective."""
+def slot_seconds(prog, seconds, link) -> tuple[dict, dict]:
+  """({"F", "B", "W", "head", "send"}: seconds of one run of each pipeline slot's branch (0 if absent; the longest
+  branch, the slot's work, not the idle one) and of one tick's sends over `pipeline`; {"F", "B", "W", "head"}: the
+  part of each slot's seconds its compute waits for a collective inside it (a tensor-parallel transfer the
+  compiler left exposed)), by the run's model: `seconds(computation)` gives (seconds of one run of a computation,
+  its exposed communication), `link(collective)` one collective."""
   out = {"F": 0.0, "B": 0.0, "W": 0.0, "head": 0.0, "send": 0.0}
+  exposed = {"F": 0.0, "B": 0.0, "W": 0.0, "head": 0.0}
   for comp, instrs in prog.comps.items():
     for ins in instrs:
       got = hlo.declared_runs(ins.op_name) if ins.opcode == "conditional" else None
       if got is None or got[0] not in out:       # a kernel's declared branch (flash_kernel.py) is no slot
         continue
-      out[got[0]] = max(out[got[0]], max(seconds(b) for b in hlo.branches(ins)))
+      t, e = max(seconds(b) for b in hlo.branches(ins))
+      if t > out[got[0]]:
+        out[got[0]], exposed[got[0]] = t, e
   sends = [c for c in prog.collectives if c.kind == "collective-permute" and c.axis == PIPELINE
            and "pipeline_forward" in c.op_name]
   if sends:
     out["send"] = link(max(sends, key=lambda c: c.bytes_moved))
-  return out
+  return out, exposed
 
 
 def predict(prog, pipeline, ticks, seconds, link) -> dict:
   """summary.json's `pipeline`: the slot times (slot_seconds, by the run's model: `seconds`, `link`), the
   executor's step and bubble (sync replay), the table's ideal (async replay) and the closed form, and what each
   stage holds in flight. `pipeline`: the run's PipelineConfig."""
-  t = slot_seconds(prog, seconds, link)
+  t, exposed = slot_seconds(prog, seconds, link)
   P, M, V = len(ticks[0]), pipeline.count(len(ticks[0])), pipeline.virtual_stages
   run = PR.replay(ticks, t["F"], t["B"], t["W"], t["send"], sync=True, t_head=t["head"])
   ideal = PR.replay(ticks, t["F"], t["B"], t["W"], t["send"], sync=False, t_head=t["head"])
   split = any(a.kind == "W" for row in ticks for cell in row for a in cell)
   return {"schedule": pipeline.name, "stages": P, "microbatches": M, "virtual_stages": V, "ticks": len(ticks),
-          "slot_s": t, "step_s": run["step_s"], "bubble": run["bubble"],
+          "slot_s": t, "slot_exposed_comm_s": exposed, "step_s": run["step_s"], "bubble": run["bubble"],
           "table_step_s": ideal["step_s"], "table_bubble": ideal["bubble"],
           "closed_form_bubble": None if pipeline.table else PT.closed_form_bubble(pipeline.impl, P, M, V),
           "in_flight": PT.in_flight(ticks, "W" if split else "B"),
