@@ -79,7 +79,7 @@ def predict(text: str, mesh, hw, ici_axes: dict | None = None, model_flops: floa
     scale = ledger.dtype_scale(program, ledger.from_hlo(prog.collectives)) if program is not None else {}
   walked = unrolled_instructions(prog)
   if calibrates(prog, hw) and walked > GRAPH_LIMIT:   # the graph would be millions of tasks: the ceiling is
-    from shardlab.analysis import calibrated          # the scheduled order at peak rates (loops folded) instead
+    # the scheduled order at peak rates (loops folded) instead
     ceiling = {"hardware": hw.name, "model": f"not built: the dependency graph would unroll {walked:,} "
                f"instructions (over {GRAPH_LIMIT:,}); the ceiling is the scheduled order at peak rates "
                "(scheduled_order_at_peak_s)", "matmul_flops_per_device": prog.matmul_flops(),
