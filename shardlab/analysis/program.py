@@ -23,6 +23,7 @@ FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after
 
 
 NESTED = ("while", "call", "conditional")    # in FREE: their work is their computations'
+RING_STEP = re.compile(r"ring_(fwd|bwd)_step(\d+)")   # the scope of a ring attention step (schedules/context.py)
 
 
 @dataclass
@@ -219,11 +220,10 @@ class Program:
     its own compute. The last shift takes the dK/dV home after the last step: no ring step follows it, any kernel
     can hide it. A shift not hidden names the collectives the compiler kept in flight across that step's attention
     instead (`in_flight_instead`: under XLA's GPU default of one collective in flight, the one that took the slot)."""
-    tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
     shifts = {"cp_ring": "K/V", "cp_ring_kv_grad": "K/V + dK/dV", "cp_ring_grad": "dK/dV", "cp_ring_home": "dK/dV home"}
     rows = []
     for p in pairs:
-      found = tag.findall(p.coll.op_name) if p.coll.scope in shifts else []
+      found = RING_STEP.findall(p.coll.op_name) if p.coll.scope in shifts else []
       if not found:
         continue
       pas, step = found[-1]
@@ -231,7 +231,7 @@ class Program:
       between = instrs[p.start + 1:p.done] if not p.wraps else instrs[p.start + 1:] + instrs[:p.done]
       steps = set()
       for i in between:
-        got = tag.findall(i.op_name)
+        got = RING_STEP.findall(i.op_name)
         if got and got[-1][0] == pas and self.issued(i, p.computation)[0]:
           steps.add(int(got[-1][1]))
       home = p.coll.scope == "cp_ring_home"
@@ -248,10 +248,9 @@ class Program:
   def _in_flight_across(self, pairs: list[AsyncPair], shift: AsyncPair, pas: str, step: int) -> list[dict]:
     """The async collectives of `shift`'s computation (other than it) in flight while ring step `step` of pass
     `pas` issues its work: started before one of that step's kernels and done after it."""
-    tag = re.compile(r"ring_(fwd|bwd)_step(\d+)")
     instrs = self.comps[shift.computation]
-    at = [k for k, i in enumerate(instrs)
-          if (got := tag.findall(i.op_name)) and got[-1] == (pas, str(step)) and self.issued(i, shift.computation)[0]]
+    at = [k for k, i in enumerate(instrs) if (got := RING_STEP.findall(i.op_name)) and got[-1] == (pas, str(step))
+          and self.issued(i, shift.computation)[0]]
     out = []
     for q in pairs:
       if q is shift or q.computation != shift.computation or not at:
