@@ -75,11 +75,7 @@ def compose(*overrides: str):
 def load_preset(name: str) -> dict:
   """conf/schedule/NAME.yaml as Hydra composes it (a fresh copy; every preset composed once per process)."""
   import copy
-  return copy.deepcopy(_preset(name))
-
-
-def _preset(name: str) -> dict:
-  return _presets()[name]
+  return copy.deepcopy(_presets()[name])
 
 
 @functools.lru_cache(maxsize=None)

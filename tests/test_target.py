@@ -323,9 +323,11 @@ def test_pipeline_compiles_across_h100_nodes_and_on_a_v5p_slice(preset, mesh, tm
   assert summary["comm"]["collective-permute"]["pipeline"]["count"] > 0, summary["comm"]
   pred = summary["pipeline_prediction"]
   assert pred["stages"] == 2 and pred["microbatches"] == 4 and 0 < pred["bubble"] < 1 and pred["slot_s"]["B"] > 0
-  # each slot's exposed communication (the tensor-parallel transfers inside it) is a part of that slot's time
+  # each slot's exposed communication (the tensor-parallel transfers inside it) is a part of that slot's time; on
+  # this tiny model the F and B slots wait for their TP transfers (0.47 of 0.67 ms in F on the H100 nodes)
   ex = pred["slot_exposed_comm_s"]
   assert set(ex) == {"F", "B", "W", "head"} and all(0 <= ex[k] <= pred["slot_s"][k] for k in ex), (ex, pred["slot_s"])
+  assert ex["F"] > 0 and ex["B"] > 0, ex
   assert (tmp_path / "run" / "pipeline.png").is_file()
   # one prediction: the printed step is the picture's (the table replayed with each slot timed by the calibrated
   # replay of its compiled branch), not below one device's program walked with its ticks back to back
