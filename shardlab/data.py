@@ -99,8 +99,12 @@ class MarkovData:
 
   def __init__(self, seed: int, batch_size: int, seq_len: int, vocab_size: int, branching: int, shardings=None,
                order=None):
-    self._fn = jax.jit(lambda step: split(markov_batch(seed, step, batch_size, seq_len, vocab_size, branching),
-                                          order), out_shardings=shardings)
+    from shardlab.mesh import compile_helper
+    fn = jax.jit(lambda step: split(markov_batch(seed, step, batch_size, seq_len, vocab_size, branching), order),
+                 out_shardings=shardings)
+    placed = next((s for s in jax.tree.leaves(shardings)), None)
+    platform = placed.mesh.devices.flat[0].platform if placed is not None else jax.default_backend()
+    self._fn = compile_helper(fn, jnp.int32(0), platform=platform)
 
   def batch(self, step: int) -> Batch:
     return self._fn(jnp.int32(step))

@@ -142,8 +142,10 @@ def init(key, decls, m: ModelConfig, dtype=jnp.float32) -> dict:
 
 def init_sharded(seed: int, decls, m: ModelConfig, mesh, dtype=jnp.float32) -> dict:
   """Parameters created directly in their shards (no device ever holds the full model)."""
+  from shardlab.mesh import compile_helper
   shardings = jax.tree.map(lambda d: NamedSharding(mesh, d.spec()), decls, is_leaf=is_param)
-  return jax.jit(lambda: init(jax.random.key(seed), decls, m, dtype), out_shardings=shardings)()
+  fn = jax.jit(lambda: init(jax.random.key(seed), decls, m, dtype), out_shardings=shardings)
+  return compile_helper(fn, platform=mesh.devices.flat[0].platform)()
 
 
 def count(decls) -> int:
