@@ -102,8 +102,8 @@ class MarkovData:
     from shardlab.mesh import compile_helper
     fn = jax.jit(lambda step: split(markov_batch(seed, step, batch_size, seq_len, vocab_size, branching), order),
                  out_shardings=shardings)
-    placed = next((s for s in jax.tree.leaves(shardings)), None)
-    platform = placed.mesh.devices.flat[0].platform if placed is not None else jax.default_backend()
+    placed = jax.tree.leaves(shardings)
+    platform = next(iter(placed[0].device_set)).platform if placed else jax.default_backend()
     self._fn = compile_helper(fn, jnp.int32(0), platform=platform)
 
   def batch(self, step: int) -> Batch:
