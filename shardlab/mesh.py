@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from shardlab import axes as X
+from shardlab import axes as X, fewer_gc_passes
 from shardlab.axes import DATA, FSDP, TENSOR, describe  # noqa: F401  (re-exported)
 from shardlab.errors import ConfigError  # noqa: F401  (re-exported: `from shardlab.mesh import ConfigError` still works)
 
@@ -35,7 +35,10 @@ def compile_helper(jitted, *args, platform: str):
 
 def set_cpu_devices(n: int) -> None:
   """Ask for `n` fake CPU devices. Must run before the first JAX operation: the count is fixed when the
-  backend starts. The one place shardlab touches `jax_num_cpu_devices` (tests go through here too)."""
+  backend starts. The one place shardlab touches `jax_num_cpu_devices` (tests go through here too). Every
+  process that runs or tests a step comes through here first: it also runs the collector less often
+  (shardlab.fewer_gc_passes)."""
+  fewer_gc_passes()
   if n < 1:
     raise ConfigError(f"cpu_devices={n}: must be >= 1")
   try:
