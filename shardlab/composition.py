@@ -110,6 +110,23 @@ class Composition:
     from shardlab.schedules import expert as EP
     return EP.make(self.expert, self.model, self.layout)
 
+  def compiler_options(self, platform: str) -> dict:
+    """The XLA options the parts ask for when the step is compiled for a target `platform` ("cuda", "tpu"): each
+    part's `compiler_options(platform)`, where it has one (the context strategy's where the sequence is split: the
+    ring's two collectives in flight on a GPU). The run's xla.flags are applied over them (target_flags)."""
+    parts = [self.cp] if self.split("length") > 1 else []
+    out = {}
+    for part in parts + [self.dispatcher]:
+      ask = getattr(part, "compiler_options", None)
+      if ask is not None:
+        out.update(ask(platform))
+    return out
+
+  def target_flags(self, flags: dict) -> dict:
+    """The options a target compile of this step takes: the parts' (compiler_options), then `flags` (the run's
+    xla.flags) over them."""
+    return {**self.compiler_options(self.hardware.target_platform), **dict(flags or {})}
+
   # ---------------------------------------------------------------------------------------- what the run checks
   def build_schedule(self):
     """The schedule the run builds from these parts (schedules.build: what user code raises there is one line)."""

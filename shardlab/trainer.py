@@ -100,7 +100,8 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
     devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
     a = build(c, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
     t0 = time.perf_counter()
-    a["compiled"], buffers = TG.compile_reading_buffers(lower(a), cfg.xla.flags)
+    flags = c.target_flags(cfg.xla.flags)            # the parts' options, the run's xla.flags over them
+    a["compiled"], buffers = TG.compile_reading_buffers(lower(a), flags)
     times["target"] = time.perf_counter() - t0
   else:
     a["compiled"], buffers = compiled, None
@@ -111,7 +112,7 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   # prediction, memory, ledger, audit; a pipeline's table replayed with its compiled slots (pipeline.png)
   analysis.update(predict_run(a["compiled"], a["mesh"], c, out_dir, analysis, a, prog, figures=cfg.figures))
   if on_target:
-    analysis["target"] = TG.describe(devs, topo)
+    analysis["target"] = {**TG.describe(devs, topo), "compiler_options": flags}
   analysis.update(compile_time_s=sum(times.values()), compile_times_s=times)
   return b, compiled, a, analysis
 

@@ -44,6 +44,7 @@ def _compile(overrides: list[str]):
   from hydra import compose, initialize_config_dir
   from shardlab import target as TG
   from shardlab.analysis.program import memory
+  from shardlab.composition import resolve
   from shardlab.config import register_configs, to_config
   from shardlab.run import CONF_DIR, build, lower
   register_configs()
@@ -52,7 +53,7 @@ def _compile(overrides: list[str]):
   devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
   b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
   t0 = time.perf_counter()
-  c = TG.compile_(lower(b), cfg.xla.flags)
+  c = TG.compile_(lower(b), resolve(cfg).target_flags(cfg.xla.flags))   # as the run compiles it
   from shardlab.analysis.memory_model import gemm_workspace_bytes
   return cfg, {**memory(c), "gemm_workspace": gemm_workspace_bytes(c.as_text())}, round(time.perf_counter() - t0, 1)
 

@@ -40,7 +40,7 @@ def compare(overrides: list[str]) -> dict:
     cfg = to_config(compose("config", overrides=overrides))
   devs = TG.devices(cfg.hardware, cfg.mesh.n_devices)
   b = build(cfg, TG.mesh_devices(devs, tuple(cfg.mesh.shape.values())))
-  c = TG.compile_(lower(b), cfg.xla.flags)
+  c = TG.compile_(lower(b), resolve(cfg).target_flags(cfg.xla.flags))   # as the run compiles it
   return MM.compare(resolve(cfg), memory(c), b["layer_residuals"], MM.gemm_workspace_bytes(c.as_text()))["components"]
 
 

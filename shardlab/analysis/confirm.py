@@ -45,7 +45,8 @@ def compile_on_target(c: Composition, build) -> dict[str, Any]:
   devs = TG.devices(hw, n)
   b = build(c, TG.mesh_devices(devs, tuple(c.mesh.shape.values())))
   t0 = time.perf_counter()
-  compiled, buffers = TG.compile_reading_buffers(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]))
+  flags = c.target_flags({})                      # the parts' options, as the run's target compile takes them
+  compiled, buffers = TG.compile_reading_buffers(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]), flags)
   seconds = time.perf_counter() - t0
   prog = Program.of(compiled, b["mesh"], buffers)
   mem = prog.memory()
@@ -53,7 +54,8 @@ def compile_on_target(c: Composition, build) -> dict[str, Any]:
   pred, _ = costmodel.predict(prog, b["mesh"], hw, link_axes(c), flops)
   need = costmodel.needed_bytes(mem)
   return {"memory": mem, "memory_analytic": memory_model.breakdown(c), "fits": need <= hw.hbm_bytes,
-          "headroom_bytes": hw.hbm_bytes - need, "prediction": pred, "target": TG.describe(devs, topo),
+          "headroom_bytes": hw.hbm_bytes - need, "prediction": pred,
+          "target": {**TG.describe(devs, topo), "compiler_options": flags},
           "compile_time_s": seconds}
 
 

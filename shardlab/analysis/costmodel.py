@@ -12,8 +12,9 @@ doc/PERFORMANCE.md and the Scaling Book's sharding.md; n devices on the axis, W 
 
 Links. On a switch (GPU, `torus: false`) every collective shares the device's egress: one link stream. That is
 also what XLA's GPU scheduler does: it keeps at most one async collective in flight
-(`xla_gpu_experimental_parallel_collective_overlap_limit`, default 1; no H100 program compiled here has two), so
-a data axis's NIC traffic queues behind NVLink collectives on the GPU too. On a torus
+(`xla_gpu_experimental_parallel_collective_overlap_limit`, default 1; ring attention's program asks for two:
+schedules/context.py, Ring.compiler_options), so a data axis's NIC traffic queues behind NVLink collectives on the
+GPU too (two in flight still take their turns on the device's one egress in the replay). On a torus
 each mesh axis has its own links, in each direction: an all-gather, reduce-scatter or all-reduce holds both
 directions of its axis, a ring ppermute one, so a bidirectional ring's two halves travel at once.
 

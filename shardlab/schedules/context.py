@@ -20,9 +20,10 @@ Hydra group `context/` (`context.impl`: a name in STRATEGIES or `package.module:
               less (ring_plan). Bytes per device per layer: (C-1) blocks of K and V forward, the same and C blocks
               of dK and dV backward; each step's K/V shift depends only on the block that step reads, and a
               backward step sends the next K/V block and the dK/dV of the block held before in one collective
-              (added by its next holder after its own compute), so a GPU runs every shift behind a step's
-              attention under XLA's default of one collective in flight (the H100 target's overlap report says
-              which it did: `ring_steps`).
+              (added by its next holder after its own compute), so a GPU can run every shift behind a step's
+              attention with one collective in flight; the ring asks for two on a GPU target (compiler_options),
+              so that another collective of the backward does not take the last shift's slot (the H100 target's
+              overlap report says which shifts were hidden: `ring_steps`).
   ulysses     DeepSpeed-Ulysses: Q, K and V all-to-all'd from sequence-sharded to head-sharded ([B, L/C, H, K]
               -> [B, L, H/C, K]), attention over the whole sequence on H/C heads (the model's own kernel:
               plain, blockwise or cuDNN's), the output all-to-all'd back. Backward (AD): the same all-to-alls the
@@ -56,6 +57,7 @@ from shardlab.errors import ConfigError
 from shardlab.loading import load_object
 
 SEQ_DIM = 1   # q, k, v are [B, L, heads, K]
+GPU_OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"   # async collectives in flight at once
 
 
 class AllGatherKV:
@@ -64,6 +66,11 @@ class AllGatherKV:
 
   def __init__(self, model: ModelConfig, layout: Layout, cfg: ContextConfig | None = None):
     self.model, self.layout, self.cfg = model, layout, cfg or ContextConfig()
+
+  def compiler_options(self, platform: str) -> dict:
+    """The XLA options this strategy's program asks for when compiled for a target `platform` ("cuda", "tpu"),
+    where the sequence is split (Composition.compiler_options; the run's xla.flags win over them): none."""
+    return {}
 
   def parts(self, shape: dict) -> int:
     """How many pieces the sequence is split into on a mesh of `shape`."""
@@ -252,6 +259,15 @@ class Ring(AllGatherKV):
   kernel: no score larger than [B, H, n, n] is held), and a sub-block pair whose keys all follow its queries
   is skipped (`ring_plan`), so a causal step costs what its visible keys cost."""
   point_to_point = True    # K/V rotated by ppermute
+
+  def compiler_options(self, platform: str) -> dict:
+    """On a GPU, two collectives in flight (XLA's default is one): the ring's shifts then run beside the other
+    collectives the layer's backward issues instead of queueing behind them, as TransformerEngine's ring runs its
+    sends on a stream of their own (`cp_stream`). At one in flight the compiler put the weights' gradient
+    all-reduce over context, not the ring's last dK/dV shift, behind the last backward step (llama3_8b, 2 layers,
+    64K tokens on 8 H100s: 15 of 16 shifts hidden, 16 of 16 at two; the predicted step the same, 0.228 s:
+    experiments/context/ring.md)."""
+    return {GPU_OVERLAP_LIMIT: 2} if platform == "cuda" else {}
 
   def check(self, shape: dict) -> None:
     self.check_balance(shape)
