@@ -112,14 +112,14 @@ class Composition:
 
   def compiler_options(self, platform: str) -> dict:
     """The XLA options the parts ask for when the step is compiled for a target `platform` ("cuda", "tpu"): each
-    part's `compiler_options(platform)`, where it has one (the context strategy's where the sequence is split: the
-    ring's two collectives in flight on a GPU). The run's xla.flags are applied over them (target_flags)."""
+    part's `compiler_options(platform, mesh shape)`, where it has one (the context strategy's where the sequence is
+    split: a ring's two collectives in flight on a GPU). The run's xla.flags are applied over them (target_flags)."""
     parts = [self.cp] if self.split("length") > 1 else []
     out = {}
     for part in parts + [self.dispatcher]:
       ask = getattr(part, "compiler_options", None)
       if ask is not None:
-        out.update(ask(platform))
+        out.update(ask(platform, dict(self.mesh.shape)))
     return out
 
   def target_flags(self, flags: dict) -> dict:

@@ -67,9 +67,10 @@ class AllGatherKV:
   def __init__(self, model: ModelConfig, layout: Layout, cfg: ContextConfig | None = None):
     self.model, self.layout, self.cfg = model, layout, cfg or ContextConfig()
 
-  def compiler_options(self, platform: str) -> dict:
-    """The XLA options this strategy's program asks for when compiled for a target `platform` ("cuda", "tpu"),
-    where the sequence is split (Composition.compiler_options; the run's xla.flags win over them): none."""
+  def compiler_options(self, platform: str, shape: dict) -> dict:
+    """The XLA options this strategy's program asks for when compiled for a target `platform` ("cuda", "tpu") on a
+    mesh of `shape`, where the sequence is split (Composition.compiler_options; the run's xla.flags win over
+    them): none."""
     return {}
 
   def parts(self, shape: dict) -> int:
@@ -260,14 +261,19 @@ class Ring(AllGatherKV):
   is skipped (`ring_plan`), so a causal step costs what its visible keys cost."""
   point_to_point = True    # K/V rotated by ppermute
 
-  def compiler_options(self, platform: str) -> dict:
-    """On a GPU, two collectives in flight (XLA's default is one): the ring's shifts then run beside the other
+  def ring_size(self, shape: dict) -> int:
+    """The ranks a K/V block visits on a mesh of `shape`: the context split."""
+    return self.parts(shape)
+
+  def compiler_options(self, platform: str, shape: dict) -> dict:
+    """On a GPU, where the ring has two ranks or more, two collectives in flight (XLA's default is one): the
+    ring's shifts then run beside the other
     collectives the layer's backward issues instead of queueing behind them, as TransformerEngine's ring runs its
     sends on a stream of their own (`cp_stream`). At one in flight the compiler put the weights' gradient
     all-reduce over context, not the ring's last dK/dV shift, behind the last backward step (llama3_8b, 2 layers,
     64K tokens on 8 H100s: 15 of 16 shifts hidden, 16 of 16 at two; the predicted step the same, 0.228 s:
     experiments/context/ring.md)."""
-    return {GPU_OVERLAP_LIMIT: 2} if platform == "cuda" else {}
+    return {GPU_OVERLAP_LIMIT: 2} if platform == "cuda" and self.ring_size(shape) > 1 else {}
 
   def check(self, shape: dict) -> None:
     self.check_balance(shape)
@@ -369,6 +375,11 @@ class USP(Ring):
     """The degrees a search prices (context_cost.ulysses_degrees): context.ulysses where set, else every divisor of C
     between 1 and C both head counts allow (U = 1 is the ring and U = C Ulysses, each priced as itself)."""
     return [self.cfg.ulysses] if self.cfg.ulysses else [d for d in _head_divisors(C, heads, kv_heads) if d > 1]
+
+  def ring_size(self, shape: dict) -> int:
+    """R = C/U, the groups the ring runs over (1 where U = C: no shift, Ulysses with the ring's kernel)."""
+    c, u, _, _ = self._split(shape)
+    return c // u
 
   def _split(self, shape: dict) -> tuple[int, int, int, int]:
     """(C, U, query heads, K/V heads per device) on a mesh of `shape` (an ordered {axis: size})."""
