@@ -111,21 +111,28 @@ class Composition:
     return EP.make(self.expert, self.model, self.layout)
 
   def compiler_options(self, platform: str) -> dict:
-    """The XLA options the parts ask for when the step is compiled for a target `platform` ("cuda", "tpu"): each
-    part's `compiler_options(platform, mesh shape)`, where it has one (the context strategy's where the sequence is
-    split: a ring's two collectives in flight on a GPU). The run's xla.flags are applied over them (target_flags)."""
-    parts = [self.cp] if self.split("length") > 1 else []
-    out = {}
-    for part in parts + [self.dispatcher]:
-      ask = getattr(part, "compiler_options", None)
-      if ask is not None:
-        out.update(ask(platform, dict(self.mesh.shape)))
-    return out
+    """The XLA options the context strategy asks for when the step is compiled for `platform` ("cuda", "tpu", "cpu":
+    a target's, or the local devices' on a GPU machine), where the sequence is split: its
+    `compiler_options(platform, mesh shape)`, where its class has one (a ring's two collectives in flight on a
+    GPU; none elsewhere). What a user's class returns is checked: a dict, or one ConfigError line naming it."""
+    if self.split("length") <= 1:
+      return {}
+    ask = getattr(self.cp, "compiler_options", None)
+    if ask is None:
+      return {}
+    from shardlab.errors import ConfigError
+    from shardlab.loading import user_code
+    with user_code(str(self.context.impl), "context.impl", "compiler_options(platform, shape)"):
+      out = ask(platform, dict(self.mesh.shape))
+    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
+      raise ConfigError(f"context.impl={self.context.impl}: compiler_options(platform, shape) returned "
+                        f"{type(out).__name__}, not a dict of XLA option names to values")
+    return dict(out)
 
-  def target_flags(self, flags: dict) -> dict:
-    """The options a target compile of this step takes: the parts' (compiler_options), then `flags` (the run's
-    xla.flags) over them."""
-    return {**self.compiler_options(self.hardware.target_platform), **dict(flags or {})}
+  def target_flags(self, flags: dict, platform: str | None = None) -> dict:
+    """The options a compile of this step takes: the parts' for `platform` (compiler_options; default: the
+    target's, hardware.target_platform), then `flags` (the run's xla.flags) over them."""
+    return {**self.compiler_options(platform or self.hardware.target_platform), **dict(flags or {})}
 
   # ---------------------------------------------------------------------------------------- what the run checks
   def build_schedule(self):

@@ -324,8 +324,10 @@ class ProfileConfig:
 @dataclass
 class XlaConfig:
   """A bundle of XLA compiler options (DebugOptions fields, e.g. `xla_gpu_enable_pipelined_all_gather: true`),
-  passed to every compile of the run (`lowered.compile(compiler_options=...)`), local and target alike, and
-  recorded in summary.json. conf/xla/ holds the bundles real GPU recipes set (docs/targets.md)."""
+  passed to every compile of the run (`lowered.compile(compiler_options=...)`), local and target alike, over
+  the options the context strategy asks for on that platform (Composition.target_flags: a ring's two collectives
+  in flight on a GPU), and recorded in summary.json. conf/xla/ holds the bundles real GPU recipes set
+  (docs/targets.md)."""
   name: str = "none"
   flags: dict[str, Any] = field(default_factory=dict)
 

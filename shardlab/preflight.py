@@ -90,6 +90,11 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   TG.check_flags(cfg.xla.flags, cfg.hardware if target else None, cfg.mesh.n_devices)
   # The mesh against every process's devices (a dry run compiled for a target needs none of them).
   validate(cfg, None if cfg.compile_for == "target" and cfg.dry_run else len(jax.devices()))
+  if target:                                      # the options the parts ask of the target's compiler, the same way
+    from shardlab.composition import resolve
+    asked = resolve(cfg).compiler_options(cfg.hardware.target_platform)
+    if asked:
+      TG.check_flags(asked, cfg.hardware, cfg.mesh.n_devices)
   # Process 0's run dir holds the run's results: its verdict, for every process (no peer left waiting for it).
   refusal = ""
   if D.is_main():

@@ -91,8 +91,11 @@ def compile_and_analyze(cfg: Config, out_dir) -> tuple[dict | None, object, dict
   times = {}
   if not (on_target and cfg.dry_run):
     b = build(c)
+    # the parts' options for the local devices (a GPU machine's are CUDA: the ring's two collectives in flight)
+    local = next(iter(b["mesh"].devices.flat)).platform
+    b["compiler_options"] = c.target_flags(cfg.xla.flags, {"gpu": "cuda"}.get(local, local))
     t0 = time.perf_counter()
-    compiled = TG.compile_with(lower(b), cfg.xla.flags)
+    compiled = TG.compile_with(lower(b), b["compiler_options"])
     times["local"] = time.perf_counter() - t0
   a = b
   if on_target:
@@ -159,7 +162,8 @@ def train(cfg: Config, out_dir: str | os.PathLike, resolved: dict | None = None)
           "status": "ok", "mesh": dict(cfg.mesh.shape), "devices": len(devs),
           "platform": devs[0].platform, "device_kind": devs[0].device_kind, "schedule": cfg.schedule.label,
           "model": cfg.model.label, "n_params": PM.count(a["decls"]), "compile_for": cfg.compile_for, "jax_version": jax.__version__,
-          "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags)},
+          "xla": {"name": cfg.xla.name, "flags": dict(cfg.xla.flags),
+                  "compiler_options": b["compiler_options"] if b else None},   # the local compile's, parts' too
           **analysis, "config": resolved if resolved is not None else dataclasses.asdict(cfg)}
       if not cfg.dry_run:
         fit(cfg, b, compiled, summary, out, main, stop)

@@ -435,28 +435,3 @@ def test_each_kernel_is_priced_at_its_own_measured_rate():
   assert CC.bwd_over_fwd(True) == F.BWD_OVER_FWD == 3.5 and CC.bwd_over_fwd(False) == 2.5
   rates = lambda pallas: CC.Rates(a, hw, hw.ici_bandwidth, True, True, False, pallas=pallas).block_s
   assert rates(True)[1] / rates(True)[0] == 3.5 and rates(False)[1] / rates(False)[0] == 2.5
-
-
-@pytest.mark.parametrize("overrides,want", [
-    (["context=ring", "hardware=h100"], {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}),
-    (["context=usp", "context.ulysses=1", "hardware=h100"], {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}),
-    (["context=usp", "context.ulysses=2", "hardware=h100"], {}),     # U = C: a ring of one, no shift
-    (["context=a2a_p2p", "hardware=h100"], {}),                      # the node's ranks hold the whole context
-    (["context=ring", "hardware=tpu_v5p"], {}),
-    (["context=ulysses", "hardware=h100"], {}),
-    (["context=ring", "hardware=h100", "+xla.flags.xla_gpu_experimental_parallel_collective_overlap_limit=1"],
-     {"xla_gpu_experimental_parallel_collective_overlap_limit": 1}),
-])
-def test_a_target_compile_takes_the_options_the_context_part_asks_for_under_the_runs_own(overrides, want):
-  """The ring (and the strategies built on it, where their ring has two ranks or more) asks for two collectives
-  in flight on a GPU target (Ring.compiler_options: at XLA's default of one, another collective took its last
-  dK/dV shift's slot); where the sequence is not split, or the ring is of one, nothing is asked; a run's own
-  xla.flags win. What trainer and the planner's top-K pass to the target's compiler (Composition.target_flags)."""
-  from conftest import compose
-  from shardlab.composition import resolve
-  from shardlab.config import to_config
-  split = ["mesh.context=2", "mesh.fsdp=4", "mesh.tensor=1"]
-  cfg = to_config(compose(*split, *overrides))
-  assert resolve(cfg).target_flags(cfg.xla.flags) == want
-  cfg = to_config(compose(*overrides))            # context 1: the sequence whole, nothing asked
-  assert resolve(cfg).target_flags(cfg.xla.flags) == {k: v for k, v in want.items() if v == 1}

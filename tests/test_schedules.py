@@ -120,3 +120,49 @@ def test_stage_unit_runs_forward_and_backward_for_different_microbatches():
   assert_trees_close((got[1], got[2]), (ref[1], ref[2]), rtol=1e-6, atol=1e-6, label="microbatch 0 backward: ")
   assert_trees_close((got[3], got[4]), ref[3], rtol=1e-6, atol=1e-6, label="microbatch 1 backward: ")
   assert float(np.abs(np.asarray(got[2]["wi"])).sum()) > 0
+
+
+LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+@pytest.mark.parametrize("overrides,want", [
+    (["context=ring", "hardware=h100"], {LIMIT: 2}),
+    (["context=usp", "context.ulysses=1", "hardware=h100"], {LIMIT: 2}),
+    (["context=usp", "context.ulysses=2", "hardware=h100"], {}),     # U = C: a ring of one, no shift
+    (["context=a2a_p2p", "hardware=h100"], {}),                      # the node's ranks hold the whole context
+    (["context=ring", "hardware=tpu_v5p"], {}),
+    (["context=ulysses", "hardware=h100"], {}),
+    (["context.impl=user_parts:RingCopy", "hardware=h100"], {LIMIT: 2}),    # a user's subclass asks as the ring
+    (["context.impl=user_parts:ProtocolCP", "hardware=h100"], {}),          # from the protocol alone: nothing
+    (["context=ring", "hardware=h100", f"+xla.flags.{LIMIT}=1"], {LIMIT: 1}),
+])
+def test_a_compile_takes_the_options_the_context_part_asks_for_under_the_runs_own(overrides, want, monkeypatch):
+  """The ring (and the strategies built on it, where their ring has two ranks or more) asks for two collectives
+  in flight on a GPU (Ring.compiler_options: at XLA's default of one, another collective took its last dK/dV
+  shift's slot); where the sequence is not split, the ring is of one, or the platform is not a GPU, nothing is
+  asked; a run's own xla.flags win. What trainer (target and local compiles) and the planner's top-K pass to the
+  compiler (Composition.target_flags)."""
+  from conftest import ROOT, compose
+  from shardlab.composition import resolve
+  from shardlab.config import to_config
+  monkeypatch.syspath_prepend(str(ROOT / "tests"))
+  split = ["mesh.context=2", "mesh.fsdp=4", "mesh.tensor=1"]
+  cfg = to_config(compose(*split, *overrides))
+  c = resolve(cfg)
+  assert c.target_flags(cfg.xla.flags) == want
+  assert c.target_flags(cfg.xla.flags, "cpu") == {k: v for k, v in want.items() if v == 1}   # local CPU: none
+  cfg = to_config(compose(*overrides))            # context 1: the sequence whole, nothing asked
+  assert resolve(cfg).target_flags(cfg.xla.flags) == {k: v for k, v in want.items() if v == 1}
+
+
+def test_a_users_compiler_options_that_are_not_a_dict_are_one_line(monkeypatch):
+  from conftest import ROOT, compose
+  from shardlab.composition import resolve
+  from shardlab.config import to_config
+  from shardlab.errors import ConfigError
+  monkeypatch.syspath_prepend(str(ROOT / "tests"))
+  cfg = to_config(compose("mesh.context=2", "mesh.fsdp=4", "mesh.tensor=1", "hardware=h100",
+                          "context.impl=user_parts:OptionsNotADict"))
+  with pytest.raises(ConfigError, match=r"^context.impl=user_parts:OptionsNotADict: compiler_options\(platform, "
+                                        r"shape\) returned NoneType, not a dict"):
+    resolve(cfg).target_flags({})

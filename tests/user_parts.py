@@ -65,6 +65,13 @@ class RingCopy(Ring):
   """Ring attention under another name: the same verdict as context=ring."""
 
 
+class OptionsNotADict(Ring):
+  """A ring whose compiler_options returns no dict: one line naming it, before anything compiles."""
+
+  def compiler_options(self, platform, shape):
+    return None
+
+
 class GatherKVCopy(AllGatherKV):
   """All-gather attention under another name: the same verdict as context=all_gather."""
 

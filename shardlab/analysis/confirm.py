@@ -45,7 +45,7 @@ def compile_on_target(c: Composition, build) -> dict[str, Any]:
   devs = TG.devices(hw, n)
   b = build(c, TG.mesh_devices(devs, tuple(c.mesh.shape.values())))
   t0 = time.perf_counter()
-  flags = c.target_flags({})                      # the parts' options, as the run's target compile takes them
+  flags = c.target_flags({})                      # the parts' options (a candidate carries no xla.flags)
   compiled, buffers = TG.compile_reading_buffers(b["step_fn"].lower(b["abstract_state"], b["abstract_batch"]), flags)
   seconds = time.perf_counter() - t0
   prog = Program.of(compiled, b["mesh"], buffers)

@@ -72,7 +72,9 @@ class TPContraction(Protocol):
 class ContextStrategy(Protocol):
   """Attention across the sequence's split over `context` (`context.impl`), what the explicit schedule and its
   pipeline call. Built as `cls(model: ModelConfig, layout: Layout, cfg: ContextConfig)`. Optional: a class
-  attribute `point_to_point` (whether its attention places a ppermute: a pipeline asks, schedules/capability.py)."""
+  attribute `point_to_point` (whether its attention places a ppermute: a pipeline asks, schedules/capability.py),
+  and a method `compiler_options(platform, shape) -> dict` (the XLA options its program asks for when compiled for
+  `platform`, "cuda", "tpu" or "cpu", on a mesh of `shape`; the run's xla.flags win: Composition.target_flags)."""
   cfg: Any   # the ContextConfig it was built with: `cfg.impl` names it, `cfg.order(seq_len, parts)` the data's order
 
   def parts(self, shape: dict) -> int:
