@@ -68,7 +68,7 @@ class AllGatherKV:
     self.model, self.layout, self.cfg = model, layout, cfg or ContextConfig()
 
   def compiler_options(self, platform: str, shape: dict) -> dict:
-    """The XLA options this strategy's program asks for when compiled for a target `platform` ("cuda", "tpu") on a
+    """The XLA options this strategy's program asks for when compiled for `platform` ("cuda", "tpu", "cpu") on a
     mesh of `shape`, where the sequence is split (Composition.compiler_options; the run's xla.flags win over
     them): none."""
     return {}
@@ -267,12 +267,11 @@ class Ring(AllGatherKV):
 
   def compiler_options(self, platform: str, shape: dict) -> dict:
     """On a GPU, where the ring has two ranks or more, two collectives in flight (XLA's default is one): the
-    ring's shifts then run beside the other
-    collectives the layer's backward issues instead of queueing behind them, as TransformerEngine's ring runs its
-    sends on a stream of their own (`cp_stream`). At one in flight the compiler put the weights' gradient
-    all-reduce over context, not the ring's last dK/dV shift, behind the last backward step (llama3_8b, 2 layers,
-    64K tokens on 8 H100s: 15 of 16 shifts hidden, 16 of 16 at two; the predicted step the same, 0.228 s:
-    experiments/context/ring.md)."""
+    ring's shifts then run beside the other collectives the layer's backward issues instead of queueing behind
+    them, as TransformerEngine's ring runs its sends on a stream of their own (`cp_stream`). At one in flight the
+    compiler put the weights' gradient all-reduce over context, not the ring's last dK/dV shift, behind the last
+    backward step (llama3_8b, 2 layers, 64K tokens on 8 H100s: 15 of 16 shifts hidden, 16 of 16 at two; the
+    predicted step the same, 0.228 s: experiments/context/ring.md)."""
     return {GPU_OVERLAP_LIMIT: 2} if platform == "cuda" and self.ring_size(shape) > 1 else {}
 
   def check(self, shape: dict) -> None:
