@@ -244,7 +244,7 @@ def memory_table(results: dict) -> list[str]:
   out = ["### llama2_7b on 8 x H100 (MaxText's one-node configuration): " + " ".join(LLAMA2_7B), "",
          "| added overrides (attention, remat, ...) | compiled: arguments / temp / **peak** GB | fits 80 GB "
          "| analytic: state (params + Adam) / grads / gathered weights / layer gradient / activations / **total** GB "
-         "| compiled / analytic | predicted step s (MFU) | GEMM / other kernels s (kernels) | compile s |",
+         "| compiled / analytic | predicted step s (MFU) | GEMM and fused attention / other kernels s (kernels) | compile s |",
          "|---|---|---|---|---:|---|---|---:|"]
   rows = {}
   for name, extra in LLAMA2_7B_RUNS.items():
