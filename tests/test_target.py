@@ -151,6 +151,8 @@ def test_calibrated_prediction_and_memory():
   assert pred["t_overlapped_s"] >= pred["t_compute_s"]
   assert pred["t_overlapped_s"] <= pred["t_serial_s"] + 1e-12
   assert pred["t_compute_s"] == pytest.approx(pred["t_gemm_s"] + pred["t_other_kernels_s"])
+  assert pred["t_compute_s"] == pytest.approx(pred["t_matmul_s"] + pred["t_attention_kernels_s"]
+                                              + pred["t_other_kernels_s"]) and pred["t_matmul_s"] > 0
   assert pred["t_comm_s"]["fsdp"] > 0
   m = prog.memory()
   assert m["peak"] > m["argument"] > 0
@@ -550,6 +552,19 @@ def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   fwd = [i for c in comps.values() for i in c if hlo.is_attention_call(i) and "Backward" not in i.attrs]
   b, h, l, k = 16 // 4, 4 // 2, 256, 64          # per device: batch over fsdp, heads over tensor
   assert [attention_call_flops(i) for i in fwd] == [4 * b * h * l * l * k / 2]
+  # the calibrated prediction's kernels: matmuls, the fused attention kernels, the rest (t_gemm_s holds the
+  # first two: the search's time model calls only the matmuls so, t_matmul_s here)
+  import numpy as np
+  from shardlab import target as TG
+  from shardlab.analysis import costmodel
+  from shardlab.analysis.program import Program
+  devs = TG.mesh_devices(TG.devices(h100(), 8), tuple(cfg.mesh.shape.values()))
+  prog = Program(text, np.vectorize(lambda d: d.id)(devs), tuple(cfg.mesh.shape), "gpu", compiled)
+  pred, _ = costmodel.predict(prog, None, h100(), {}, 1e9)
+  assert pred["t_attention_kernels_s"] > 0 and pred["t_matmul_s"] > 0
+  assert pred["t_gemm_s"] == pytest.approx(pred["t_matmul_s"] + pred["t_attention_kernels_s"])
+  assert pred["t_compute_s"] == pytest.approx(pred["t_matmul_s"] + pred["t_attention_kernels_s"]
+                                              + pred["t_other_kernels_s"])
 
 
 # ------------------------------------------------------------------------------ the planner, confirmed on the target
