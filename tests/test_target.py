@@ -36,7 +36,7 @@ def target_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
   """(Program of the grad step compiled for 8 x H100, the traced program's ledger rows, the mesh)."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
   from shardlab import params as PM, schedules, target as TG, train as T
   from shardlab.analysis import ledger
   from shardlab.analysis.program import Program
