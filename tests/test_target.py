@@ -552,8 +552,8 @@ def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   fwd = [i for c in comps.values() for i in c if hlo.is_attention_call(i) and "Backward" not in i.attrs]
   b, h, l, k = 16 // 4, 4 // 2, 256, 64          # per device: batch over fsdp, heads over tensor
   assert [attention_call_flops(i) for i in fwd] == [4 * b * h * l * l * k / 2]
-  # the calibrated prediction's kernels: matmuls, the fused attention kernels, the rest (t_gemm_s holds the
-  # first two: the search's time model calls only the matmuls so, t_matmul_s here)
+  # the calibrated prediction's kernels: matmuls, the fused attention kernels, the rest. t_gemm_s is the first
+  # two together; t_matmul_s the matmuls alone (what the search's time model calls t_gemm_s)
   import numpy as np
   from shardlab import target as TG
   from shardlab.analysis import costmodel
