@@ -151,8 +151,8 @@ def test_calibrated_prediction_and_memory():
   assert pred["t_overlapped_s"] >= pred["t_compute_s"]
   assert pred["t_overlapped_s"] <= pred["t_serial_s"] + 1e-12
   assert pred["t_compute_s"] == pytest.approx(pred["t_gemm_s"] + pred["t_other_kernels_s"])
-  assert pred["t_compute_s"] == pytest.approx(pred["t_matmul_s"] + pred["t_attention_kernels_s"]
-                                              + pred["t_other_kernels_s"]) and pred["t_matmul_s"] > 0
+  # no fused attention kernel in this program (plain attention): every priced matmul is a GEMM's
+  assert pred["t_attention_kernels_s"] == 0 and pred["t_matmul_s"] == pred["t_gemm_s"] > 0
   assert pred["t_comm_s"]["fsdp"] > 0
   m = prog.memory()
   assert m["peak"] > m["argument"] > 0
@@ -561,10 +561,9 @@ def test_dot_product_attention_is_cudnn_flash_on_the_gpu_target():
   devs = TG.mesh_devices(TG.devices(h100(), 8), tuple(cfg.mesh.shape.values()))
   prog = Program(text, np.vectorize(lambda d: d.id)(devs), tuple(cfg.mesh.shape), "gpu", compiled)
   pred, _ = costmodel.predict(prog, None, h100(), {}, 1e9)
-  assert pred["t_attention_kernels_s"] > 0 and pred["t_matmul_s"] > 0
-  assert pred["t_gemm_s"] == pytest.approx(pred["t_matmul_s"] + pred["t_attention_kernels_s"])
-  assert pred["t_compute_s"] == pytest.approx(pred["t_matmul_s"] + pred["t_attention_kernels_s"]
-                                              + pred["t_other_kernels_s"])
+  # cuDNN's kernels are priced at the attention rate, outside the matmuls: at least the forward's FLOPs' time
+  assert pred["t_attention_kernels_s"] >= sum(attention_call_flops(i) for i in fwd) / h100().attention_rate()
+  assert 0 < pred["t_matmul_s"] < pred["t_gemm_s"]
 
 
 # ------------------------------------------------------------------------------ the planner, confirmed on the target
