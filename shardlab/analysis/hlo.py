@@ -60,13 +60,16 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
+_PARENS = re.compile(r"[()]")
+
+
 def _matching(s: str, start: int) -> int:
   """Index of the parenthesis closing the one at s[start]."""
   depth = 0
-  for i in range(start, len(s)):
-    depth += {"(": 1, ")": -1}.get(s[i], 0)
+  for m in _PARENS.finditer(s, start):
+    depth += 1 if m.group() == "(" else -1
     if depth == 0:
-      return i
+      return m.start()
   raise ValueError("unbalanced parentheses in HLO")
 
 
