@@ -73,7 +73,7 @@ def reference_loss_and_grads(model: dict | None = None, batch_size: int | None =
 @functools.lru_cache(maxsize=None)
 def _reference_loss_and_grads(model_items: tuple, batch_size: int | None = None):
   import jax
-  from shardlab import params as PM, reference as R
+  from shardlab import reference as R
   cfg = _with_batch(tiny_config(dict(model_items)), batch_size)
   p = _reference_params(model_items)
   b = tiny_batch(batch_size)
@@ -170,8 +170,9 @@ def _reference_params(model_items: tuple):
 def _tiny_model(mesh_items, model_items=(), rules=None):
   """(layout, parameter declarations, parameters placed by the layout) of the tiny model on the mesh: made once
   per mesh, model and layout (jax arrays are immutable; every compiled step of the kit takes them). The
-  parameters are the plain reference's own (seed 0: what PM.init_sharded makes in shards, the same values),
-  copied into their shards from the host: no program to compile per mesh and layout (0.5-0.8 s each)."""
+  parameters are the plain reference's own (seed 0; PM.init_sharded's in-shard values differ from them in the
+  last bits), copied into their shards from the host: no init program compiled per mesh and layout (0.5-0.8 s
+  each)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -182,10 +183,7 @@ def _tiny_model(mesh_items, model_items=(), rules=None):
   layout = Layout() if rules is None else Layout.of(dict(rules))
   layout.check(mesh.axis_names)
   decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
-  ref = _reference_params(tuple(sorted(model_items)))
-  shapes = lambda tree: jax.tree.map(lambda d: tuple(d.shape), tree, is_leaf=PM.is_param)
-  if shapes(ref) != shapes(decls):     # a declaration shaped for the mesh: created in its shards
-    return layout, decls, PM.init_sharded(0, decls, cfg.model, mesh)
+  ref = _reference_params(tuple(sorted(model_items)))     # the mesh changes specs, never shapes (PM.declare)
   shardings = jax.tree.map(lambda d: NamedSharding(mesh, d.spec()), decls, is_leaf=PM.is_param)
   return layout, decls, jax.device_put(jax.tree.map(np.asarray, ref), shardings)
 
