@@ -9,11 +9,16 @@ import re
 import tempfile
 from pathlib import Path
 
-from shardlab.testing import FAST_COMPILE   # imports no JAX
+from shardlab.testing import FAST_COMPILE   # (this imports JAX: see below)
 
 os.environ.setdefault("XLA_FLAGS", FAST_COMPILE)
-# One persistent compilation cache for the whole run, shared by both xdist workers and every subprocess
-# (CLI runs, sweeps, several processes): each distinct program is compiled once per test session.
+# One persistent compilation cache for the whole run, shared by every subprocess (CLI runs, sweeps, several
+# processes): each distinct program they compile is compiled once per test session. The xdist workers themselves
+# compile their own: JAX read its settings when shardlab.testing (above) imported it, before these are set, so a
+# worker uses the cache only if JAX_COMPILATION_CACHE_DIR was set before pytest started. Turning it on in the
+# workers (jax.config.update of these four) made test_expert and test_context slower on 2 workers, 151.5 s against
+# 139.8 s (282.8 and 260.1 s of user CPU, 2026-11-28): writing every program costs more than the other worker's
+# hits save.
 # (v2: written under mesh.guard_persistent_cache, which keeps out what XLA:CPU cannot restore safely)
 _CACHE = Path(tempfile.gettempdir()) / f"shardlab-test-jax-cache-v2-{os.getuid()}"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
