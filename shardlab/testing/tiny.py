@@ -170,9 +170,9 @@ def _reference_params(model_items: tuple):
 def _tiny_model(mesh_items, model_items=(), rules=None):
   """(layout, parameter declarations, parameters placed by the layout) of the tiny model on the mesh: made once
   per mesh, model and layout (jax arrays are immutable; every compiled step of the kit takes them). The
-  parameters are the plain reference's own (seed 0; PM.init_sharded's in-shard values differ from them in the
-  last bits), copied into their shards from the host: no init program compiled per mesh and layout (0.5-0.8 s
-  each)."""
+  parameters are the plain reference's own (seed 0, evaluated op by op; PM.init_sharded's compiled ones differ
+  from them in the last bit: PM.init), copied into their shards from the host: no init program compiled per mesh
+  and layout (0.5-0.8 s each)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
