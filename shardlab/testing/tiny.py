@@ -183,7 +183,7 @@ def _tiny_model(mesh_items, model_items=(), rules=None):
   layout = Layout() if rules is None else Layout.of(dict(rules))
   layout.check(mesh.axis_names)
   decls = PM.declare(cfg.model, dict(mesh_items)[TENSOR], layout, mesh.axis_names)
-  ref = _reference_params(tuple(sorted(model_items)))     # the mesh changes specs, never shapes (PM.declare)
+  ref = _reference_params(model_items)     # the mesh changes specs, never shapes (PM.declare)
   shardings = jax.tree.map(lambda d: NamedSharding(mesh, d.spec()), decls, is_leaf=PM.is_param)
   return layout, decls, jax.device_put(jax.tree.map(np.asarray, ref), shardings)
 
