@@ -107,6 +107,46 @@ def kernel_cache_file() -> str:
   return _KERNELS[0]
 
 
+ASSEMBLER_ENV = "SHARDLAB_GPU_ASSEMBLER"   # "none": deviceless GPU compiles skip ptxas (no_assembler_dir)
+_NO_ASSEMBLER: list[str] = []
+_NO_ASSEMBLER_SH = """#!/bin/sh
+# shardlab.target.no_assembler_dir: ptxas for deviceless compiles whose machine code nobody reads
+for a in "$@"; do [ "$a" = "--version" ] && exec "{real}" "$@"; done
+echo >> "$(dirname "$0")/skipped"
+out=; prev=
+for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done
+[ -n "$out" ] && : > "$out"
+exit 0
+"""
+
+
+def no_assembler_dir() -> str | None:
+  """A CUDA directory for `xla_gpu_cuda_data_dir` whose ptxas writes an empty cubin (and answers `--version`
+  with the real one's; each kernel it skips is a line of `bin/skipped`), its `nvvm/` the real libdevice: where `SHARDLAB_GPU_ASSEMBLER=none` is set (the test
+  suite, tests/conftest.py) a deviceless H100 compile skips the assembler altogether. What shardlab reads of a
+  target compile (the optimized HLO and its schedule, the buffer assignment, memory_analysis()'s sizes) is the
+  same text and the same numbers either way (tests/test_target.py compares them); only the machine code, which a
+  deviceless compile never runs, is missing. A run's own target compiles keep the real assembler. None where the
+  cuda12 extra (nvidia-cuda-nvcc) is not installed. One directory per process, removed at exit."""
+  if not _NO_ASSEMBLER:
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    real = Path(next(iter(spec.submodule_search_locations or []), "")) if spec else None
+    if real is None or not (real / "bin" / "ptxas").exists():
+      return None
+    import atexit
+    import shutil
+    import tempfile
+    root = Path(tempfile.mkdtemp(prefix="shardlab-no-assembler-"))
+    atexit.register(shutil.rmtree, root, True)
+    (root / "bin").mkdir()
+    (root / "nvvm").symlink_to(real / "nvvm")
+    sh = root / "bin" / "ptxas"
+    sh.write_text(_NO_ASSEMBLER_SH.format(real=real / "bin" / "ptxas"))
+    sh.chmod(0o755)
+    _NO_ASSEMBLER.append(str(root))
+  return _NO_ASSEMBLER[0]
+
+
 def compile_(lowered, flags: dict | None = None):
   """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
   cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/), beside this
@@ -120,13 +160,16 @@ def compile_(lowered, flags: dict | None = None):
   and its schedule, the buffer assignment, memory_analysis()'s sizes) is decided before the assembler runs,
   which otherwise takes most of a small program's compile (181 kernels, 5.0 s of ptxas CPU time of a 6.2 s
   compile on this project's 2-core VM, 3.5 s without optimizations; the compiled HLO the same text). libtpu takes
-  the option and ignores it; a flags entry of its own wins."""
+  the option and ignores it; a flags entry of its own wins. With SHARDLAB_GPU_ASSEMBLER=none (the test suite)
+  the assembler does not run at all (no_assembler_dir)."""
   import jax
   was = (jax.config.jax_enable_compilation_cache, jax.config.jax_persistent_cache_min_compile_time_secs)
   jax.config.update("jax_enable_compilation_cache", False)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
-    return compile_with(lowered, {"xla_gpu_kernel_cache_file": kernel_cache_file(), **DEVICELESS, **(flags or {})})
+    skip = os.environ.get(ASSEMBLER_ENV) == "none" and no_assembler_dir()
+    return compile_with(lowered, {"xla_gpu_kernel_cache_file": kernel_cache_file(), **DEVICELESS,
+                                  **({"xla_gpu_cuda_data_dir": skip} if skip else {}), **(flags or {})})
   finally:
     jax.config.update("jax_enable_compilation_cache", was[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])

@@ -6,6 +6,7 @@ Needs the CUDA compiler plugin (`pip install "shardlab[cuda12]"`; .ci/run instal
 """
 import functools
 import re
+from pathlib import Path
 
 import pytest
 
@@ -34,12 +35,19 @@ def h100():
 @functools.lru_cache(maxsize=None)
 def target_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
   """(Program of the grad step compiled for 8 x H100, the traced program's ledger rows, the mesh)."""
+  from shardlab import target as TG
+  from shardlab.analysis.program import Program
+  lowered, program, mesh = lowered_grads(mesh_shape, knobs, compute)
+  return Program.of(TG.compile_(lowered), mesh), program, mesh
+
+
+def lowered_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
+  """(The grad step lowered for 8 x H100, the traced program's ledger rows, the mesh)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from shardlab import params as PM, schedules, target as TG, train as T
   from shardlab.analysis import ledger
-  from shardlab.analysis.program import Program
   from shardlab.mesh import make_mesh
   cfg = tiny_config(**dict(knobs))
   mesh = make_mesh(*mesh_shape, TG.mesh_devices(TG.devices(h100(), 8), mesh_shape))
@@ -49,7 +57,7 @@ def target_grads(mesh_shape: tuple, knobs: tuple, compute: str = "float32"):
                         decls, is_leaf=PM.is_param)
   tokens = abstract_batch(cfg.train.batch_size, cfg.model.seq_len, mesh)
   program = ledger.from_program(jax.make_jaxpr(fn)(params, tokens))
-  return Program.of(TG.compile_(fn.lower(params, tokens)), mesh), program, mesh
+  return fn.lower(params, tokens), program, mesh
 
 
 def knobs_of(preset: str) -> tuple:
@@ -194,6 +202,25 @@ def test_missing_extra_is_one_line(monkeypatch):
     TG.check(hardware_preset("tpu_v5p"), 8)
   with pytest.raises(ConfigError, match="describes no real target"):
     TG.check(hardware_preset("cpu"), 8)
+
+
+def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatch, tmp_path):
+  """SHARDLAB_GPU_ASSEMBLER=none (tests/conftest.py): the H100 compiler's program without ptxas is the one with it,
+  HLO text and memory alike, and the assembler did not run for its kernels."""
+  from shardlab import target as TG
+  lowered = lowered_grads((4, 2), knobs_of("fsdp_prefetch"))[0]
+  assert TG.no_assembler_dir()
+  skipped = Path(TG.no_assembler_dir()) / "bin" / "skipped"
+  before = skipped.read_text().count("\n") if skipped.exists() else 0
+  monkeypatch.setenv(TG.ASSEMBLER_ENV, "none")
+  fast = TG.compile_(lowered, {"xla_gpu_kernel_cache_file": str(tmp_path / "a.bin")})
+  assert skipped.read_text().count("\n") > before + 20      # one line per kernel the assembler did not build
+  monkeypatch.delenv(TG.ASSEMBLER_ENV)
+  real = TG.compile_(lowered, {"xla_gpu_kernel_cache_file": str(tmp_path / "b.bin")})
+  assert fast.as_text() == real.as_text()
+  m, n = fast.memory_analysis(), real.memory_analysis()
+  assert [getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")] == \
+         [getattr(n, k) for k in dir(n) if k.endswith("_in_bytes")]
 
 
 def test_topologies():
