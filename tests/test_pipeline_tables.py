@@ -25,6 +25,24 @@ def test_bubble_of_uniform_stages_on_free_links_is_the_closed_form(P, M):
     assert bubble("zb_h1", True) < bubble("1f1b", True), (P, M)
 
 
+def test_stages_that_hold_fewer_layers_take_less_time():
+  """replay(layers=...): a virtual stage's F and B scale with the layers it holds, the head's time does not; one
+  layer fewer on the first and the last stage (Llama 3's balance) shortens a step whose last stage runs a head."""
+  P, M, V = 4, 8, 2
+  ticks = PL.build("interleaved", P, M, V)
+  even = PR.replay(ticks, 1.0, 2.0, sync=False, t_head=1.0)
+  assert PR.replay(ticks, 1.0, 2.0, sync=False, t_head=1.0, layers=[1.0] * (V * P)) == even
+  ends = [0.5] + [1.0] * (V * P - 2) + [0.5]
+  for sync in (False, True):
+    fewer = PR.replay(ticks, 1.0, 2.0, sync=sync, t_head=1.0, layers=ends)
+    busy = PR.replay(ticks, 1.0, 2.0, sync=sync, t_head=1.0)["busy_s"]
+    assert fewer["busy_s"][0] == busy[0] - M * 3.0 * 0.5               # chunk 0 of stage 0: half its F and B
+    assert fewer["busy_s"][P - 1] == busy[P - 1] - M * 3.0 * 0.5       # the last chunk: half, its head whole
+    assert fewer["step_s"] < PR.replay(ticks, 1.0, 2.0, sync=sync, t_head=1.0)["step_s"]
+  with pytest.raises(ValueError, match="virtual stages"):
+    PR.replay(ticks, 1.0, 2.0, layers=[1.0] * P)
+
+
 def test_one_program_pays_each_hop_a_tick():
   """In the executor's neighbour-synchronised ticks a 1F1B warm-up and cool-down cost whole ticks (F + B) per
   hop: its bubble is above the closed form and above GPipe's, which keeps the closed form there."""

@@ -16,10 +16,12 @@ class Slot:
 
 
 def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0, sync: bool = True,
-           t_head: float = 0.0) -> dict:
+           t_head: float = 0.0, layers: list[float] | None = None) -> dict:
   """Times of the table on real links. Times are per microbatch and chunk (an interleaved chunk holds 1/V of a
   stage's layers: pass its own times): F takes t_f (t_f + t_head on the last virtual stage, which runs the head
-  in its F slot), B t_b (plus t_w unless the table splits W off), W t_w.
+  in its F slot), B t_b (plus t_w unless the table splits W off), W t_w. `layers`: per virtual stage, in model
+  order, the layers it holds as a fraction of a chunk's (None: 1 each; an uneven split such as Llama 3's, one layer
+  fewer on the first and the last stage): its F, B and W times scale with it, the head's not.
 
   sync=True: as the executor (`Pipeline`) runs it: each tick, a stage runs its slots back to back, then sends
   its forward output and its input gradient (t_comm, both ways at once); it starts the next tick when it and the
@@ -32,7 +34,11 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
   V, v_shape = 1 + max(a.chunk for row in ticks for cell in row for a in cell), v_shaped(ticks)
   dur = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}
   last = V * P - 1
-  took = lambda a, s: dur[a.kind] + (t_head if a.kind == "F" and vstage(s, a.chunk, P, v_shape) == last else 0.0)
+  if layers is not None and len(layers) != V * P:
+    raise ValueError(f"layers: {len(layers)} figures for {V * P} virtual stages")
+  share = lambda v: 1.0 if layers is None else layers[v]
+  took = lambda a, s: (dur[a.kind] * share(vstage(s, a.chunk, P, v_shape))
+                       + (t_head if a.kind == "F" and vstage(s, a.chunk, P, v_shape) == last else 0.0))
   slots = []
   if sync:
     near = [sorted({s, (s - 1) % P, (s + 1) % P} if V > 1 and not v_shape else
