@@ -112,7 +112,7 @@ _NO_ASSEMBLER: list[str] = []
 _NO_ASSEMBLER_SH = """#!/bin/sh
 # shardlab.target.no_assembler_dir: ptxas for deviceless compiles whose machine code nobody reads
 for a in "$@"; do [ "$a" = "--version" ] && exec "{real}" "$@"; done
-echo >> "$(dirname "$0")/skipped"
+echo >> "${{0%/*}}/skipped"
 out=; prev=
 for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done
 [ -n "$out" ] && : > "$out"
@@ -129,9 +129,13 @@ def no_assembler_dir() -> str | None:
   deviceless compile never runs, is missing. A run's own target compiles keep the real assembler. None where the
   cuda12 extra (nvidia-cuda-nvcc) is not installed. One directory per process, removed at exit."""
   if not _NO_ASSEMBLER:
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    real = Path(next(iter(spec.submodule_search_locations or []), "")) if spec else None
-    if real is None or not (real / "bin" / "ptxas").exists():
+    try:
+      spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ImportError:          # no `nvidia` package at all
+      spec = None
+    real = next((Path(d) for d in (spec.submodule_search_locations or []) if (Path(d) / "bin" / "ptxas").exists())
+                if spec else (), None)
+    if real is None:
       return None
     import atexit
     import shutil

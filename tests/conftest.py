@@ -25,8 +25,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Deviceless H100 compiles skip NVIDIA's assembler (shardlab.target.no_assembler_dir): the HLO, schedule and memory
-# the tests read are the same without the machine code (test_target compares them), and ptxas was about a third of
-# each compile.
+# the tests read are the same without the machine code (test_target compares them); ptxas, already without its
+# optimizations, was 22-37% of a tiny step's compile (docs/testing.md). test_target's Pallas kernels keep it.
 os.environ.setdefault("SHARDLAB_GPU_ASSEMBLER", "none")
 # The audit reads each collective's op_name (its collectives.scope): a cached program must carry its own
 # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).

@@ -41,6 +41,10 @@ def test_stages_that_hold_fewer_layers_take_less_time():
     assert fewer["step_s"] < PR.replay(ticks, 1.0, 2.0, sync=sync, t_head=1.0)["step_s"]
   with pytest.raises(ValueError, match="virtual stages"):
     PR.replay(ticks, 1.0, 2.0, layers=[1.0] * P)
+  # in a V both ends are chunks of stage 0; W scales with its layers too
+  v = PL.build("zb_v", P, M, 2)
+  busy = PR.replay(v, 1.0, 2.0, 1.0, sync=False)["busy_s"]
+  assert PR.replay(v, 1.0, 2.0, 1.0, sync=False, layers=ends)["busy_s"] == [busy[0] - 2 * M * 4.0 * 0.5, *busy[1:]]
 
 
 def test_one_program_pays_each_hop_a_tick():

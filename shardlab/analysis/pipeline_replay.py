@@ -36,9 +36,10 @@ def replay(ticks, t_f: float, t_b: float, t_w: float = 0.0, t_comm: float = 0.0,
   last = V * P - 1
   if layers is not None and len(layers) != V * P:
     raise ValueError(f"layers: {len(layers)} figures for {V * P} virtual stages")
-  share = lambda v: 1.0 if layers is None else layers[v]
-  took = lambda a, s: (dur[a.kind] * share(vstage(s, a.chunk, P, v_shape))
-                       + (t_head if a.kind == "F" and vstage(s, a.chunk, P, v_shape) == last else 0.0))
+
+  def took(a, s):
+    v = vstage(s, a.chunk, P, v_shape)
+    return dur[a.kind] * (1.0 if layers is None else layers[v]) + (t_head if a.kind == "F" and v == last else 0.0)
   slots = []
   if sync:
     near = [sorted({s, (s - 1) % P, (s + 1) % P} if V > 1 and not v_shape else
