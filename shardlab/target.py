@@ -122,8 +122,9 @@ exit 0
 
 def no_assembler_dir() -> str | None:
   """A CUDA directory for `xla_gpu_cuda_data_dir` whose ptxas writes an empty cubin (and answers `--version`
-  with the real one's; each kernel it skips is a line of `bin/skipped`), its `nvvm/` the real libdevice: where `SHARDLAB_GPU_ASSEMBLER=none` is set (the test
-  suite, tests/conftest.py) a deviceless H100 compile skips the assembler altogether. What shardlab reads of a
+  with the real one's; each kernel it skips is a line of `bin/skipped`), its `nvvm/` the real libdevice: where
+  `SHARDLAB_GPU_ASSEMBLER=none` is set (the test suite, tests/conftest.py) a deviceless H100 compile skips the
+  assembler altogether. What shardlab reads of a
   target compile (the optimized HLO and its schedule, the buffer assignment, memory_analysis()'s sizes) is the
   same text and the same numbers either way (tests/test_target.py compares them); only the machine code, which a
   deviceless compile never runs, is missing. A run's own target compiles keep the real assembler. None where the

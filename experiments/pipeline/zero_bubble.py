@@ -2,6 +2,7 @@
 16 microbatches, every schedule compiled for 8 H100s (compile_for=target, deviceless, on this CPU machine).
 
   python experiments/pipeline/zero_bubble.py [DIR]     # 8 dry runs into DIR: zero_bubble.json, zero_bubble.md
+  python experiments/pipeline/zero_bubble.py --send-us 13   # zero_bubble.json's slots replayed with another send
 
 Slot times, steps and bubbles are PREDICTIONS (each slot's compiled program timed by the run's model, the table
 replayed in shardlab's ticks: summary.json `pipeline_prediction`); memory is the H100 compiler's buffer
@@ -68,7 +69,22 @@ def table(rows: list[dict]) -> list[str]:
   return lines
 
 
+def replay_with_send(send_s: float) -> None:
+  """Each schedule's executed bubble from zero_bubble.json's compiled slots, every tick's sends priced at `send_s`
+  instead of the link model's figure (a what-if: the slots' own collectives are not re-priced). No compile."""
+  from shardlab import pipeline_tables as PL
+  from shardlab.analysis import pipeline_replay as PR
+  for r in json.loads((HERE / "zero_bubble.json").read_text())["rows"]:
+    s, V = r["slot_s"], r["virtual_stages"]
+    ticks = PL.build(r["schedule"], 4, 16, V)
+    what_if = PR.replay(ticks, s["F"], s["B"], s["W"] or 0.0, send_s, sync=True, t_head=s["head"])["bubble"]
+    print(f"{r['schedule']:<12} V={V}  executed bubble {r['bubble']:.1%} with {1e6 * s['send']:.1f} us sends, "
+          f"{what_if:.1%} with {1e6 * send_s:.1f} us; closed form {r['closed_form_bubble']:.1%}")
+
+
 def main() -> None:
+  if sys.argv[1:2] == ["--send-us"]:
+    return replay_with_send(float(sys.argv[2]) * 1e-6)
   root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/shardlab-zero-bubble")
   rows = []
   for name in SCHEDULES:

@@ -19,8 +19,8 @@ the first stage has only the embedding, and the last model chunk on the last sta
 loss calculation", Section 3.3.2), replayed with replay(layers=...): the first and the last virtual stage hold one
 layer fewer than a chunk, their slots shorter by as much. The same tables with 8 layers on every stage (128, the
 stage compiled) beside them. The paper's sentence means the end chunks held one layer before it was taken, which
-with equal chunks is V = 8 of a stage's 8 layers; the 1f1b table and interleaved ones with V = 2 and 4 bracket it. Left out: the
-data-parallel gradient reduction over 64 replicas (assumed hidden behind the pipeline, as Llama 3 overlaps it) and
+with equal chunks is V = 8 of a stage's 8 layers; the 1f1b table and interleaved ones with V = 2 and 4 bracket it.
+Left out: the data-parallel gradient reduction over 64 replicas (assumed hidden behind the pipeline, as Llama 3 overlaps it) and
 the number of microbatches Llama 3 runs back to back per chunk (its N, tuned and not stated).
 """
 from __future__ import annotations
@@ -47,6 +47,15 @@ RUN = ["dry_run=true", "compile_for=target", "hardware=h100_multinode", "precisi
        "mesh.pipeline=2", "pipeline=1f1b", "pipeline.microbatches=2", "train.batch_size=2", "progress=false"]
 
 
+def _figures(ticks, slot: dict, V: int, sync: bool, layers, flops_per_gpu: float) -> dict:
+  """The table replayed with the compiled slots: a chunk holds 1/V of the stage's layers (each slot's time / V,
+  times `layers` per virtual stage), the head in the last virtual stage's F slot, as in pipeline_cost.predict."""
+  r = PR.replay(ticks, slot["F"] / V, slot["B"] / V, 0.0, slot["send"], sync=sync, t_head=slot["head"], layers=layers)
+  tflops = flops_per_gpu / r["step_s"] / 1e12
+  return {"step_s": r["step_s"], "bubble": r["bubble"], "predicted_tflops_per_gpu": tflops,
+          "error": tflops / PUBLISHED_TFLOPS - 1}
+
+
 def main() -> None:
   out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/shardlab-validate-pipeline")
   shutil.rmtree(out, ignore_errors=True)
@@ -60,14 +69,7 @@ def main() -> None:
     llama3 = [(chunk - 1) / chunk] + [1.0] * (V * P - 2) + [(chunk - 1) / chunk]
     for sync in (False, True):
       ticks = PL.build(name, P, M, V)
-      # a chunk holds 1/V of the stage's layers: each slot's time / V; the head in the last virtual stage's F
-      # slot, as in pipeline_cost.predict
-      def figures(layers):
-        r = PR.replay(ticks, slot["F"] / V, slot["B"] / V, 0.0, slot["send"], sync=sync, t_head=slot["head"],
-                      layers=layers)
-        tflops = flops_per_gpu / r["step_s"] / 1e12
-        return {"step_s": r["step_s"], "bubble": r["bubble"], "predicted_tflops_per_gpu": tflops,
-                "error": tflops / PUBLISHED_TFLOPS - 1}
+      figures = lambda layers: _figures(ticks, slot, V, sync, layers, flops_per_gpu)
       rows.append({"schedule": name, "virtual_stages": V, "runtime": "one program (shardlab)" if sync else
                    "asynchronous (one program per rank)", "end_chunk_layers": chunk - 1, **figures(llama3),
                    "even_stages": figures(None)})
