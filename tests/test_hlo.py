@@ -147,6 +147,11 @@ def test_cpu_programs_with_collectives_in_a_loop_and_outside_stay_out_of_the_per
   texts = {f.__name__: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(FSDP), out_specs=P())).lower(
       jnp.ones((8, 4))).compile().as_text() for f in (looped, flat)}
   assert len(collective_computations(texts["looped"])) == 2 and len(collective_computations(texts["flat"])) == 1
+  from shardlab.analysis.hlo import COLLECTIVES, parse
+  for text in texts.values():                     # the text scan finds what the parser finds
+    comps = parse(text)[0]
+    assert collective_computations(text) == [c for c, ins in comps.items() if any(
+        i.opcode.removesuffix("-start") in COLLECTIVES for i in ins)]
   from shardlab.jax_private import cache_write_refuser
   refuse = cache_write_refuser()                                  # installed by set_cpu_devices (conftest)
   assert refuse("cpu", texts["looped"]) and not refuse("cpu", texts["flat"]) and not refuse("gpu", texts["looped"])

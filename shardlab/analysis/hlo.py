@@ -470,11 +470,17 @@ def _ring_size(pairs, device_ids, axis_names) -> int:
   return math.prod(ids.shape[axis_names.index(a)] for a in axis.split("+")) if axis != "?" else 0
 
 
+_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s[^\n]*\{[ \t]*$", re.M)
+_COLLECTIVE_OP = re.compile(r" (?:%s)(?:-start)?\(" % "|".join(COLLECTIVES))   # an opcode, after its shape
+
+
 def collective_computations(text: str) -> list[str]:
-  """The computations of an HLO module that hold a collective (a loop body, a branch, the entry...), in order."""
-  comps, _ = parse(text)
-  kinds = {*COLLECTIVES, *(k + "-start" for k in COLLECTIVES)}
-  return [c for c, instrs in comps.items() if any(i.opcode in kinds for i in instrs)]
+  """The computations of an HLO module that hold a collective (a loop body, a branch, the entry...), in order:
+  what parse() would find, read by a scan of the text (mesh.guard_persistent_cache asks it of every program a
+  run writes to the compilation cache, so it is kept cheap)."""
+  heads = list(_HEAD.finditer(text))
+  ends = [h.start() for h in heads[1:]] + [len(text)]
+  return [h.group(1) for h, end in zip(heads, ends) if _COLLECTIVE_OP.search(text, h.end(), end)]
 
 
 def allocations(buffer_assignment: str) -> dict:
