@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlab import distributed as D
@@ -31,7 +32,8 @@ from shardlab.config import CheckpointConfig
 from shardlab.errors import ConfigError
 from shardlab.errors import RunError
 
-logging.getLogger("absl").setLevel(logging.WARNING)  # orbax reports every save at INFO through absl
+# orbax reports every save at INFO through absl (absl's own logger: records name their caller, see the filter)
+absl_logging.get_absl_logger().setLevel(logging.WARNING)
 
 
 class _NoOrbaxTracebacks(logging.Filter):

@@ -207,10 +207,10 @@ def test_missing_extra_is_one_line(monkeypatch):
 
 def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatch, tmp_path):
   """SHARDLAB_GPU_ASSEMBLER=none (tests/conftest.py): the H100 compiler's program without ptxas is the one with it,
-  HLO text and memory alike, and the assembler did not run for its kernels. (Both compiled here: the ledger test's
-  compile of the same lowering, made in target_grads, differed in its HLO text's stack-frame tables.)"""
+  HLO text and memory alike, and the assembler did not run for its kernels. (Both compiled here: a compile of the
+  same lowering made in target_grads differed in its HLO text's stack-frame tables.)"""
   from shardlab import target as TG
-  lowered = lowered_grads((4, 2), knobs_of("fsdp_prefetch"))[0]      # the ledger test's lowering (cached)
+  lowered = lowered_grads((8, 1), knobs_of("fsdp_prefetch"), "float32")[0]   # the overlap tests' lowering (cached)
   assert TG.no_assembler_dir()
   skipped = Path(TG.no_assembler_dir()) / "bin" / "skipped"
   before = skipped.read_text().count("\n") if skipped.exists() else 0
