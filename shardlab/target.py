@@ -173,7 +173,10 @@ def compile_(lowered, flags: dict | None = None):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
     skip = os.environ.get(ASSEMBLER_ENV) == "none" and no_assembler_dir()
-    return compile_with(lowered, {"xla_gpu_kernel_cache_file": kernel_cache_file(), **DEVICELESS,
+    # the stub's empty kernels go to a kernel cache of their own: a later compile with the assembler (a Pallas
+    # kernel's, in the tests) must assemble its kernels, not reuse them
+    kernels = str(Path(skip) / "kernels.bin") if skip else kernel_cache_file()
+    return compile_with(lowered, {"xla_gpu_kernel_cache_file": kernels, **DEVICELESS,
                                   **({"xla_gpu_cuda_data_dir": skip} if skip else {}), **(flags or {})})
   finally:
     jax.config.update("jax_enable_compilation_cache", was[0])

@@ -223,6 +223,14 @@ def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatc
   m, n = fast.memory_analysis(), real.memory_analysis()
   assert [getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")] == \
          [getattr(n, k) for k in dir(n) if k.endswith("_in_bytes")]
+  # the stub's empty kernels are cached apart from the process's kernel cache, which compiles with the
+  # assembler read (a Pallas kernel compiled after them is assembled, not taken from the stub's)
+  monkeypatch.setattr(TG, "compile_with", lambda lowered, flags: flags)
+  assert TG.compile_(lowered)["xla_gpu_kernel_cache_file"] == TG.kernel_cache_file()
+  monkeypatch.setenv(TG.ASSEMBLER_ENV, "none")
+  stub = TG.compile_(lowered)
+  assert stub["xla_gpu_kernel_cache_file"] != TG.kernel_cache_file()
+  assert Path(stub["xla_gpu_kernel_cache_file"]).parent == Path(stub["xla_gpu_cuda_data_dir"]) == Path(TG.no_assembler_dir())
 
 
 def test_topologies():

@@ -74,9 +74,11 @@ def replay_with_send(send_s: float) -> None:
   instead of the link model's figure (a what-if: the slots' own collectives are not re-priced). No compile."""
   from shardlab import pipeline_tables as PL
   from shardlab.analysis import pipeline_replay as PR
+  P, M = (int(next(a.split("=")[1] for a in BASE if a.startswith(k))) for k in ("mesh.pipeline=",
+                                                                               "pipeline.microbatches="))
   for r in json.loads((HERE / "zero_bubble.json").read_text())["rows"]:
     s, V = r["slot_s"], r["virtual_stages"]
-    ticks = PL.build(r["schedule"], 4, 16, V)
+    ticks = PL.build(r["schedule"], P, M, V)
     what_if = PR.replay(ticks, s["F"], s["B"], s["W"] or 0.0, send_s, sync=True, t_head=s["head"])["bubble"]
     print(f"{r['schedule']:<12} V={V}  executed bubble {r['bubble']:.1%} with {1e6 * s['send']:.1f} us sends, "
           f"{what_if:.1%} with {1e6 * send_s:.1f} us; closed form {r['closed_form_bubble']:.1%}")
