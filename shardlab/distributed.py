@@ -202,6 +202,12 @@ def _leaving() -> None:
   if _client() is None:
     return
   _say_leaving()
+  # The watchdog may be inside a coordination-service call, which runs without the GIL: left running, it would
+  # return into an interpreter that is finalizing, be ended there by a forced unwind through C++, and abort the
+  # process ("terminate called ... FATAL: exception not rethrown", exit -6) after a run that succeeded.
+  watchdog = _state.get("watchdog")
+  if watchdog is not None and watchdog is not threading.current_thread():
+    watchdog.join(min(_state["timeout_s"], 30.0))
   n, me = jax.process_count(), jax.process_index()
   if me != 0:
     try:
@@ -266,7 +272,8 @@ def _start_watchdog() -> None:
       lost = _lost()
       if lost and not _state["stop"].is_set():
         _report_lost(lost)
-  threading.Thread(target=watch, name="shardlab-watchdog", daemon=True).start()
+  _state["watchdog"] = threading.Thread(target=watch, name="shardlab-watchdog", daemon=True)
+  _state["watchdog"].start()
 
 
 def wait_for_lost_peer(seconds: float | None = None) -> None:
