@@ -79,16 +79,33 @@ def check_slots(jaxpr) -> None:
   walk(getattr(jaxpr, "jaxpr", jaxpr), {}, None)
 
 
+def _clamped(i, n: int):
+  """min(i, n - 1) as an index: a Python int stays one, a traced one is clamped by one op."""
+  if isinstance(i, int):
+    return min(i, n - 1)
+  return jax.lax.min(i, jnp.asarray(n - 1, i.dtype))
+
+
 def _take(tree, i):
   """Slot i of each buffer (an idle slot's index, past the last, reads the last: its value goes unused)."""
-  return jax.tree.map(lambda a: a[jnp.minimum(i, a.shape[0] - 1)], tree)
+  clamped = {}    # one clamp per buffer length (the buffers of a tree share it)
+
+  def take(a):
+    n = a.shape[0]
+    if n not in clamped:
+      clamped[n] = _clamped(i, n)
+    return jax.lax.dynamic_index_in_dim(a, clamped[n], 0, keepdims=False)
+  return jax.tree.map(take, tree)
 
 
 def _set(tree, values, i, n: int):
   """`values` written to slot i of each buffer of n slots; i = n (what an idle slot writes) writes nothing:
   the last slot's own value back, so that no buffer needs a slot to throw writes away."""
-  j = jnp.minimum(i, max(n - 1, 0))
-  return jax.tree.map(lambda a, v: a.at[j].set(jnp.where(i < n, v, a[j])), tree, values)
+  j, writes = _clamped(i, max(n, 1)), i < n
+  def put(a, v):
+    old = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.select(jnp.broadcast_to(writes, v.shape), v, old), j, 0)
+  return jax.tree.map(put, tree, values)
 
 
 class Pipeline:
