@@ -174,11 +174,11 @@ def _causal_pairs(nb: int, by_key: bool):
 
 
 def at(x, i):
-  return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+  return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False, allow_negative_indices=False)
 
 
 def set_at(x, v, i):
-  return jax.lax.dynamic_update_index_in_dim(x, v, i, 0)
+  return jax.lax.dynamic_update_index_in_dim(x, v, i, 0, allow_negative_indices=False)
 
 
 def _flash_forward(n, q_BLHK, k_BLGK, v_BLGK):

@@ -159,7 +159,7 @@ def ppermute(x, axis: str, pairs, name: str = "ppermute"):
 
 
 def _block(x, dim: int, index, size: int):
-  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim, allow_negative_indices=False)
 
 
 def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool = False,
@@ -180,7 +180,8 @@ def all_gather_matmul(x, f: Callable, axis: str, dim: int, bidirectional: bool =
   r = jax.lax.axis_index(axis)
   with scope(name):
     put = lambda out, y, block: jax.tree.map(
-        lambda o, b: jax.lax.dynamic_update_slice_in_dim(o, b, block * b.shape[dim], axis=dim), out, y)
+        lambda o, b: jax.lax.dynamic_update_slice_in_dim(o, b, block * b.shape[dim], axis=dim,
+                                                        allow_negative_indices=False), out, y)
     if not bidirectional:
       blk = x
       for s in range(n):

@@ -94,7 +94,7 @@ def _take(tree, i):
     n = a.shape[0]
     if n not in clamped:
       clamped[n] = _clamped(i, n)
-    return jax.lax.dynamic_index_in_dim(a, clamped[n], 0, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(a, clamped[n], 0, keepdims=False, allow_negative_indices=False)
   return jax.tree.map(take, tree)
 
 
@@ -103,8 +103,9 @@ def _set(tree, values, i, n: int):
   the last slot's own value back, so that no buffer needs a slot to throw writes away."""
   j, writes = _clamped(i, max(n, 1)), i < n
   def put(a, v):
-    old = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.select(jnp.broadcast_to(writes, v.shape), v, old), j, 0)
+    old = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False, allow_negative_indices=False)
+    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.select(jnp.broadcast_to(writes, v.shape), v, old), j, 0,
+                                                allow_negative_indices=False)
   return jax.tree.map(put, tree, values)
 
 
@@ -219,11 +220,13 @@ class Pipeline:
                                               for k, v in L.items()}, layers)
     stage = sched.stage(layer_fn, gathered=step_gather)
     k = jax.tree.leaves(layers)[0].shape[0] // V
-    chunk = lambda c: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k, 0), layers)
+    chunk = lambda c: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k, 0, allow_negative_indices=False),
+                                        layers)
 
     def add_chunk(g, dw, c):
       return jax.tree.map(lambda G, d: jax.lax.dynamic_update_slice_in_dim(
-          G, jax.lax.dynamic_slice_in_dim(G, c * k, k, 0) + d, c * k, 0), g, dw)
+          G, jax.lax.dynamic_slice_in_dim(G, c * k, k, 0, allow_negative_indices=False) + d, c * k, 0,
+          allow_negative_indices=False), g, dw)
 
     # Buffers of static slots (Plan); slot index = the slot count is an idle slot's: its write writes nothing.
     x_first = _take(x0, 0)

@@ -44,12 +44,15 @@ def remat_policy(remat: str):
   return jax.checkpoint_policies.save_only_these_names(*REMAT[remat])
 
 
+# Layer and slot indices are never negative: no index normalization (three ops per leaf to trace, per layer).
 def _take(stacked, l):
-  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, 0, keepdims=False), stacked)
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, l, 0, keepdims=False, allow_negative_indices=False),
+                      stacked)
 
 
 def _put(bufs, values, l):
-  return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, l, 0), bufs, values)
+  return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, l, 0, allow_negative_indices=False),
+                      bufs, values)
 
 
 def prefetched_loop(n: int, depth: int, reverse: bool, fetch, body, carry, bufs, settle=None):
