@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 
 from shardlab import collectives as C
 from shardlab import model as M
@@ -149,7 +150,14 @@ class Stage:
     self.meta = {}   # one layer's residual structure (treedef, where the weights are), set by forward's trace
 
   def _residuals(self, x, w):
-    """One layer's forward and what its backward needs, as flat leaves; weights located by identity."""
+    """One layer's forward and what its backward needs, as flat leaves; weights located by identity. After a
+    probe (`_probe`), the probe's trace of it is replayed (`meta["replay"]`: the same equations, bound again, at a
+    fraction of the cost of tracing the layer's VJP anew for every layer the loop unrolls)."""
+    replay = self.meta.get("replay")
+    if replay is not None:
+      closed, y_tree, n_y = replay
+      out = jaxpr_as_fun(closed)(*jax.tree.leaves(x), *jax.tree.leaves(w))
+      return jax.tree.unflatten(y_tree, out[:n_y]), out[n_y:], self.meta["treedef"], self.meta["where_w"]
     y, vjp = jax.vjp(self.f, x, w)
     leaves, treedef = jax.tree.flatten(vjp)
     w_index = {id(a): i for i, a in enumerate(jax.tree.leaves(w))}
@@ -173,9 +181,18 @@ class Stage:
     """One layer's residual structure, from an abstract trace that emits nothing: sets `meta` (treedef, where
     the weights are; with split_backward, the layer's backward cut for zero-bubble, see `held`, traced with every
     input varying over `vary` too, as the buffers it will read them from are) and returns the saved leaves' types."""
+    self.meta.pop("replay", None)
+
+    def traced(x, w):
+      y, leaves, treedef, where_w = self._residuals(x, w)
+      self.meta.update(treedef=treedef, where_w=where_w, y=(jax.tree.structure(y), len(jax.tree.leaves(y))))
+      return [*jax.tree.leaves(y), *leaves]
+
     def probe(x, stacked):
-      y, leaves, treedef, where_w = self._residuals(x, self.gather(_take(stacked, 0)))
-      self.meta.update(treedef=treedef, where_w=where_w)
+      w = self.gather(_take(stacked, 0))
+      closed = jax.make_jaxpr(traced)(x, w)
+      self.meta["replay"] = (closed, *self.meta["y"])
+      y, leaves, treedef, where_w = self._residuals(x, w)
       if split_backward:
         widen = lambda a: C.pvary(a, vary, name="zeros")
         self.meta["split"] = self._split([widen(a) for a in leaves], jax.tree.map(widen, y),
