@@ -32,8 +32,8 @@ _KEEP_HELPERS = 16
 
 
 def _devices_of(info) -> tuple:
-  """The devices, in order, of every sharding in a Lowered's args_info or out_info: a compiled program is bound to
-  them, and its text (shapes, shardings over a mesh's axes) does not name them."""
+  """The devices, in order, of every sharding in a Lowered's out_info (None where a leaf has none): a compiled
+  program is bound to them, and its text (shapes, shardings over a mesh's axes) does not name them."""
   out = []
   for leaf in jax.tree.leaves(info):
     sharding = getattr(leaf, "sharding", None)
@@ -48,10 +48,13 @@ def compile_helper(jitted, *args, platform: str):
   same program on the same devices is compiled once per process: the jobs of a sweep in one process, or runs
   resumed in a chain, build new closures for the same initialization and batches (0.7 s each to compile)."""
   lowered = jitted.lower(*args)
-  key = (platform, lowered.as_text(), _devices_of(lowered.args_info), _devices_of(lowered.out_info))
+  compile = lambda: lowered.compile(compiler_options=HELPER_COMPILE) if platform == "cpu" else lowered.compile()
+  devices = _devices_of(lowered.out_info)
+  if not any(devices):   # no output sharding names the devices (a program placed by jax.default_device): not kept
+    return compile()
+  key = (platform, lowered.as_text(), devices)
   compiled = _HELPERS.pop(key, None)
-  if compiled is None:
-    compiled = lowered.compile(compiler_options=HELPER_COMPILE) if platform == "cpu" else lowered.compile()
+  compiled = compile() if compiled is None else compiled
   _HELPERS[key] = compiled
   while len(_HELPERS) > _KEEP_HELPERS:
     _HELPERS.pop(next(iter(_HELPERS)))
