@@ -48,13 +48,13 @@ def compile_helper(jitted, *args, platform: str):
   same program on the same devices is compiled once per process: the jobs of a sweep in one process, or runs
   resumed in a chain, build new closures for the same initialization and batches (0.7 s each to compile)."""
   lowered = jitted.lower(*args)
-  compile = lambda: lowered.compile(compiler_options=HELPER_COMPILE) if platform == "cpu" else lowered.compile()
+  build = lambda: lowered.compile(compiler_options=HELPER_COMPILE) if platform == "cpu" else lowered.compile()
   devices = _devices_of(lowered.out_info)
   if not any(devices):   # no output sharding names the devices (a program placed by jax.default_device): not kept
-    return compile()
+    return build()
   key = (platform, lowered.as_text(), devices)
   compiled = _HELPERS.pop(key, None)
-  compiled = compile() if compiled is None else compiled
+  compiled = build() if compiled is None else compiled
   _HELPERS[key] = compiled
   while len(_HELPERS) > _KEEP_HELPERS:
     _HELPERS.pop(next(iter(_HELPERS)))

@@ -102,6 +102,7 @@ def _set(tree, values, i, n: int):
   """`values` written to slot i of each buffer of n slots; i = n (what an idle slot writes) writes nothing:
   the last slot's own value back, so that no buffer needs a slot to throw writes away."""
   j, writes = _clamped(i, max(n, 1)), i < n
+
   def put(a, v):
     old = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False, allow_negative_indices=False)
     return jax.lax.dynamic_update_index_in_dim(a, jax.lax.select(jnp.broadcast_to(writes, v.shape), v, old), j, 0,
