@@ -152,6 +152,48 @@ def no_assembler_dir() -> str | None:
   return _NO_ASSEMBLER[0]
 
 
+STUB_KERNELS_ENV = "SHARDLAB_GPU_STUB_KERNELS"   # a file the processes of one session share (tests/conftest.py)
+
+
+def _stub_kernels(stub_dir: str) -> str:
+  """The kernel cache file of this process's assembler-less compiles (no_assembler_dir), started, on the first
+  call, as a copy of the session's shared snapshot where SHARDLAB_GPU_STUB_KERNELS names one: the test suite's
+  processes (two workers, the CLI runs they start) then generate each tiny kernel once per session instead of once
+  per process (a Triton GEMM fusion's emission is most of a small H100 compile: 2.7 s cold, 1.2 s warm on this
+  project's VM). Every cubin in it is the stub's empty one: only assembler-less compiles, whose machine code
+  nobody runs, read it. XLA appends to the file it is given without a lock, so each process keeps its own."""
+  own = Path(stub_dir) / "kernels.bin"
+  shared = os.environ.get(STUB_KERNELS_ENV)
+  if shared and not own.exists() and Path(shared).is_file():
+    import shutil
+    try:
+      shutil.copyfile(shared, own)
+    except OSError:                # the snapshot vanished or cannot be read: start empty, as without one
+      own.unlink(missing_ok=True)
+  return str(own)
+
+
+def _publish_stub_kernels(own: str) -> None:
+  """This process's stub kernels become the session's snapshot (written beside it and renamed over it: a reader
+  copies a whole file, old or new) when they hold more than it does. Snapshots of two processes do not merge:
+  the larger wins, which keeps most kernels most of the time, and a kernel missing from it is only generated
+  again."""
+  shared = os.environ.get(STUB_KERNELS_ENV)
+  if not shared or not Path(own).is_file():
+    return
+  import shutil
+  target = Path(shared)
+  try:
+    if target.is_file() and target.stat().st_size >= Path(own).stat().st_size:
+      return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    shutil.copyfile(own, part)
+    os.replace(part, target)
+  except OSError:                  # a snapshot is an optimisation: a full disk or a read-only dir loses nothing
+    pass
+
+
 def compile_(lowered, flags: dict | None = None):
   """lowered.compile() for a target, past the persistent compilation cache (a deviceless compiler cannot load a
   cached executable: JAX would warn and compile anyway); `flags`: XLA compiler options (conf/xla/), beside this
@@ -175,9 +217,20 @@ def compile_(lowered, flags: dict | None = None):
     skip = os.environ.get(ASSEMBLER_ENV) == "none" and no_assembler_dir()
     # the stub's empty kernels go to a kernel cache of their own: a later compile with the assembler (a Pallas
     # kernel's, in the tests) must assemble its kernels, not reuse them
-    kernels = str(Path(skip) / "kernels.bin") if skip else kernel_cache_file()
-    return compile_with(lowered, {"xla_gpu_kernel_cache_file": kernels, **DEVICELESS,
-                                  **({"xla_gpu_cuda_data_dir": skip} if skip else {}), **(flags or {})})
+    kernels = _stub_kernels(skip) if skip else kernel_cache_file()
+    options = {"xla_gpu_kernel_cache_file": kernels, **DEVICELESS, **({"xla_gpu_cuda_data_dir": skip} if skip else {}),
+               **(flags or {})}
+    if not skip:
+      return compile_with(lowered, options)
+    try:
+      compiled = compile_with(lowered, options)
+    except Exception as e:         # a snapshot XLA cannot read (another jaxlib's): compiled again without it
+      if "CompilationCacheProto" not in str(e):
+        raise
+      Path(kernels).unlink(missing_ok=True)
+      compiled = compile_with(lowered, options)
+    _publish_stub_kernels(kernels)
+    return compiled
   finally:
     jax.config.update("jax_enable_compilation_cache", was[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])

@@ -28,6 +28,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # the tests read are the same without the machine code (test_target compares them); ptxas, already without its
 # optimizations, was 22-37% of a tiny step's compile (docs/testing.md). test_target's Pallas kernels keep it.
 os.environ.setdefault("SHARDLAB_GPU_ASSEMBLER", "none")
+# ... and their processes share the stub's kernels (shardlab.target._stub_kernels): each tiny kernel is generated
+# once per session, not once per process (a third to a half of a small H100 compile). Named by jaxlib's version:
+# XLA's kernel cache format is its own.
+import jaxlib  # noqa: E402
+
+_STUB_KERNELS = f"shardlab-test-gpu-stub-kernels-{jaxlib.__version__}-{os.getuid()}.bin"
+os.environ.setdefault("SHARDLAB_GPU_STUB_KERNELS", str(Path(tempfile.gettempdir()) / _STUB_KERNELS))
 # The audit reads each collective's op_name (its collectives.scope): a cached program must carry its own
 # metadata, not that of an identical program traced by other code (JAX leaves metadata out of the key).
 os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "true")

@@ -233,6 +233,34 @@ def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatc
   assert Path(stub["xla_gpu_kernel_cache_file"]).parent == Path(stub["xla_gpu_cuda_data_dir"]) == Path(TG.no_assembler_dir())
 
 
+
+def test_assembler_less_compiles_share_their_kernels_through_the_sessions_snapshot(monkeypatch, tmp_path):
+  """SHARDLAB_GPU_STUB_KERNELS (tests/conftest.py): a process's first assembler-less compile starts from the
+  session's snapshot of stub kernels and publishes its own when it holds more; a compile that reuses them
+  generates fewer kernels and reads the same program, HLO text and memory alike."""
+  from shardlab import target as TG
+  snapshot = tmp_path / "snapshot.bin"
+  monkeypatch.setenv(TG.STUB_KERNELS_ENV, str(snapshot))
+  monkeypatch.setenv(TG.ASSEMBLER_ENV, "none")
+  lowered = lowered_grads((2, 4), knobs_of("baseline"), "float32")[0]
+
+  def compile_in_a_fresh_process():     # a process of its own, as far as the stub and its kernels go
+    monkeypatch.setattr(TG, "_NO_ASSEMBLER", [])
+    seeded = snapshot.read_bytes() if snapshot.exists() else None
+    compiled = TG.compile_(lowered)    # a new stub dir: new options, so compiled again
+    skipped = Path(TG.no_assembler_dir()) / "bin" / "skipped"
+    return compiled, seeded, skipped.read_text().count("\n") if skipped.exists() else 0
+
+  cold, seeded, built = compile_in_a_fresh_process()
+  published = snapshot.read_bytes()
+  assert seeded is None and published and built > 10
+  warm, seeded, rebuilt = compile_in_a_fresh_process()
+  assert seeded == published and rebuilt < built // 2, (built, rebuilt)
+  assert warm.as_text() == cold.as_text()
+  m, n = cold.memory_analysis(), warm.memory_analysis()
+  assert [getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")] == \
+         [getattr(n, k) for k in dir(n) if k.endswith("_in_bytes")]
+
 def test_topologies():
   from shardlab import target as TG
   from shardlab.analysis.predict import hardware_preset
