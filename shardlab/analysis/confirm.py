@@ -19,9 +19,13 @@ from shardlab.composition import Composition
 def start_jax() -> None:
   """Keep JAX on the CPU (one device: the target's devices come from its topology) in a process that has not
   started it yet, so that an installed target plugin neither initializes nor logs; a no-op when JAX already runs
-  (a test, a second call)."""
+  (a second call) or this process already asked for its devices (a test session's 8: otherwise the first test of
+  a worker that plans would start JAX with one device, and the worker's later tests fail)."""
+  import jax
   from shardlab.mesh import set_cpu_devices
   from shardlab.errors import ConfigError
+  if jax.config.jax_num_cpu_devices > 0:
+    return
   try:
     set_cpu_devices(1)
   except ConfigError:
