@@ -161,7 +161,8 @@ def _stub_kernels(stub_dir: str) -> str:
   processes (two workers, the CLI runs they start) then generate each tiny kernel once per session instead of once
   per process (a Triton GEMM fusion's emission is most of a small H100 compile: 2.7 s cold, 1.2 s warm on this
   project's VM). Every cubin in it is the stub's empty one: only assembler-less compiles, whose machine code
-  nobody runs, read it. XLA appends to the file it is given without a lock, so each process keeps its own."""
+  nobody runs, read it. XLA appends to the file it is given without a lock, so each process keeps its own. The
+  snapshot is named by jaxlib's version where it is set (XLA's kernel cache format is its own)."""
   own = Path(stub_dir) / "kernels.bin"
   shared = os.environ.get(STUB_KERNELS_ENV)
   if shared and not own.exists() and Path(shared).is_file():
@@ -189,9 +190,9 @@ def _publish_stub_kernels(own: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(f"{target.name}.{os.getpid()}.part")
     shutil.copyfile(own, part)
-    os.replace(part, target)
+    os.replace(part, target)       # only a whole file XLA wrote ever becomes the snapshot
   except OSError:                  # a snapshot is an optimisation: a full disk or a read-only dir loses nothing
-    pass
+    Path(f"{shared}.{os.getpid()}.part").unlink(missing_ok=True)
 
 
 def compile_(lowered, flags: dict | None = None):
@@ -220,16 +221,9 @@ def compile_(lowered, flags: dict | None = None):
     kernels = _stub_kernels(skip) if skip else kernel_cache_file()
     options = {"xla_gpu_kernel_cache_file": kernels, **DEVICELESS, **({"xla_gpu_cuda_data_dir": skip} if skip else {}),
                **(flags or {})}
-    if not skip:
-      return compile_with(lowered, options)
-    try:
-      compiled = compile_with(lowered, options)
-    except Exception as e:         # a snapshot XLA cannot read (another jaxlib's): compiled again without it
-      if "CompilationCacheProto" not in str(e):
-        raise
-      Path(kernels).unlink(missing_ok=True)
-      compiled = compile_with(lowered, options)
-    _publish_stub_kernels(kernels)
+    compiled = compile_with(lowered, options)
+    if skip:
+      _publish_stub_kernels(kernels)
     return compiled
   finally:
     jax.config.update("jax_enable_compilation_cache", was[0])

@@ -596,3 +596,17 @@ def test_pipeline_shapes_need_layers_divisible_and_interleaved_groups_of_p():
   assert (2, "interleaved") in fixed and (4, "interleaved") not in fixed and (4, "gpipe") in fixed
   ans = planner.answer(cfg.replace(train={"batch_size": 64}), 16, pipeline=True)
   assert all(l["microbatches"] % l["pipeline"] == 0 for l in ans["layouts"] if l.get("schedule") == "interleaved")
+
+
+def test_confirming_a_plan_keeps_the_device_count_the_process_asked_for(monkeypatch):
+  """The planner's target check starts JAX on one CPU device only in a process that asked for none: in this test
+  session (8, asked by tests/conftest.py) a worker whose first test confirms a plan used to start JAX with one
+  device, and its later tests could not build their 8-device meshes."""
+  import jax
+  from shardlab import mesh
+  from shardlab.analysis import confirm
+  asked = []
+  monkeypatch.setattr(mesh, "set_cpu_devices", asked.append)
+  assert jax.config.jax_num_cpu_devices == 8
+  confirm.start_jax()
+  assert asked == []

@@ -205,6 +205,12 @@ def test_missing_extra_is_one_line(monkeypatch):
     TG.check(hardware_preset("cpu"), 8)
 
 
+def memory_numbers(compiled) -> list:
+  """Every `*_in_bytes` figure of a compiled program's memory_analysis()."""
+  m = compiled.memory_analysis()
+  return [getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")]
+
+
 def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatch, tmp_path):
   """SHARDLAB_GPU_ASSEMBLER=none (tests/conftest.py): the H100 compiler's program without ptxas is the one with it,
   HLO text and memory alike, and the assembler did not run for its kernels. (Both compiled here: a compile of the
@@ -220,9 +226,7 @@ def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatc
   monkeypatch.delenv(TG.ASSEMBLER_ENV)
   real = TG.compile_(lowered, {"xla_gpu_kernel_cache_file": str(tmp_path / "b.bin")})
   assert fast.as_text() == real.as_text()
-  m, n = fast.memory_analysis(), real.memory_analysis()
-  assert [getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")] == \
-         [getattr(n, k) for k in dir(n) if k.endswith("_in_bytes")]
+  assert memory_numbers(fast) == memory_numbers(real)
   # the stub's empty kernels are cached apart from the process's kernel cache, which compiles with the
   # assembler read (a Pallas kernel compiled after them is assembled, not taken from the stub's)
   monkeypatch.setattr(TG, "compile_with", lambda lowered, flags: flags)
@@ -231,7 +235,6 @@ def test_the_suite_skips_the_gpu_assembler_and_reads_the_same_program(monkeypatc
   stub = TG.compile_(lowered)
   assert stub["xla_gpu_kernel_cache_file"] != TG.kernel_cache_file()
   assert Path(stub["xla_gpu_kernel_cache_file"]).parent == Path(stub["xla_gpu_cuda_data_dir"]) == Path(TG.no_assembler_dir())
-
 
 
 def test_assembler_less_compiles_share_their_kernels_through_the_sessions_snapshot(monkeypatch, tmp_path):
@@ -256,10 +259,8 @@ def test_assembler_less_compiles_share_their_kernels_through_the_sessions_snapsh
   assert seeded is None and published and built > 10
   warm, seeded, rebuilt = compile_in_a_fresh_process()
   assert seeded == published and rebuilt < built // 2, (built, rebuilt)
-  assert warm.as_text() == cold.as_text()
-  m, n = cold.memory_analysis(), warm.memory_analysis()
-  assert [getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")] == \
-         [getattr(n, k) for k in dir(n) if k.endswith("_in_bytes")]
+  assert warm.as_text() == cold.as_text() and memory_numbers(warm) == memory_numbers(cold)
+
 
 def test_topologies():
   from shardlab import target as TG
