@@ -12,8 +12,9 @@ dispatcher's own cost terms at a `Route` (never by its name):
              while n <= devices per host, else the slower of that and the data-centre network; hierarchical's outer
              step across nodes, its inner inside), exposed (the tokens wait for it)
   fsdp       each device's E / n experts and the layer's other weights gathered over fsdp in forward and again
-             in backward, their gradients reduce-scattered: exposed beyond the layer's compute (prefetch hides
-             the rest)
+             in backward, their gradients reduce-scattered, in the weights part's dtype (schedule.gather_dtype)
+             over the fsdp axis's links (links.mesh_links, as every cost model): exposed beyond the layer's
+             compute (prefetch hides the rest)
   the rest   attention, norms and the dense layers: 6 x their parameters x tokens at the GEMM rate (the same for
              every candidate)
   memory     16 B per parameter over its shards (experts over every device, the rest over fsdp only) and the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from shardlab import axes as X
 from shardlab import params as PM
+from shardlab.analysis.links import mesh_links
 from shardlab.composition import Composition
 from shardlab.config import ExpertConfig
 from shardlab.layout import Layout
@@ -74,8 +76,11 @@ def candidate(comp: Composition, N: int, name: str, cf: float, n: int) -> dict:
   f = N // n
   dense_params = PM.count(PM.declare(m)) - expert_params
   layer_dense = (dense_params - 2 * m.vocab_size * m.d_model) / L           # a layer's weights beside its experts
-  local = (m.n_experts // n * 3 * m.d_model * F + layer_dense) * e
-  t_fsdp = L * 3 * local * (f - 1) / f / _bandwidth(hw, N > dph)
+  # gathered in the weights part's dtype (schedule.gather_dtype), over the fsdp axis's links as every other cost
+  # model prices them (links.mesh_links: on GPU nodes, the NICs of its members in each node once it spans nodes)
+  at = comp.replace(mesh={X.EXPERT: n, X.FSDP: f, X.TENSOR: 1, X.CONTEXT: 1, X.DATA: 1, X.PIPELINE: 1})
+  local = (m.n_experts // n * 3 * m.d_model * F + layer_dense) * comp.weights.element_bytes(comp.precision)
+  t_fsdp = L * 3 * local * (f - 1) / f / (mesh_links(at)[1][X.FSDP] * (hw.link_efficiency or 1.0))
   compute = t_experts + t_rest
   memory = 16 * (expert_params / N + dense_params / f) + d.buffer_bytes(r)
   out = {"label": label, "dispatcher": name, X.EXPERT: n, X.FSDP: f, "capacity_factor": cf,
