@@ -571,8 +571,24 @@ def test_pipeline_bubble_is_the_sync_replay_of_the_schedule():
   t = row["slot_s"]
   run = replay(build("gpipe", P, M), t["F"], t["B"], t["W"], t["send"], sync=True, t_head=t["head"])
   assert row["bubble"] == pytest.approx(run["bubble"], rel=1e-12)
-  assert row["pipeline_step_s"] * row["kernel_efficiency"] == pytest.approx(run["step_s"])
+  assert row["pipeline_step_s"] == pytest.approx(run["step_s"])        # the time model's slots: seconds
   assert row["step_time_s"] >= row["pipeline_step_s"]
+  # each part's communication by its own rule, as the layouts without stages are priced (step_model): the
+  # default weights part does not prefetch, so a slot waits for its gathers (and for the TP collectives, which the
+  # all-gather contraction does not overlap); prefetching hides the gathers behind the math; train.mfu prices
+  # the roofline (everything hidden) / mfu
+  from shardlab.analysis.closed_forms import block_costs
+  data, fsdp, tensor, bws, axes, hops, _ = place
+  sub = cfg.replace(mesh={"fsdp": fsdp, "tensor": tensor, "fsdp_ici_axes": axes["fsdp"],
+                          "tensor_ici_axes": axes["tensor"]}, train={"global_batch_tokens": 4194304 / data})
+  block = block_costs(sub, bws["fsdp"], bws["tensor"], data, bws["data"], hops=hops)
+  b, k = 4194304 / (data * fsdp * tensor) / M, 80 // P
+  waits = k * (block.math * b / row["kernel_efficiency"] + block.fsdp + block.tensor_time(b))
+  assert t["F"] == pytest.approx(waits) and block.fsdp > 0 and block.tensor_time(b) > 0
+  pre = planner.evaluate_pipeline(cfg.replace(schedule={"prefetch": 1}), place, P, "gpipe", M)
+  assert pre["slot_s"]["F"] == pytest.approx(waits - k * block.fsdp)      # math / eff beside the gathers: hidden
+  book = planner.evaluate_pipeline(cfg.replace(train={"mfu": 0.5}), place, P, "gpipe", M)
+  assert book["slot_s"]["F"] == pytest.approx(k * block.forward(b)) and book["kernel_efficiency"] == 0.5
   free = replay(build("gpipe", P, M), t["F"] + t["head"], t["B"], t["W"], 0.0, sync=True)["bubble"]   # free links: the book's
   assert free == pytest.approx(closed_form_bubble("gpipe", P, M)) and row["bubble"] >= free
   # its batch window: each microbatch's pass compute-bound from the first, the stage's HBM full just above the last

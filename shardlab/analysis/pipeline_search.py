@@ -6,8 +6,12 @@ stage's per-microbatch slot times from this module's block roofline (F = n_layer
 microbatch's per-device tokens, B its backward, or B and W for a table that splits the weight gradient off; the
 head in F) and the send of one microbatch's residual stream over the pipeline axis's bandwidth, replayed through
 the schedule's own tick table as the executor runs it (replay(build(...), sync=True): neighbour-synchronised
-ticks, so the bubble is the executor's, not the closed form's), / train.mfu, or without one / the fraction of
-peak the time model predicts for the stage's kernels (step_model.kernel_efficiency). Memory per stage: memory_model.breakdown's
+ticks, so the bubble is the executor's, not the closed form's). With train.mfu, each slot is its roofline (the
+communication behind the math) and the step / train.mfu; without it (the default), a slot's math runs at the
+fraction of peak the time model predicts for the stage's kernels (step_model.kernel_efficiency) and each part's
+communication is hidden or exposed by the part's own rule, as step_model prices the layouts without stages (the
+weights part's gathers hidden only where it prefetches, TP collectives only where the contraction overlaps them),
+so that the two kinds of layout are ranked by one time model. Memory per stage: memory_model.breakdown's
 terms for the stage's layers, with activations for the most microbatch-chunks a stage holds in flight by the
 table (in_flight) at one microbatch's tokens, plus the residual-stream buffers the executor allocates
 (evaluate_pipeline, pipeline_memory). These are predictions of the closed forms and the replay, like every other
@@ -114,17 +118,19 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   evaluate_layout's, with pipeline, schedule, virtual_stages, bubble (and the slot times the replay took).
 
   Slot times (per microbatch and chunk of k = n_layers / (P V) layers, at the microbatch's per-device tokens b = B /
-  (data fsdp tensor M): each stage's devices run every microbatch): F = k BlockCosts.forward(b) (a stage's weights
-  gathered in every F and B: pipeline.gather=microbatch), B = k x the backward's roofline (without the data
-  AllReduce), or, for a table that splits the weight gradient off, B = k max(math b, re-gather, tensor) and W = k
-  max(math b, reduce-scatter); the head (the unembedding's forward and backward matmuls, 3 x 2 vocab d_model b / C:
+  (data fsdp tensor M): each stage's devices run every microbatch): F = k x (math b, gather, tensor) (a stage's
+  weights gathered in every F and B: pipeline.gather=microbatch), B = k x (2 math b, the backward's gathers and
+  reduce-scatter, tensor) (without the data AllReduce), or, for a table that splits the weight gradient off, B = k
+  x (math b, re-gather, tensor) and W = k x (math b, reduce-scatter), where (math, fsdp, tensor) is their max
+  with train.mfu (the roofline) and otherwise math / kernel_efficiency with fsdp added unless the weights part
+  prefetches and tensor added unless the contraction overlaps it (the max where they hide); the head (the unembedding's forward and backward matmuls, 3 x 2 vocab d_model b / C:
   b is per device) in the last virtual stage's F slot, where the last stage runs it (replay's t_head, as
   pipeline_cost.predict does). send = one microbatch's residual stream per device (B
   / (data fsdp M) tokens x d_model x compute bytes, / tensor when sequence-parallel) over the pipeline axis's
   bandwidth, at least one hop's latency. Step = replay(build(...), F, B, W, send, sync=True) (the executor's
   neighbour-synchronised ticks) + the data AllReduce of the stage's gradients beyond its last B + the embeddings'
-  gather and reduce-scatter (once per step), / train.mfu (0: / step_model.kernel_efficiency at one microbatch's
-  tokens). All predictions."""
+  gather and reduce-scatter (once per step), / train.mfu where it is set (the head's matmuls otherwise at
+  kernel_efficiency, the sends and the step's collectives as they are). All predictions."""
   data, fsdp, tensor, bws, axes, hops, untiled = place
   m, hw, hbm = c.model, c.hardware, c.hardware.hbm_bytes
   V = V or pipeline_virtual_stages(name)
@@ -137,14 +143,29 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
                          "tensor_ici_axes": axes[TENSOR]}, train={"global_batch_tokens": tokens / data})
   args = (bws[FSDP], bws[TENSOR], data, bws[DATA])
   block, embed = block_costs(sub, *args, hops=hops), block_costs(sub, *args, params=embed_params(m), hops=hops)
-  head = 0.0 if m.kind == "ffn" else 3 * 2 * m.vocab_size * m.d_model * b / hw.peak_flops
-  t_f = k * block.forward(b)
+  # train.mfu (the book's step): each slot its roofline, communication hidden behind the math, all / mfu. Without
+  # it (the time model's): the math at the fraction of peak the time model predicts for the stage's kernels, and
+  # each part's communication hidden or exposed by its own rule, as step_model prices the layouts beside these:
+  # the weights part's gathers behind the math only where it prefetches, the TP collectives only where the
+  # contraction overlaps them (point_to_point)
+  eff = c.train.mfu or kernel_efficiency(sub.replace(mesh={CONTEXT: 1}), b, data, bws, hops)
+  timed = not c.train.mfu
+  hides_fsdp, hides_tp = bool(getattr(c.weights, "prefetches", False)), bool(getattr(c.tp, "point_to_point", False))
+
+  def slot(math: float, fsdp: float, tensor: float) -> float:
+    if not timed:
+      return max(math, fsdp, tensor)
+    t = math / eff
+    t = max(t, fsdp) if hides_fsdp else t + fsdp
+    return max(t, tensor) if hides_tp else t + tensor
+  head = 0.0 if m.kind == "ffn" else 3 * 2 * m.vocab_size * m.d_model * b / hw.peak_flops / (eff if timed else 1)
+  t_f = k * slot(block.math * b, block.fsdp, block.tensor_time(b))
   regather = block.fsdp * c.weights.regathers
   if tab["split"]:
-    t_b = k * max(block.math * b, regather, block.tensor_time(b))
-    t_w = k * max(block.math * b, block.fsdp)
+    t_b = k * slot(block.math * b, regather, block.tensor_time(b))
+    t_w = k * slot(block.math * b, block.fsdp, 0.0)
   else:
-    t_b, t_w = k * max(2 * block.math * b, block.fsdp_bwd_passes * block.fsdp, block.tensor_time(b)), 0.0
+    t_b, t_w = k * slot(2 * block.math * b, block.fsdp_bwd_passes * block.fsdp, block.tensor_time(b)), 0.0
   cb = dtype_bytes(c.precision.compute_dtype)
   tp = c.tp                 # a sequence-parallel contraction sends 1/tensor of the residual stream
   send_bytes = tokens / (data * fsdp * M) * m.d_model * cb / (tensor if tp.seq_sharded else 1)
@@ -152,8 +173,8 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   run = replay(tab["ticks"], t_f, t_b, t_w, t_send, sync=True, t_head=head)
   tail = max(0.0, m.n_layers // P * block.data - t_b)     # the data AllReduce behind the stage's last backward
   once = 2 * embed.fsdp                                   # embeddings: gathered, reduce-scattered once per step
-  mfu = c.train.mfu or kernel_efficiency(sub.replace(mesh={CONTEXT: 1}), b, data, bws, hops)
-  step = (run["step_s"] + tail + once) / mfu
+  scale = 1.0 if timed else eff          # the time model's slots are seconds already; the book's are / mfu
+  step = (run["step_s"] + tail + once) / scale
 
   ratios = block.comm_to_math(b)
   mem = pipeline_memory(c, data, fsdp, tensor, P, name, M, V=V, csv=csv, consecutive=consecutive)
@@ -192,7 +213,7 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
       "bubble_closed_form": None if csv else closed_form_bubble(name, P, M, V), "in_flight": tab["in_flight"],
       "stage_layers": m.n_layers // P, "activations_per_device_bytes": mem["activations"],
       "slot_s": {"F": t_f, "B": t_b, "W": t_w, "head": head, "send": t_send},
-      "pipeline_step_s": run["step_s"] / mfu, "kernel_efficiency": mfu,
+      "pipeline_step_s": run["step_s"] / scale, "kernel_efficiency": eff,
   }
 
 
