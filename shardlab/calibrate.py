@@ -107,11 +107,8 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   if opts["overwrite"] not in ("true", "false"):
     raise ValueError(f"overwrite={opts['overwrite']}: true or false")
   out = Path(opts["out"])
-  for p in (out, out.with_suffix(".json")):       # the preset and its sidecar: neither is written over unasked
-    if p.exists() and opts["overwrite"] != "true":
-      raise ValueError(f"out={out}: {p} already exists; pick another path or add overwrite=true")
-  if not out.parent.is_dir():
-    raise ValueError(f"out={out}: the directory {out.parent} does not exist")
+  from shardlab.outputs import check_output_file    # the preset and its sidecar: neither is written over unasked
+  check_output_file("out", out, opts["overwrite"] == "true", also=(out.with_suffix(".json"),))
   return opts, rest
 
 

@@ -223,6 +223,27 @@ def write_atomic(path, data: str | bytes) -> None:
     raise
 
 
+def check_output_file(setting: str, path, overwrite: bool = False, also=()) -> None:
+  """A file a command was told to write (`out=`, `json=`; `also`: files written beside it) is checked before any
+  work: its directory exists and takes a file, and a file already there is not written over unless asked
+  (`overwrite=true`). ConfigError, one line naming the setting."""
+  import tempfile
+  from shardlab.errors import ConfigError
+  path = Path(path)
+  for p in (path, *also):
+    if p.is_dir():
+      raise ConfigError(f"{setting}={path}: {p} is a directory; name a file")
+    if p.exists() and not overwrite:
+      raise ConfigError(f"{setting}={path}: {p} already exists; pick another path or add overwrite=true")
+  if not path.parent.is_dir():
+    raise ConfigError(f"{setting}={path}: the directory {path.parent} does not exist")
+  try:
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
+      pass
+  except OSError as e:
+    raise ConfigError(f"{setting}={path}: cannot write in {path.parent} ({e.strerror or e})") from None
+
+
 def write_json(path: Path, obj) -> None:
   write_atomic(path, json.dumps(strict(obj), indent=2, allow_nan=False))
 

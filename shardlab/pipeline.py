@@ -3,7 +3,7 @@ out=PATH.csv`: a pipeline table written in torch.distributed.pipelining's CSV fo
 which torchtitan reads (`--parallelism.pipeline_parallel_schedule_csv`) and shardlab reads back
 (`pipeline.table=PATH.csv`). `schedule` is a named table (gpipe, 1f1b, eager_1f1b, interleaved, zb_h1, zb_h2, zb_v,
 dualpipev, looped_bfs; interleaved in groups of `consecutive` microbatches) or `module:Name` (your own,
-docs/pipeline.md). `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and ticks
+docs/pipeline.md); an existing out= is refused unless overwrite=true. `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and ticks
 as shardlab places them, checked. A bad setting or file is one line, exit 2."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from shardlab.errors import ConfigError
 
 USAGE = ("usage: python -m shardlab.pipeline export schedule=NAME stages=P microbatches=M [virtual_stages=V] "
-         "[consecutive=N] out=PATH.csv | show table=PATH.csv")
+         "[consecutive=N] out=PATH.csv [overwrite=true] | show table=PATH.csv")
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
   except ValueError:
     print(f"shardlab.pipeline: error: settings are key=value; {USAGE}", file=sys.stderr)
     return 2
-  known = {"export": {"schedule", "stages", "microbatches", "virtual_stages", "consecutive", "out"},
+  known = {"export": {"schedule", "stages", "microbatches", "virtual_stages", "consecutive", "out", "overwrite"},
            "show": {"table"}}[argv[0]]
   try:
     unknown = sorted(set(opts) - known)
@@ -50,6 +50,10 @@ def main(argv: list[str]) -> int:
       N = int(opts.get("consecutive", 0))
     except ValueError:
       raise ConfigError("stages, microbatches, virtual_stages and consecutive are whole numbers") from None
+    if opts.get("overwrite", "false") not in ("true", "false"):
+      raise ConfigError(f"overwrite={opts['overwrite']}: true or false")
+    from shardlab.outputs import check_output_file
+    check_output_file("out", opts["out"], opts.get("overwrite") == "true")
     orders, v_shape = PT.orders_of(opts["schedule"], P, M, V, N), opts["schedule"] in PT.V_SHAPED
     PT.check(PT.table(orders, V, v_shape), M, V)
     try:

@@ -636,10 +636,15 @@ def read_csv(path) -> tuple[list[list[Action]], int, int, int, bool]:
   backward; a B in a table that splits others is its B and W at once. What is not that is one line."""
   where = f"pipeline.table={path}"
   try:
-    text = Path(path).read_text()
+    text = Path(path).read_text(encoding="utf-8")
   except OSError as e:
     raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
-  rows = [[c.strip() for c in r if c.strip()] for r in csv.reader(text.splitlines())]
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{where}: not a text CSV (byte {e.start} is not UTF-8; save it as UTF-8 text)") from None
+  try:
+    rows = [[c.strip() for c in r if c.strip()] for r in csv.reader(text.splitlines())]
+  except csv.Error as e:
+    raise ConfigError(f"{where}: not a CSV ({e})") from None
   rows = [r for r in rows if r]
   if not rows:
     raise ConfigError(f"{where}: no actions (one row per rank of cells like 0F0, 0I0, 0W0)")

@@ -46,7 +46,8 @@ Options of the planner itself (also as plan.NAME=VALUE; docs/planning.md):
   confirm=true       compile the best (top, default 3) layouts for the target (the default with top=K)
   confirm_batch=true confirm the batch window by compiling for the target: `batch_window.target`
                      (the largest batch that fits by the compiled peaks, compiled at it and at one more sequence)
-  --json, json=PATH  the JSON: on the terminal instead of the table, or into a file beside it
+  --json, json=PATH  the JSON: on the terminal instead of the table, or into a file beside it (an existing file is
+                     refused unless overwrite=true)
 """
 from __future__ import annotations
 
@@ -553,7 +554,13 @@ def main(argv: list[str] | None = None) -> int:
     path = next((a.split("=", 1)[1] for a in argv if a.startswith(("json=", "plan.json="))), None)
     if path == "":
       raise ValueError("json=: name a file to write the JSON to")
-    argv = [a for a in argv if not a.startswith(("json=", "plan.json="))]
+    overwrite = next((a.split("=", 1)[1] for a in argv if a.startswith(("overwrite=", "plan.overwrite="))), "false")
+    if overwrite not in ("true", "false"):
+      raise ValueError(f"overwrite={overwrite}: true or false")
+    argv = [a for a in argv if not a.startswith(("json=", "plan.json=", "overwrite=", "plan.overwrite="))]
+    if path:
+      from shardlab.outputs import check_output_file
+      check_output_file("json", path, overwrite == "true")
     result, cfg, opts = _run(argv)
     text = json.dumps(result, indent=2)
     if path:

@@ -269,6 +269,11 @@ class Preflight(Callback):
     except (ConfigError, RunError) as e:
       print(f"shardlab: error: {e}", file=sys.stderr, flush=True)
       sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except Exception as e:     # a check that failed unexpectedly: Hydra would warn and go on to write the run dir
+      first = (str(e).strip().splitlines() or [""])[0]
+      print(f"shardlab: error: checking the settings failed: {type(e).__name__}: {first} (HYDRA_FULL_ERROR=1 "
+            f"for the traceback)", file=sys.stderr, flush=True)
+      sys.exit(1)
 
 
 def _hydra_error(e: BaseException) -> str:

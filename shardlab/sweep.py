@@ -149,6 +149,11 @@ def check_sweep_dir(sweep_dir, resume: bool, overrides=()) -> None:
                       "beside it would hide it from its report: choose a new hydra.sweep.dir")
   jobs = sweep_jobs(d)
   held = jobs or [n for n in ("summary.csv", "summary.md") if (d / n).exists()]
+  if not held and not (d / ".submitit").exists() and (d / "multirun.yaml").is_file():
+    # the record of a launch that ran no job and queued none (Hydra saves it before it composes the jobs: a
+    # sweep value with a typo is refused after): nothing of a sweep to keep, and this sweep writes its own
+    (d / "multirun.yaml").unlink()
+    return
   if held and not resume:
     what = (f"{len(jobs)} jobs: {', '.join(jobs[:3])}{', ...' if len(jobs) > 3 else ''}" if jobs else
             " and ".join(held))

@@ -268,9 +268,15 @@ def check_flags(flags: dict, hw: HardwareConfig | None = None, n_devices: int = 
     import jax.numpy as jnp
     device = (devices(hw, n_devices)[0] if tpu else
               jax.local_devices(backend="cpu")[0])
-    compile_with(jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32,
-                                                                     sharding=jax.sharding.SingleDeviceSharding(device))),
-                 flags)
+    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32,
+                                                                sharding=jax.sharding.SingleDeviceSharding(device)))
+    try:
+      compile_with(probe, flags)
+    except ConfigError:
+      raise
+    except Exception as e:   # a known option with a value XLA refuses ('64MB' for an int64): the probe is trivial
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+      raise ConfigError(f"xla.flags: {first} (see conf/xla/ for the options and values this XLA takes)") from None
 
 
 def compile_with(lowered, flags: dict | None = None):

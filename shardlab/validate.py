@@ -55,6 +55,10 @@ RANGES = [
     ("train.global_batch_tokens", 0, None, "prediction's batch in tokens (0: batch_size * seq_len)"),
     ("train.mfu", 0, 1, "the planner's assumed model FLOP utilization (0: its time model)"),
     ("data.branching", 1, None, "successors per token"),
+    ("model.router_aux_loss", 0, None, "the load-balancing loss's weight"),
+    ("model.router_z_loss", 0, None, "the router z-loss's weight"),
+    ("model.router_skew", 0, None, "a fixed skew of the router's top-k pick"),
+    ("expert.capacity_factor", 0, None, "all_to_all's slots per expert over the balanced share (0: dropless)"),
     ("context.ulysses", 0, None, "usp, a2a_p2p: the Ulysses degree (0: chosen)"),
     ("context.node_devices", 0, None, "a2a_p2p: devices per node (0: one node)"),
     ("hardware.peak_flops", [0], None, "FLOP/s per device"),
@@ -64,6 +68,16 @@ RANGES = [
     ("hardware.hbm_bytes", [0], None, "memory per device"),
     ("hardware.hbm_bandwidth", [0], None, "memory bandwidth per device"),
     ("hardware.domain_devices", 0, None, "devices on the fast interconnect (0: no limit)"),
+    ("hardware.gemm_efficiency", [0], None, "the fraction of peak_flops a large GEMM reaches"),
+    ("hardware.attention_efficiency", [0], None, "the fraction of peak_flops a fused attention kernel reaches"),
+    ("hardware.flash_kernel_efficiency", 0, None, "that of shardlab's Pallas kernel (0: attention_efficiency)"),
+    ("hardware.hbm_efficiency", [0], None, "the fraction of hbm_bandwidth a memory-bound kernel reaches"),
+    ("hardware.link_efficiency", [0], None, "achieved bus bandwidth over ici_bandwidth"),
+    ("hardware.link_half_bytes", 0, None, "message bytes at half the bus bandwidth (0: no ramp)"),
+    ("hardware.collective_latency_s", 0, None, "a collective's launch latency"),
+    ("hardware.kernel_launch_s", 0, None, "a kernel's launch overhead"),
+    ("hardware.gemm_tile", 1, None, "a GEMM output tile's edge"),
+    ("hardware.compute_units", 0, None, "SMs or cores a GEMM's tiles run in waves over (0: no quantization)"),
     ("checkpoint.every", 0, None, "save every N steps (0: only at the end and on SIGTERM/SIGINT)"),
     ("checkpoint.keep", 1, None, "how many of the newest checkpoints to keep"),
     ("distributed.num_processes", 1, None, "processes that share the mesh"),
@@ -102,6 +116,10 @@ def check_ranges(cfg: Config, rows=RANGES) -> None:
     v = _get(cfg, path)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not _inside(v, lo, hi):
       ex = _get(default, path)
+      where = cfg.hardware.file if path.startswith("hardware.") else ""
+      if where:      # the figure came from hardware.file=, beside which an override is refused: fix it there
+        raise ConfigError(f"hardware.file={where}: {path.split('.', 1)[1]}: {v!r} must be {_bounds(lo, hi)} "
+                          f"({why}); e.g. {path.split('.', 1)[1]}: {ex:g} in that file")
       raise ConfigError(f"{path}={v!r}: must be {_bounds(lo, hi)} ({why}); e.g. {path}={ex:g}")
 
 
@@ -160,6 +178,10 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
   sched = c.build_schedule()             # its knobs
   c.check(sched)
   ep = getattr(sched, "ep", None)
+  if m.moe and cfg.expert.chunks > 1 and ep is None:
+    raise ConfigError(f"expert.chunks={cfg.expert.chunks}: schedule={sched.cfg.name} runs no dispatcher of "
+                      f"shardlab's (the compiler places the MoE layer's communication), so nothing is chunked; drop "
+                      f"expert.chunks")
   if m.moe and cfg.expert.chunks > 1:
     layout, shape = c.layout, mesh.shape
     size = lambda axes: math.prod(shape[a] for a in axes)
@@ -196,7 +218,7 @@ def validate_experts(cfg: Config) -> None:
     raise ConfigError("model.n_experts: the FFN-only model (model.kind=ffn) has no MoE layers; set model.n_experts=0")
   if not 1 <= m.top_k <= m.n_experts:
     raise ConfigError(f"model.top_k={m.top_k}: each token picks between 1 and model.n_experts={m.n_experts} experts; "
-                      f"choose top_k <= n_experts")
+                      f"choose top_k between 1 and {m.n_experts}")
   for name in ("expert_d_ff", "n_shared_experts", "router_aux_loss", "router_z_loss", "router_skew"):
     if getattr(m, name) < 0:
       raise ConfigError(f"model.{name}={getattr(m, name)}: must be >= 0")

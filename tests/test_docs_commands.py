@@ -180,3 +180,12 @@ def test_the_pipeline_tool_runs_as_written(tmp_path, monkeypatch, capsys):
     assert main(shlex.split(command)[3:]) == 0, capsys.readouterr().err
   out = capsys.readouterr().out
   assert (tmp_path / "zb_h1.csv").read_text().startswith("0F0,") and "4 stages, 1 chunk(s) per stage, 8 microbatches" in out
+  # a file already there is not written over unasked (nor is the plan's json=): one line, exit 2, the file kept
+  export = shlex.split(next(c for c, k in COMMANDS.items() if k == "pipeline tool" and " export " in c))[3:]
+  (tmp_path / "zb_h1.csv").write_text("my notes")
+  assert main(export) == 2 and "zb_h1.csv already exists; pick another path or add overwrite=true" in \
+      capsys.readouterr().err and (tmp_path / "zb_h1.csv").read_text() == "my notes"
+  assert main([*export, "overwrite=true"]) == 0 and (tmp_path / "zb_h1.csv").read_text().startswith("0F0,")
+  from shardlab import plan
+  assert plan.main(["json=zb_h1.csv"]) == 2 and "json=zb_h1.csv: zb_h1.csv already exists" in capsys.readouterr().err
+  assert plan.main(["json=no/such/dir.json"]) == 2 and "the directory no/such does not exist" in capsys.readouterr().err

@@ -30,6 +30,21 @@ def test_dispatcher_equals_the_reference_on_expert_x_fsdp_x_tensor(dispatcher):
   check(dispatcher, "e2xf2xt2")
 
 
+def test_a_users_dispatcher_without_cost_terms_trains_like_the_reference_and_is_not_priced():
+  """A Dispatcher subclass with its own dispatch and none of the cost terms (docs/experts.md's way to write one):
+  the same training as the reference, and the memory model holds nothing for its layer instead of failing the
+  run's preflight (it used to: the base's rows_held raised NotImplementedError)."""
+  from conftest import compose
+  from shardlab.analysis import memory_model as MM
+  from shardlab.config import to_config
+  check("user_parts:GatherDispatcher", "e2xf2xt2")
+  cfg = lambda impl: to_config(compose("model=tiny_moe", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                       f"expert.impl={impl}"))
+  mine, theirs = resolve(cfg("user_parts:GatherDispatcher")), resolve(cfg("all_gather"))
+  assert MM.moe_layer_bytes(mine, 64, 4) == 0 < MM.moe_layer_bytes(theirs, 64, 4)
+  assert MM.breakdown(mine)["total"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatcher,mesh", [*((d, m) for m in ("e8xf1xt1", "e2xc2xt2") for d in DISPATCHERS),
                                              ("all_gather", "d2xe2xf2"), ("ragged", "e4xt2"),
@@ -306,6 +321,10 @@ def test_expert_search_prices_each_dispatcher_by_its_own_terms(capsys):
   assert "plan a mixture of experts with expert_search=true" in capsys.readouterr().err
   assert plan.main(["expert_search=true"]) == 2
   assert "has no experts (model.n_experts=0)" in capsys.readouterr().err
+  # a batch that does not split into whole sequences over the devices is priced by no candidate (it used to be
+  # priced at 0 tokens per device)
+  none = expert_cost.choose(resolve(to_config(compose("model=tiny_moe", "train.batch_size=1"))), 64)
+  assert none["best"] is None and not none["candidates"] and "train.batch_size a multiple of 64" in none["reason"]
   keeps = next(c for c in cands if not c["drops"])
   assert f"faster than {keeps['label']}:" in ans["reason"]        # the best dropless one
 

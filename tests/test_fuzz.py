@@ -132,6 +132,10 @@ BAD = [
     (["hardware.file={tmp}/none.yaml", "hardware.peak_flops=1"], "hardware.peak_flops= beside hardware.file="),
     (["hardware.dcn_bandwidth=-1"], "hardware.dcn_bandwidth=-1.0"),
     (["hardware.domain_devices=-1"], "hardware.domain_devices=-1"),
+    (["hardware.link_efficiency=0"], "hardware.link_efficiency=0.0: must be > 0"),
+    (["hardware.gemm_tile=0"], "hardware.gemm_tile=0: must be >= 1"),
+    (["hardware.file={tmp}/bad_hw.yaml"], "bad_hw.yaml: link_efficiency: 0.0 must be > 0 (achieved bus bandwidth "
+                                          "over ici_bandwidth); e.g. link_efficiency: 1 in that file"),
     (["data.branching=0"], "data.branching=0"),
     (["data.branching=1000"], "data.branching=1000"),
     (["precision.compute_dtype=float16"], "precision.compute_dtype=float16"),
@@ -153,6 +157,8 @@ BAD = [
     (["cpu_devices=0"], "cpu_devices=0"),
     (["+typo=1"], "typo: no such setting"),
     (["+xla.flags.xla_bogus_option=true"], "No such compile option: 'xla_bogus_option'"),
+    (["+xla.flags.xla_gpu_all_reduce_combine_threshold_bytes=64MB"], "xla.flags: INVALID_ARGUMENT: While setting "
+     "option xla_gpu_all_reduce_combine_threshold_bytes, '64MB' is not a valid int64 value"),
     (["xla=maxtext_v5p"], "xla.flags.xla_tpu_enable_async_collective_fusion_fuse_all_gather: a libtpu option; only a "
      "target compile for a TPU preset takes it (compile_for=target hardware=tpu_v5p or tpu_v5e)"),
     # libtpu checks its own options; where it is not installed (the quick start's `.[test]`), the missing extra is
@@ -204,9 +210,17 @@ BAD = [
     (["model=tiny_moe", "expert=hierarchical", "mesh.expert=2", "mesh.fsdp=2"],
      "expert=hierarchical dispatches over two mesh axes (across nodes, then inside)"),
     (["model=tiny_moe", "expert.chunks=3", "mesh.expert=2", "mesh.fsdp=2"], "expert.chunks=3 does not divide the"),
+    (["model=tiny_moe", "schedule=gspmd", "expert.chunks=2"], "expert.chunks=2: schedule=gspmd runs no dispatcher"),
+    (["model=tiny_moe", "model.top_k=0"], "model.top_k=0: each token picks between 1 and model.n_experts=8 experts; "
+                                          "choose top_k between 1 and 8"),
+    (["model=tiny_moe", "expert.capacity_factor=inf"], "expert.capacity_factor=inf: must be >= 0"),
+    (["model=tiny_moe", "model.router_skew=inf"], "model.router_skew=inf: must be >= 0"),
+    (["model=tiny_moe", "model.router_aux_loss=nan"], "model.router_aux_loss=nan: must be >= 0"),
     # a schedule in torch's CSV format (pipeline.table): the file, its ranks and what it fixes, checked
     (["pipeline.table=no_such_table.csv", "mesh.pipeline=2", "mesh.fsdp=4", "model.n_layers=4"],
      "pipeline.table=no_such_table.csv: cannot read it"),
+    (["pipeline.table={tmp}/latin1.csv", "mesh.pipeline=2", "mesh.fsdp=4", "model.n_layers=4"],
+     "latin1.csv: not a text CSV (byte 8 is not UTF-8; save it as UTF-8 text)"),
     (["pipeline.table=tests/assets/torchtitan-2-rank.csv", "mesh.pipeline=4", "mesh.fsdp=2", "model.n_layers=8"],
      "has 2 ranks (rows), mesh.pipeline=4: set mesh.pipeline=2"),
     (["pipeline.table=tests/assets/torchtitan-2-rank.csv", "pipeline.microbatches=4", "mesh.pipeline=2",
@@ -215,6 +229,9 @@ BAD = [
 SETUP = {   # index in BAD -> (make files, environment)
     BAD.index((["checkpoint.dir={tmp}/ck_file"], "is a file")): (lambda t: _file(t, "ck_file"), {}),
     BAD.index((["hydra.run.dir={tmp}/run_file"], "is a file, not a directory")): (lambda t: _file(t, "run_file"), {}),
+    **{i: (lambda t, name=name, data=data: (t / name).write_bytes(data), {}) for i, (o, _) in enumerate(BAD)
+       for name, data in (("latin1.csv", "0F0,0B0,\xe90\n".encode("latin-1")),
+                          ("bad_hw.yaml", b"name: mine\nlink_efficiency: 0.0\n")) if any(name in x for x in o)},
     **{i: (_record, {}) for i, (o, _) in enumerate(BAD) if o[:1] == ["checkpoint.resume=true"]},
     BAD.index(([], "another run (pid 1 on elsewhere) is writing this directory")): (_held_lock, {}),
     BAD.index((["distributed.auto=true"], "SLURM_PROCID")): (None, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"}),

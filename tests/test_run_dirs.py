@@ -272,6 +272,27 @@ def test_another_sweep_into_a_sweep_directory_is_refused_even_resumed(sweep, tmp
   _refused(before, sw, r, f"hydra.sweep.dir={sw}: holds another sweep (multirun.yaml: {expected})")
 
 
+def test_a_sweep_refused_for_a_typo_does_not_hold_its_directory(tmp_path):
+  """Hydra saves multirun.yaml before it composes the jobs, so a sweep value with a typo is refused after the
+  record is written: that record of a launch that ran no job does not hold the directory against the corrected
+  command (it used to be refused as another sweep, told to rerun the command with the typo). A launch that queued
+  jobs (submitit's .submitit) or ran some still does."""
+  from shardlab.errors import ConfigError
+  from shardlab.sweep import check_sweep_dir
+  sw = tmp_path / "sweep"
+  r = shardlab("-m", f"hydra.sweep.dir={sw}", "train.steps=2", "schedule=baseline,fsdp_prefetc")
+  assert r.returncode == 2 and "Could not find 'schedule/fsdp_prefetc'" in one_line(r.stderr), r.stderr[-2000:]
+  assert sorted(p.name for p in sw.iterdir()) == ["multirun.yaml"]
+  queued = tmp_path / "queued"
+  shutil.copytree(sw, queued)
+  (queued / ".submitit").mkdir()
+  fixed = ["train.steps=2", "schedule=baseline,fsdp_prefetch"]
+  check_sweep_dir(sw, False, fixed)
+  assert not (sw / "multirun.yaml").exists()               # the corrected sweep writes its own
+  with pytest.raises(ConfigError, match="holds another sweep"):
+    check_sweep_dir(queued, False, fixed)
+
+
 # 4. Run and sweep directories are not each other's.
 
 def test_single_run_into_a_sweep_directory_is_refused(sweep, tmp_path):

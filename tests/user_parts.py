@@ -3,6 +3,7 @@ with tests/ on sys.path): what the guards at the joints must judge by what each 
 name (tests/test_joints.py)."""
 from shardlab import collectives as C
 from shardlab.schedules.context import AllGatherKV, Ring
+from shardlab.schedules.expert import AllGather, Dispatcher
 from shardlab.schedules.tp import SEQ_DIM, TENSOR, AllGatherTP
 from shardlab.schedules.weights import FSDPWeights, itemsize
 
@@ -153,3 +154,9 @@ class ProtocolWeights:
   def element_bytes(self, precision): return self._w.element_bytes(precision)
   def live_layers(self, n): return self._w.live_layers(n)
   def cast_bytes(self, precision): return self._w.cast_bytes(precision)
+
+
+class GatherDispatcher(Dispatcher):
+  """A dispatcher of a user's as docs/experts.md writes one: a Dispatcher subclass with its own `dispatch` (here
+  all_gather's) and none of the cost terms, which the base leaves unstated (they raise NotImplementedError)."""
+  dispatch = AllGather.dispatch

@@ -97,6 +97,12 @@ def choose(comp: Composition, devices: int | None = None) -> dict:
   excluded with why; the reason for the first."""
   m = comp.model
   N = devices or comp.mesh.n_devices
+  sequences = comp.global_tokens / m.seq_len
+  if sequences != int(sequences) or int(sequences) % N:     # expert x fsdp are the batch's axes (tensor 1)
+    return {"devices": N, "best": None, "candidates": [], "excluded": {},
+            "reason": f"no candidate runs on these devices: the batch's {sequences:g} sequences do not split into "
+                      f"whole sequences over {N} devices (expert x fsdp hold the batch); choose train.batch_size a "
+                      f"multiple of {N}"}
   degrees = [n for n in range(1, min(m.n_experts, N) + 1) if m.n_experts % n == 0 and N % n == 0]
   cands, excluded = [], {}
   seen = set()
