@@ -144,11 +144,12 @@ def test_blockwise_rejects_a_block_that_does_not_divide_the_sequence():
 
 # ------------------------------------------------------------------------------------------ remat policies
 
-@pytest.mark.parametrize("attention", ["plain", "blockwise"])
-def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
+@pytest.mark.parametrize("attention,head_size", [("plain", 0), ("blockwise", 0), ("plain", 12)])
+def test_remat_policies_keep_what_the_activation_estimate_counts(attention, head_size):
   """One layer's jax.vjp residuals, per token, for every policy (traced, not run): exactly
   planner.activation_elements_per_token. Per-token arrays are those with the batch dim (B = 16, a size no
-  weight has); per-sequence tables (RoPE's cos/sin, norm scales) and the weights are left out."""
+  weight has); per-sequence tables (RoPE's cos/sin, norm scales) and the weights are left out. Heads wider than
+  d_model / n_heads (head_size 12 beside 64 / 8, as Qwen3's 128 beside 2048 / 32) count their own width."""
   import math
   from shardlab import model as M, params as PM
   from shardlab.analysis.memory_model import activation_elements_per_token
@@ -157,7 +158,7 @@ def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
   from shardlab.schedules.parallel import Parallel, attention as model_attention
   from shardlab.schedules.tp import IdentityOps
   m = ModelConfig(d_model=64, d_ff=128, n_heads=8, n_kv_heads=2, seq_len=32, attention=attention,
-                  attention_block=8)
+                  attention_block=8, head_size=head_size)
   w = {k: jax.ShapeDtypeStruct(d.per_layer().shape, jnp.float32) for k, d in PM.declare(m)["layers"].items()}
   B = 16
   x = jax.ShapeDtypeStruct((B, m.seq_len, m.d_model), jnp.float32)
@@ -168,7 +169,7 @@ def test_remat_policies_keep_what_the_activation_estimate_counts(attention):
     g = f if policy is None else jax.checkpoint(f, policy=policy)
     saved = jax.tree.leaves(jax.eval_shape(lambda x, w: jax.vjp(g, x, w)[1], x, w))
     got = sum(math.prod(a.shape) for a in saved if B in a.shape) / (B * m.seq_len)
-    assert got == activation_elements_per_token(m, remat), (attention, remat, got)
+    assert got == activation_elements_per_token(m, remat), (attention, head_size, remat, got)
 
 
 # ----------------------------------------------------------------------------------------------- presets

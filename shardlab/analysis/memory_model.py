@@ -66,7 +66,8 @@ def activation_elements_per_token(model, remat: str) -> int:
   layer (tests/test_attention.py checks every policy against the residuals of one layer's jax.vjp). An
   estimate of memory still: dtypes differ (norm statistics and softmax are float32) and XLA may fuse.
 
-  Q = H K = D query features, KV = 2 G K key/value features (G = model.kv_heads: grouped-query attention).
+  Q = H K query features (D where the head width K is D / H; Qwen3's K = 128 makes it 2D), KV = 2 G K
+  key/value features (G = model.kv_heads: grouped-query attention); the formulas below write Q as D.
   transformer, remat=none: each RMSNorm its input, normalized and scaled outputs and 2 statistics (3D + 2, twice),
     Q and KV after RoPE, the attention output D and its softmax state S, SwiGLU 6F (gate and up, the sigmoid, the
     SiLU, the product, the down-projection's input) -> 8D + KV + 6F + 4 + S, where S is
@@ -87,15 +88,17 @@ def activation_elements_per_token(model, remat: str) -> int:
   if model.kind == "ffn":
     return d if remat == "full" else d + f
   h = model.n_heads
-  kv = 2 * (getattr(model, "n_kv_heads", 0) or h) * (d // h)
+  hd = getattr(model, "head_dim", 0) or d // h       # a head's width (Qwen3's 128 beside d / h = 64)
+  q = h * hd                                         # the queries' and the attention output's features
+  kv = 2 * (getattr(model, "n_kv_heads", 0) or h) * hd
   attention = getattr(model, "attention", "plain")
   if attention not in ("plain", "blockwise", "dot_product"):
     raise ValueError(f"unknown model.attention {attention!r}; expected plain | blockwise | dot_product")
   stats = 2 * h * model.seq_len + 2 * h if attention == "plain" else h
   lse = h if attention == "blockwise" else 0        # kept with the attention output (a named residual)
-  return {"none": 8 * d + kv + 6 * f + 4 + stats, "save_matmuls": 3 * d + kv + 2 * f, "save_qkv_proj": 2 * d + kv,
-          "save_qkv_attn_out": 3 * d + kv + lse, "save_matmuls_attn_out": 4 * d + kv + 2 * f + lse,
-          "full": d}[remat]
+  return {"none": 6 * d + 2 * q + kv + 6 * f + 4 + stats, "save_matmuls": 2 * d + q + kv + 2 * f,
+          "save_qkv_proj": d + q + kv, "save_qkv_attn_out": d + 2 * q + kv + lse,
+          "save_matmuls_attn_out": 2 * d + 2 * q + kv + 2 * f + lse, "full": d}[remat]
 
 
 def breakdown(c: Composition, residuals: dict | None = None) -> dict:
