@@ -162,13 +162,16 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def cell(column: str, v) -> str:
-  """A table cell of a human table (summary.md, report.md): bytes in GB/MB, seconds in s/ms/us, fractions as
-  percentages, other floats to 4 significant digits; empty for None; pipes and newlines escaped."""
+  """A table cell of a human table (summary.md, report.md): bytes in GB/MB, seconds in s/ms/us, rates per second
+  with thousands separators, fractions as percentages, other floats to 4 significant digits; empty for None;
+  pipes and newlines escaped."""
   if v is None:
     return ""
   if isinstance(v, (int, float)) and not isinstance(v, bool):
     if column.startswith("bytes_") or column.endswith("_bytes"):
       return human_bytes(v)
+    if "_per_s" in column:          # a rate (tokens_per_s), not a time
+      return f"{v:,.0f}/s"
     if column.endswith("_s") or column.endswith("_s_median"):
       return human_seconds(v)
     if column.endswith("bubble") or column.endswith("fraction"):

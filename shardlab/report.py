@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from shardlab.axes import names as axis_names
+from shardlab.axes import label as mesh_label, names as axis_names
 from shardlab.outputs import PREDICTION_MODELS, cell, part_columns, prediction_label, read_metrics
 from shardlab.sweep import PART_COLUMNS, bytes_per_axis
 
@@ -32,7 +32,7 @@ def load_jobs(d: Path) -> list[dict]:
     s = _read_summary(p / "summary.json")
     cfg = s.get("config") if isinstance(s.get("config"), dict) else {}
     mesh = s.get("mesh") if isinstance(s.get("mesh"), dict) else {}
-    label = p.name if p != d else f"{s.get('schedule', '?')}_{'x'.join(str(v) for v in mesh.values()) or '?'}"
+    label = p.name if p != d else f"{s.get('schedule', '?')}_{mesh_label(mesh) if mesh else '?'}"
     jobs.append({"dir": p, "label": label, "summary": s, "status": s.get("status"),
                  "schedule": s.get("schedule") or (cfg.get("schedule") or {}).get("name")})
   return jobs
@@ -80,10 +80,10 @@ def _bar(ax, labels, series: dict, kind: str, what: str, title: str, legend: boo
   ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
   ax.set_ylabel(f"{what} ({unit})")
   top = max((v or 0) / scale for vals in series.values() for v in vals) if series else 0
-  ax.set_ylim(0, 1.3 * top if top > 0 else 1)          # room above the bars for their labels
+  ax.set_ylim(0, 1.45 * top if top > 0 else 1)         # room above the bars for their labels and the legend
   ax.set_title(title, fontsize=10, loc="left")
-  if legend:                                             # above the plot, clear of the bars and their labels
-    ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(series), frameon=False)
+  if legend:                                             # inside the plot, in the room left above the bars
+    ax.legend(fontsize=8, loc="upper right", ncol=len(series), frameon=False)
   ax.grid(axis="y", alpha=0.3)
 
 
@@ -98,9 +98,18 @@ def predicted_series(ok: list[dict]) -> dict:
   serial = [_pred(j).get("t_serial_s") for j in ok]
   overlapped = [_pred(j).get("t_overlapped_s") for j in ok]
   same = all(a is None or b is None or abs(a - b) <= 1e-3 * max(abs(a), abs(b)) for a, b in zip(serial, overlapped))
+  name = serial_label(ok)
   if same:
-    return {"predicted step (= compute + comm, serial)": overlapped}
-  return {"compute + comm, serial": serial, "predicted step": overlapped}
+    return {f"predicted step (= {name})": overlapped}
+  return {name: serial, "predicted step": overlapped}
+
+
+def serial_label(jobs: list[dict]) -> str:
+  """What t_serial_s is: the compute and communication of one device added up; with pipeline stages, of one
+  device's program walked alone, without the bubble (the predicted step replays the schedule's table)."""
+  if any(j["summary"].get("pipeline_prediction") for j in jobs):
+    return "one device's program, serial (no bubble)"
+  return "compute + comm, serial"
 
 
 def predicted_title(ok: list[dict]) -> str:
@@ -183,7 +192,7 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
   part_cols = [c for c in PART_COLUMNS if any(p.get(c) is not None for p in parts)]
   # (header, the cell's kind for outputs.cell: *_s seconds, *_bytes bytes, *bubble / *fraction a percentage)
   cols = [("run", ""), ("status", ""), ("final loss", ""), ("step (measured)", "_s"), ("prediction", ""),
-          ("predicted step", "_s"), ("compute + comm, serial", "_s"),
+          ("predicted step", "_s"), (serial_label(jobs), "_s"),
           *[(c.replace("_", " "), c) for c in part_cols], *[(f"bytes {a}", "_bytes") for a in axes],
           ("peak memory", "_bytes"), ("error", "")]
   lines += ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]

@@ -186,10 +186,15 @@ def numbers(summary: dict) -> list[str]:
   median = summary.get("step_time_s_median")
   if median is not None:
     kind = summary.get("device_kind") or summary.get("platform", "?")
+    # the prediction's error only where the measurement ran on the hardware predicted for (its platform)
+    target = ((summary.get("config") or {}).get("hardware") or {}).get("target_platform")
+    same = summary.get("platform") == {"cuda": "gpu"}.get(target, target)
     out.append(f"  measured            {human_seconds(median)} per step (median, {summary.get('devices', '?')} x "
                f"{kind})"
                + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}"
-                  + (f" (prediction {pred['t_overlapped_s'] / median - 1:+.0%} of the measurement)" if median > 0 else "")
+                  + ((f" (prediction {pred['t_overlapped_s'] / median - 1:+.1%} of the measurement)" if same else
+                      f" (measured on {summary.get('platform', '?')}, predicted for {hw}: no error to compute)")
+                     if median > 0 else "")
                   if pred else ""))
   return out + findings(summary)
 

@@ -51,6 +51,12 @@ def test_a_run_ends_with_its_numbers(default_run):
   assert lines[1].startswith("  memory per device") and "fits" in lines[1] and "80 GB" in lines[1]
   assert f"{100 * p['mfu']:.3g}%" in lines[2] and "predicted" in lines[2] and "exposed communication" in lines[2]
   assert lines[3].startswith("  measured") and "median, 8 x cpu" in lines[3]
+  # measured on CPU, predicted for an H100: no error between them (it used to print "prediction -100%")
+  assert "(measured on cpu, predicted for h100: no error to compute)" in lines[3] and "%" not in lines[3]
+  on_gpu = {**s, "platform": "gpu", "config": {**s["config"], "hardware": {**s["config"]["hardware"],
+                                                                           "target_platform": "cuda"}}}
+  error = p["t_overlapped_s"] / s["step_time_s_median"] - 1
+  assert f"(prediction {error:+.1%} of the measurement)" in numbers(on_gpu)[3]
   dry = numbers({k: v for k, v in s.items() if k not in ("step_time_s_median", "losses", "final_loss")})
   assert dry[:3] == lines[:3] and dry[3:] == lines[4:]
   # what the analysis found comes after: here the compiler's combined collectives, a note (nothing unplanned)

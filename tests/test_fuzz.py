@@ -320,6 +320,20 @@ def test_bad_setting_is_exit_2_one_line_nothing_written(tmp_path):
   assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
 
 
+def test_a_check_that_fails_unexpectedly_stops_the_run_in_one_line(tmp_path):
+  """An error no check expected (a bug in one, a file system fault) while the settings are checked: one line,
+  exit 1, and no run directory (Hydra turns a callback's error into a warning and went on to run and write)."""
+  run = tmp_path / "run"
+  code = ("import sys; from shardlab import preflight, run\n"
+          "def boom(*a, **k): raise RuntimeError('boom\\nsecond line')\n"
+          f"preflight.check = boom; sys.argv = ['shardlab', 'train.steps=1', 'hydra.run.dir={run}']; run.cli()")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and _one_shardlab_line(r.stderr) == (
+      "shardlab: error: checking the settings failed: RuntimeError: boom (HYDRA_FULL_ERROR=1 for the traceback)"), \
+      r.stderr[-2000:]
+  assert not run.exists()
+
+
 def test_a_changed_setting_resumes_when_allowed(tmp_path):
   """checkpoint.allow_changed=true lets the record check pass (the run would then resume)."""
   from conftest import compose

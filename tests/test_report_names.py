@@ -79,3 +79,20 @@ def test_the_tables_carry_the_parts_columns_in_units_people_read(tmp_path):
   assert "| 51.4% |" in md and rows[0]["pipeline_bubble"] == 0.514
   csv_head = (tmp_path / "summary.csv").read_text().splitlines()[0]
   assert "step_time_s_median" in csv_head and "bytes_data" in csv_head     # the CSV keeps every column
+
+
+def test_a_single_runs_mesh_rates_and_a_pipelines_serial_time_are_named_as_what_they_are(tmp_path):
+  """A single run's report names its mesh as its run directory does (f2xc2xt2, not 2x2x2: that is the HSDP
+  mesh data x fsdp x tensor); a rate is a rate in the tables (tokens_per_s used to read `1.2e+04 s`); a pipeline
+  run's t_serial_s is one device's program without the bubble, named so beside its predicted step."""
+  from shardlab.outputs import cell
+  _run(tmp_path, "run", 1.94e-4, 2.39e-4, "peak-rate: the program's dependency graph", "cpu")
+  s = json.loads((tmp_path / "run" / "summary.json").read_text())
+  s["mesh"] = {"fsdp": 2, "context": 2, "tensor": 2}
+  s["pipeline_prediction"] = {"step_s": 2.39e-4, "bubble": 0.347, "table_bubble": 0.345, "in_flight": [2, 1]}
+  (tmp_path / "run" / "summary.json").write_text(json.dumps(s))
+  jobs = report.load_jobs(tmp_path / "run")
+  assert [j["label"] for j in jobs] == ["baseline_f2xc2xt2"]
+  assert list(report.predicted_series(jobs)) == ["one device's program, serial (no bubble)", "predicted step"]
+  assert "| one device's program, serial (no bubble) |" in report.write_report(tmp_path / "run").read_text()
+  assert cell("tokens_per_s", 11976.7) == "11,977/s" and cell("step_time_s_median", 0.0295) == "29.5 ms"
