@@ -37,15 +37,22 @@ _LOCKS: dict[str, list] = {}     # run dir -> [the open, flock'ed .lock file, pi
 _SHARED_OK: set[str] = set()     # checkpoint dirs already found shared by every process
 
 
+OPTIMIZER = ("lr", "warmup_steps", "b1", "b2", "adam_eps", "weight_decay", "grad_clip")   # train.*: AdamW's
+
+
 def record_settings(cfg: Config) -> dict:
   """The settings a checkpoint must be resumed with (saved in its JSON record): what changes the function trained
   (the model, its name aside, and the precision it computes in), the batch, the seed and the data (a batch is a
-  pure function of these and the step). Not the mesh, the layout or the schedule: they place the same function
-  (an interleaved pipeline's placement of layers included: checkpoints hold the model's order of layers)."""
+  pure function of these and the step), and the optimizer's settings (a resume with another learning rate would
+  continue another training, and summary.json's config would name it for the steps before too). Not
+  train.steps (a run may be continued further), the mesh, the layout or the schedule: they place the same
+  function (an interleaved pipeline's placement of layers included: checkpoints hold the model's order of
+  layers). A record saved before a setting was added here does not compare it."""
   import dataclasses
   out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "name"}
   out.update({f"precision.{k}": v for k, v in dataclasses.asdict(cfg.precision).items() if k != "name"})
   out.update({"train.batch_size": cfg.train.batch_size, "train.seed": cfg.train.seed})
+  out.update({f"train.{k}": getattr(cfg.train, k) for k in OPTIMIZER})
   out.update({f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()})
   return out
 
@@ -75,7 +82,6 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   from shardlab.validate import validate, validate_launch
   validate_launch(cfg)                            # ranges, checkpoint and process settings, before JAX starts
   check_run_dir(out_dir)
-  check_resume(cfg, out_dir)
   check_profile(cfg)
   check_vocab(cfg)
   D.check_cluster_env(cfg.distributed)
@@ -106,6 +112,7 @@ def check(cfg: Config, out_dir, *, lock: bool = True) -> None:
   refusal = D.gather_strings("shardlab_run_dir_unused", refusal)[0]
   if refusal:
     raise ConfigError(refusal)
+  check_resume(cfg, out_dir)                      # the checkpoint's settings, once it is known to be this run's
   check_checkpoints_unused(cfg, out_dir)          # the same shared directory for every process
   check_finished(cfg, out_dir)
   main = lock and jax.process_index() == 0

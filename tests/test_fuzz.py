@@ -175,6 +175,7 @@ BAD = [
     (["checkpoint.resume=true", "model.d_ff=256"], "model.d_ff=256 (checkpoint: 128)"),
     (["checkpoint.resume=true", "train.batch_size=32"], "train.batch_size=32 (checkpoint: 16)"),
     (["checkpoint.resume=true", "data.branching=8"], "data.branching=8 (checkpoint: 4)"),
+    (["checkpoint.resume=true", "train.lr=0.5"], "train.lr=0.5 (checkpoint: 0.02)"),
     (["checkpoint.resume=true", "train.steps=4"], "train.steps=4: the checkpoint in"),
     ([], "another run (pid 1 on elsewhere) is writing this directory"),
     (["distributed.auto=true"], "SLURM_PROCID"),

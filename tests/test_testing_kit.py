@@ -246,3 +246,14 @@ def test_a_runs_helper_programs_compile_with_the_options_the_tests_compile_with(
   from shardlab.testing import FAST_COMPILE
   flags = dict(f.removeprefix("--").split("=") for f in FAST_COMPILE.split())
   assert {k: str(v).lower() for k, v in HELPER_COMPILE.items()} == flags
+
+
+def test_a_model_with_another_sequence_length_runs_on_batches_of_that_length():
+  """compile_schedule and reference_loss_and_grads with model={"seq_len": 16}: both run the batch of that length
+  (the tiny batch had 32 tokens whatever the model said, so a test of another length checked something else)."""
+  compiled, (loss, grads) = T.compile_schedule({}, {"fsdp": 2, "context": 4}, {"seq_len": 16}, context="ring")
+  ref_loss, ref_grads = T.reference_loss_and_grads({"seq_len": 16})
+  assert T.tiny_batch(None, 16).shape == (16, 17)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  assert float(ref_loss) != float(T.reference_loss_and_grads()[0])
+  T.assert_trees_close(grads, ref_grads, rtol=1e-4, atol=2e-6)

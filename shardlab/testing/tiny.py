@@ -20,11 +20,12 @@ def tiny_config(model: dict | None = None, **schedule):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_batch(batch_size: int | None = None):
-  """One batch of tokens[B, L+1] for the tiny model (B: train.batch_size, 16, or `batch_size`)."""
+def tiny_batch(batch_size: int | None = None, seq_len: int | None = None):
+  """One batch of tokens[B, L+1] for the tiny model (B: train.batch_size, 16, or `batch_size`; L: its
+  model.seq_len, or `seq_len`: the compile_schedule and reference of a model with another)."""
   from shardlab.data import markov_batch
   cfg = tiny_config()
-  return markov_batch(0, 0, batch_size or cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
+  return markov_batch(0, 0, batch_size or cfg.train.batch_size, seq_len or cfg.model.seq_len, cfg.model.vocab_size,
                       cfg.data.branching)
 
 
@@ -76,7 +77,7 @@ def _reference_loss_and_grads(model_items: tuple, batch_size: int | None = None)
   from shardlab import reference as R
   cfg = _with_batch(tiny_config(dict(model_items)), batch_size)
   p = _reference_params(model_items)
-  b = tiny_batch(batch_size)
+  b = tiny_batch(batch_size, cfg.model.seq_len)
   with jax.numpy_dtype_promotion("strict"):
     return jax.jit(jax.value_and_grad(lambda p: R.loss(p, b[:, :-1], b[:, 1:], cfg.model)))(p)
 
@@ -146,7 +147,7 @@ def _compile_schedule(mesh_items, cls, items, model_items=(), rules=None, contex
   micro = getattr(sched, "microbatches_on", lambda shape: cfg.schedule.microbatches)(dict(mesh_items))
   PM.check_divisible(cfg.model, layout, dict(mesh_items), cfg.train.batch_size, micro,
                      seq_parallel=sched.ops.seq_sharded, seq_halves=sched.ops.bidirectional)
-  b = placed_batch(tiny_batch(batch_size), mesh, layout, sched.data_order(dict(mesh_items)))
+  b = placed_batch(tiny_batch(batch_size, cfg.model.seq_len), mesh, layout, sched.data_order(dict(mesh_items)))
   from shardlab.checkpoint import reorder_layers
   from shardlab.trainer import layer_order
   order = layer_order(sched, dict(mesh_items))    # the trainer's stored order of layers (an interleaved pipeline's)
