@@ -195,15 +195,18 @@ def write_report(d: Path, runs: list[str] | None = None) -> Path:
           ("predicted step", "_s"), (serial_label(jobs), "_s"),
           *[(c.replace("_", " "), c) for c in part_cols], *[(f"bytes {a}", "_bytes") for a in axes],
           ("peak memory", "_bytes"), ("error", "")]
-  lines += ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+  rows = []
   for j, pc in zip(jobs, parts):
     s, p = j["summary"], j["summary"].get("prediction") or {}
     b = bytes_per_axis(s.get("comm") or {})
-    row = [j["label"], j["status"], s.get("final_loss"), s.get("step_time_s_median"),
-           prediction_label(s) if p else None, p.get("t_overlapped_s"), p.get("t_serial_s"),
-           *[pc.get(c) for c in part_cols], *[b.get(a) for a in axes], (s.get("memory") or {}).get("peak"),
-           s.get("error")]
-    lines.append("| " + " | ".join(cell(kind, v) for (_, kind), v in zip(cols, row)) + " |")
+    rows.append([j["label"], j["status"], s.get("final_loss"), s.get("step_time_s_median"),
+                 prediction_label(s) if p else None, p.get("t_overlapped_s"), p.get("t_serial_s"),
+                 *[pc.get(c) for c in part_cols], *[b.get(a) for a in axes], (s.get("memory") or {}).get("peak"),
+                 s.get("error")])
+  keep = [i for i in range(len(cols)) if i < 2 or any(r[i] is not None for r in rows)]   # no column no run fills
+  lines += ["| " + " | ".join(cols[i][0] for i in keep) + " |", "|" + "---|" * len(keep)]
+  for row in rows:
+    lines.append("| " + " | ".join(cell(cols[i][1], row[i]) for i in keep) + " |")
   lines.append("")
   for name in made:
     lines += [f"![{name}]({name})", ""]

@@ -67,6 +67,7 @@ def test_the_tables_carry_the_parts_columns_in_units_people_read(tmp_path):
   header = next(l for l in text.splitlines() if l.startswith("| run"))
   assert "pipeline bubble" in header and "pipeline in flight" in header and "dropped fraction" in header
   assert "bytes fsdp" in header and "bytes data" not in header              # no run moves bytes over data
+  assert "step (measured)" not in header and "| error |" not in header      # dry runs, none failed: no such column
   pipe = next(l for l in text.splitlines() if l.startswith("| 0_pipe"))
   assert "| 51.4% | 29.8% | 4/3/2/1 |" in pipe and "| 400 us |" in pipe and "| 1 kB |" in pipe and "| 2 MB |" in pipe
   moe = next(l for l in text.splitlines() if l.startswith("| 1_moe"))
