@@ -3,8 +3,9 @@ out=PATH.csv`: a pipeline table written in torch.distributed.pipelining's CSV fo
 which torchtitan reads (`--parallelism.pipeline_parallel_schedule_csv`) and shardlab reads back
 (`pipeline.table=PATH.csv`). `schedule` is a named table (gpipe, 1f1b, eager_1f1b, interleaved, zb_h1, zb_h2, zb_v,
 dualpipev, looped_bfs; interleaved in groups of `consecutive` microbatches) or `module:Name` (your own,
-docs/pipeline.md); an existing out= is refused unless overwrite=true. `python -m shardlab.pipeline show table=PATH.csv` prints a CSV's stages, microbatches and ticks
-as shardlab places them, checked. A bad setting or file is one line, exit 2."""
+docs/pipeline.md); an existing out= is refused unless overwrite=true. `python -m shardlab.pipeline show
+table=PATH.csv` prints a CSV's stages, microbatches and ticks as shardlab places them, checked. A bad setting or
+file is one line, exit 2."""
 from __future__ import annotations
 
 import sys

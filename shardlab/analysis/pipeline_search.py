@@ -123,8 +123,9 @@ def evaluate_pipeline(c: Composition, place: tuple, P: int, name: str, M: int, V
   reduce-scatter, tensor) (without the data AllReduce), or, for a table that splits the weight gradient off, B = k
   x (math b, re-gather, tensor) and W = k x (math b, reduce-scatter), where (math, fsdp, tensor) is their max
   with train.mfu (the roofline) and otherwise math / kernel_efficiency with fsdp added unless the weights part
-  prefetches and tensor added unless the contraction overlaps it (the max where they hide); the head (the unembedding's forward and backward matmuls, 3 x 2 vocab d_model b / C:
-  b is per device) in the last virtual stage's F slot, where the last stage runs it (replay's t_head, as
+  prefetches and tensor added unless the contraction overlaps it (the max where they hide); the head (the
+  unembedding's forward and backward matmuls, 3 x 2 vocab d_model b / C: b is per device) in the last virtual
+  stage's F slot, where the last stage runs it (replay's t_head, as
   pipeline_cost.predict does). send = one microbatch's residual stream per device (B
   / (data fsdp M) tokens x d_model x compute bytes, / tensor when sequence-parallel) over the pipeline axis's
   bandwidth, at least one hop's latency. Step = replay(build(...), F, B, W, send, sync=True) (the executor's
