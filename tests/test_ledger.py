@@ -341,6 +341,18 @@ def test_reconcile_names_each_compiler_rewrite_and_reports_the_rest():
   half = ledger.reconcile(gathers, [_row("all-gather", "context", "s32", 8, 8192, count=4),
                                     _row("all-gather", "context", "s32", 8, 4096)])   # not a whole placed array
   assert half.unexplained == {"context"}
+  # an all-reduce nobody placed beside a placed scalar one (the gradient norm's psum): not 4096 runs of that
+  # scalar "duplicated" (any leftover divides by 1 element), but bytes the program did not place
+  norm = [_row("all-gather", "fsdp", "f32", 4, 4096, count=3), _row("all-reduce", "fsdp", "f32", 4, 4)]
+  inserted = ledger.reconcile(norm, [*norm, _row("all-reduce", "fsdp", "f32", 4, 64 * 64 * 4)])
+  assert inserted.unexplained == {"fsdp"} and not any(r["rewrite"] == "duplicated" for r in inserted.rewrites)
+  # a placed all-reduce the compiled program does not run at all (no all-reduce on the axis): dropped, not
+  # "on fewer elements" or "combined"
+  vocab = [_row("all-gather", "tensor", "f32", 2, 32768, count=10), _row("all-reduce", "tensor", "f32", 2, 512,
+                                                                         count=8)]
+  dropped = ledger.reconcile(vocab, vocab[:1])
+  assert dropped.unexplained == {"tensor"} and dropped.differences == [
+      "all-reduce/tensor/f32: 4096 bytes (1024 elements) placed that the compiled program does not move"]
 
 
 def test_a_loop_invariant_gather_run_once_is_hoisted():

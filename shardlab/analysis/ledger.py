@@ -178,12 +178,14 @@ def nested(rows: list[Row]) -> dict:
 #   reduce-scatter padded ...     libtpu's padded all-reduce-scatter and the collective-permute that realigns its
 #                                 rows (reconcile: each bounded by one shard)
 #   duplicated                    a compiled collective of a kind and dtype placed on the axis, moving whole
-#                                 copies of one placed array: the compiler ran a placed collective again rather
-#                                 than keep its result (libtpu, the ring's positions beside a Mosaic kernel)
+#                                 copies of one placed array, at most as many as that array was placed: the
+#                                 compiler ran a placed collective again rather than keep its result (libtpu, the
+#                                 ring's positions beside a Mosaic kernel)
 #   hoisted                       a placed collective in a loop on an operand the loop does not change, run fewer
 #                                 times than placed (XLA's loop-invariant code motion, or CSE across layers)
 #   all-reduce on fewer elements  XLA's AllReduceReassociate sums the operands of all-reduces whose results are
-#                                 added, then reduces once (the grad norm's partial sums, when a size-1 axis makes
+#                                 added, then reduces once, where the axis runs an all-reduce of the dtype (the
+#                                 grad norm's partial sums, when a size-1 axis makes
 #                                 their groups equal); libtpu reduces a tensor-replicated gradient over `tensor`
 #                                 after its reduce-scatter over `fsdp`, on the shard (the leftover may show on a
 #                                 reduce-scatter or all-gather of the dtype that paired "as all-reduce")
@@ -262,12 +264,17 @@ def reconcile(program: list[Row], compiled: list[Row]) -> Reconciled:
         b["left"] = 0
         if ck == "collective-permute":
           b["extra_runs"] = b["count"]
-    sizes = {}                     # per (kind, dtype): the whole-array elements of each placed collective
+    runs_of = {}                   # per (kind, dtype): {a placed collective's whole-array elements: its runs}
     for r in program:
       if r.axis == axis:
-        sizes.setdefault((r.kind, r.dtype), set()).add(r.bytes_full // hlo.DTYPE_BYTES.get(r.dtype, 4))
+        e = r.bytes_full // hlo.DTYPE_BYTES.get(r.dtype, 4)
+        of = runs_of.setdefault((r.kind, r.dtype), {})
+        of[e] = of.get(e, 0) + r.count
     for key, b in sorted(c.items()):
-      one = [e for e in sizes.get(key, ()) if e and b["left"] % e == 0]
+      # a placed collective the compiler runs again (rematerialized, or in two branches): what is left is whole
+      # runs of one placed array, at most as many again as it was placed (not any multiple of any size: a
+      # scalar's would pass every leftover)
+      one = [e for e, n in runs_of.get(key, {}).items() if e and b["left"] % e == 0 and b["left"] // e <= n]
       if b["left"] and one and not any(a["left"] for a in p.values()):
         rewrites.append({"rewrite": "duplicated", "axis": axis, "elements": b["left"],
                          "program": {"kind": key[0], "dtype": key[1], "bytes": 0},
@@ -289,9 +296,12 @@ def reconcile(program: list[Row], compiled: list[Row]) -> Reconciled:
       # (the greedy pairing may have given a reassociated all-reduce's compiled elements to a placed reduce-scatter
       # or all-gather of its dtype, "as all-reduce": the leftover then shows there, at most the placed all-reduces'
       # elements)
+      # (only where the compiled program runs an all-reduce of that dtype on the axis: one it does not run at all
+      # was dropped, not reassociated)
       ar = lambda d: p.get(("all-reduce", d), {}).get("elements", 0)
       for (pk, pd), a in sorted(p.items()):
-        if a["left"] and (pk == "all-reduce" or (pk in ("reduce-scatter", "all-gather") and a["left"] <= ar(pd))):
+        if a["left"] and ("all-reduce", pd) in c and (
+            pk == "all-reduce" or (pk in ("reduce-scatter", "all-gather") and a["left"] <= ar(pd))):
           rewrites.append({"rewrite": "all-reduce on fewer elements", "axis": axis, "elements": a["left"],
                            "program": {"kind": pk, "dtype": pd, "bytes": a["bytes"] * a["left"] // a["elements"]},
                            "compiled": {"kind": pk, "dtype": pd, "bytes": 0}})
