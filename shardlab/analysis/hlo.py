@@ -342,7 +342,10 @@ class Collective:
 
 
 def moved_bytes(kind: str, full: int, n: int) -> int:
-  """Per-device bytes of a bandwidth-optimal collective over n devices (NCCL tests, doc/PERFORMANCE.md)."""
+  """Per-device bytes of a bandwidth-optimal collective over n devices (NCCL tests, doc/PERFORMANCE.md). A
+  collective-permute counts its operand for every device of its groups: the bytes of a device that sends, the
+  busiest; where its pairs are no cycle (a pipeline's sends between 2 stages, the first and the last stage's
+  missing sends) some devices send nothing and the mean per device is less."""
   if kind == "all-reduce":
     return 2 * full * (n - 1) // n
   if kind == "collective-permute":
