@@ -260,3 +260,6 @@ class SweepSummary(Callback):
       print(f"shardlab: error: {len(failed)} of {len(rows)} sweep jobs failed (first: job {first['job']}: {why}); "
             f"see {Path(config.hydra.sweep.dir) / 'summary.md'}", file=sys.stderr)
       sys.exit(1)
+    d = Path(config.hydra.sweep.dir)
+    print(f"shardlab: sweep {d}: {len(rows)} of {len(rows)} jobs ok; {d / 'summary.md'} and summary.csv, "
+          f"`python -m shardlab.report {d}` for the figures", flush=True)

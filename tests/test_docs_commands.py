@@ -42,7 +42,7 @@ COMMANDS = {
     "python -m shardlab.plan model=llama3_8b model.seq_len=32768 train.batch_size=1 mesh.fsdp=8 mesh.tensor=1 "
     "precision=bf16 model.attention=dot_product hardware=h100 context_search=true": "plan",
     "python -m shardlab -m schedule=baseline,fsdp_prefetch,collective_matmul,gspmd mesh=4x2,2x4": COVERED,
-    "python -m shardlab.report multirun/2026-11-23/10-00-00": "needs that sweep's directory: tests/test_sweep.py",
+    "python -m shardlab.report multirun/DATE/TIME": "needs that sweep's directory: tests/test_sweep.py",
     # docs/planning.md
     "python -m shardlab.plan model=llama3_70b hardware=h100 devices=64 precision=bf16 "
     "train.global_batch_tokens=4194304 rows=8": "plan",

@@ -19,6 +19,8 @@ def _sweep(out, *overrides, returncode=0):
   r = subprocess.run([sys.executable, "-m", "shardlab", "-m", "progress=false", "train.steps=2",
                       f"hydra.sweep.dir={out}", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == returncode, r.stderr[-3000:]   # 1: some job failed (after the summary was written)
+  if returncode == 0:                                   # the last line says where the results went
+    assert f"shardlab: sweep {out}: " in r.stdout and "jobs ok; " in r.stdout and "summary.md" in r.stdout, r.stdout[-2000:]
   with open(out / "summary.csv") as f:
     rows = list(csv.DictReader(f))
   for row in rows:
