@@ -357,8 +357,8 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
       fields.update({peak: float(f"{measured:.4g}"), efficiency: 1.0})
       prov[peak] = said(how + " (a nominal base has no published peak)")
       prov[efficiency] = said(f"1: {peak} is itself the measured rate")
-    else:
-      fields[efficiency] = round(measured / getattr(base, peak), 3)
+    else:   # three significant figures: a far slower device's fraction must not round to 0, which no preset takes
+      fields[efficiency] = float(f"{measured / getattr(base, peak):.3g}")
       prov[efficiency] = said(f"{how}, {measured:.4g}, over the published {peak} {getattr(base, peak):.4g}")
 
   floor = DISPATCH_BOUND * m["dispatch"]["s"]
@@ -389,18 +389,18 @@ def preset(m: dict, base, name: str, command: str) -> tuple[dict, dict]:
 
   fused = [r for r in m["attention"] if r["fused_kernel"] and r["pass"] == "fwd+bwd"]
   if fused:
-    rate = max(r["flops_per_s"] for r in fused)
-    fields["attention_efficiency"] = round(rate / fields["peak_flops"], 3)
-    prov["attention_efficiency"] = said(f"cuDNN's fused attention forward + backward, {rate:.4g} FLOP/s "
+    achieved = max(r["flops_per_s"] for r in fused)    # (not `rate`: the collectives below call rate())
+    fields["attention_efficiency"] = float(f"{achieved / fields['peak_flops']:.3g}")
+    prov["attention_efficiency"] = said(f"cuDNN's fused attention forward + backward, {achieved:.4g} FLOP/s "
                                         f"(shape {fused[0]['shape']}, causal), over peak_flops")
   else:
     prov["attention_efficiency"] = kept("no fused attention kernel on this device: nothing to measure")
   pallas = [r for r in m["attention"] if r.get("pallas_kernel") and r["pass"] == "fwd+bwd"]
   if pallas:
-    rate = max(r["stated_flops"] / r["s"] for r in pallas)
-    fields["flash_kernel_efficiency"] = round(rate / fields["peak_flops"], 3)
+    achieved = max(r["stated_flops"] / r["s"] for r in pallas)
+    fields["flash_kernel_efficiency"] = float(f"{achieved / fields['peak_flops']:.3g}")
     prov["flash_kernel_efficiency"] = said(f"shardlab's Pallas flash kernel ({pallas[0]['kernel']}) forward + "
-                                           f"backward, {rate:.4g} FLOP/s of the FLOPs it states "
+                                           f"backward, {achieved:.4g} FLOP/s of the FLOPs it states "
                                            f"(shape {pallas[0]['shape']}, causal), over peak_flops")
   else:
     prov["flash_kernel_efficiency"] = kept("shardlab's Pallas kernel does not run on this device: nothing to measure")

@@ -186,9 +186,12 @@ def numbers(summary: dict) -> list[str]:
   median = summary.get("step_time_s_median")
   if median is not None:
     kind = summary.get("device_kind") or summary.get("platform", "?")
-    # the prediction's error only where the measurement ran on the hardware predicted for (its platform)
-    target = ((summary.get("config") or {}).get("hardware") or {}).get("target_platform")
-    same = summary.get("platform") == {"cuda": "gpu"}.get(target, target)
+    # the prediction's error only where the measurement ran on the hardware predicted for: its target's platform,
+    # or the platform a calibrated preset was measured on (hardware.measured_on: HardwareConfig.describes)
+    hw_cfg = (summary.get("config") or {}).get("hardware") or {}
+    norm = lambda p: {"cuda": "gpu", "rocm": "gpu"}.get(p, p)  # noqa: E731
+    same = bool(summary.get("platform")) and norm(summary.get("platform")) in {
+        norm(hw_cfg.get("target_platform")), norm(hw_cfg.get("measured_on"))}
     out.append(f"  measured            {human_seconds(median)} per step (median, {summary.get('devices', '?')} x "
                f"{kind})"
                + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}"

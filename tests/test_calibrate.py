@@ -81,6 +81,27 @@ def test_a_measured_preset_predicts_local_programs_with_the_calibrated_replay(tm
   assert measured["t_gemm_s"] > 0 and measured["t_other_kernels_s"] > 0
 
 
+def test_a_multi_gpu_measurement_with_a_fused_attention_kernel_becomes_a_preset():
+  """preset() from a GPU's measurements (made up here: this machine has none) with a fused attention kernel
+  and collectives over 2 devices: every figure set (the attention's rate used to shadow `rate`, and the
+  collectives' call failed after everything was measured), and a base with a published peak far above what was
+  measured keeps a fraction above 0 (it rounded to 0.0, which no preset takes)."""
+  base = HardwareConfig(name="h200", peak_flops=9.9e14, hbm_bandwidth=4.8e12, ici_bandwidth=4.5e11, source="published")
+  m = {"device": {"platform": "gpu", "kind": "NVIDIA H200", "count": 2, "core_count": 132, "jax": "0.10.2",
+                  "bytes_limit": None},
+       "dispatch": {"s": 1e-5}, "launch": {"per_kernel_s": 2e-6, "kernels": 256},
+       "gemm": [{"dtype": "bfloat16", "flops": 1e12, "flops_per_s": 2e11, "s": 5.0}],
+       "memory": [{"bytes": 1e9, "bytes_per_s": 4e12, "s": 2.5e-4}],
+       "attention": [{"kernel": "dot_product", "pass": "fwd+bwd", "fused_kernel": True, "pallas_kernel": False,
+                      "flops_per_s": 5e14, "shape": [4, 4096, 16, 128], "s": 1e-3, "stated_flops": 0}],
+       "collectives": [{"bytes_sent": b, "s": 1e-5 + b / 3e11, "bus_bytes_per_s": b / (1e-5 + b / 3e11),
+                        "devices": 2} for b in (1e5, 1e6, 1e7)]}
+  fields, _ = CAL.preset(m, base, "mine", "cmd")
+  assert fields["attention_efficiency"] == pytest.approx(5e14 / 9.9e14, rel=1e-2)
+  assert fields["link_efficiency"] == pytest.approx(3e11 / 4.5e11, rel=1e-2)
+  assert fields["gemm_efficiency"] == pytest.approx(2e11 / 9.9e14, rel=1e-2) and fields["gemm_efficiency"] > 0
+
+
 def test_gemm_rate_by_operand_dtype():
   from shardlab.analysis import calibrated, hlo
   hw = HardwareConfig(peak_flops=100.0, gemm_efficiency=0.5, gemm_flops_by_dtype={"float32": 10.0})

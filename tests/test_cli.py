@@ -57,6 +57,9 @@ def test_a_run_ends_with_its_numbers(default_run):
                                                                            "target_platform": "cuda"}}}
   error = p["t_overlapped_s"] / s["step_time_s_median"] - 1
   assert f"(prediction {error:+.1%} of the measurement)" in numbers(on_gpu)[3]
+  measured_here = {**s, "config": {**s["config"], "hardware": {**s["config"]["hardware"], "target_platform": "",
+                                                                 "measured_on": "cpu"}}}   # a calibrated preset
+  assert f"(prediction {error:+.1%} of the measurement)" in numbers(measured_here)[3]
   dry = numbers({k: v for k, v in s.items() if k not in ("step_time_s_median", "losses", "final_loss")})
   assert dry[:3] == lines[:3] and dry[3:] == lines[4:]
   # what the analysis found comes after: here the compiler's combined collectives, a note (nothing unplanned)

@@ -70,7 +70,8 @@ def assert_collectives(fn, args=(), expected: dict | None = None, mesh=None, exa
       errors.append(f"{kind} over {axis} runs {h['count']} times, expected {w['count']}")
   for u in unplanned:
     article = "an" if u["kind"][:1] in "aeiou" else "a"
-    errors.append(f"the compiler added {article} {u['kind']} over {u['axis']} ({u['bytes']} bytes, {u['name']}) that "
+    errors.append(f"the compiler added {article} {u['kind']} over {u['axis']} (of a {u['bytes']}-byte array, "
+                  f"{u['name']}; the ledger counts the bytes each device sends) that "
                   f"no collective in the code placed (only shardlab.collectives places planned ones): most often a "
                   f"value typed varying over {u['axis']} where the math makes it invariant (JAX sums it: mark it "
                   f"with collectives.psum or keep it invariant; docs/testing.md), or in_specs that disagree with "
