@@ -539,7 +539,7 @@ def summary(result: dict, cfg) -> str:
            + _stage_lines(result[PIPELINE], result["hbm_bytes"]) + out[3:4])
   out += [f"Warning: {x}" for x in result["warnings"]]
   # what keeps the configured mesh from running as priced (a batch shard of part of a sequence)
-  out += [f"Warning: this mesh does not run as configured: {x}" for x in lay.get("notes", [])]
+  out += [f"Note: shardlab does not run this mesh as configured: {x}" for x in lay.get("notes", [])]
   out += ["Every number is a prediction of the closed forms (docs/planning.md); devices=N searches every layout "
           "of N devices; --json prints the JSON, json=PATH writes it."]
   return "\n".join(out)

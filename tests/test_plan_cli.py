@@ -264,7 +264,7 @@ def test_a_given_pipeline_is_priced_as_one(capsys):
 
 def test_a_configured_mesh_that_cannot_hold_whole_sequences_says_so(capsys):
   """The configured mesh's screen for a batch its batch shards split into parts of sequences: its numbers, and a
-  warning that it does not run as priced (it printed "fits" and a step time without one)."""
+  note that shardlab does not run it as priced (it printed "fits" and a step time without one)."""
   text, out = _plan(capsys, ["model=tiny", "hardware=h100", "mesh.fsdp=8", "mesh.tensor=1", "train.batch_size=2"])
-  assert "Warning: this mesh does not run as configured: each batch shard holds 0.25 sequences" in text
+  assert "Note: shardlab does not run this mesh as configured: each batch shard holds 0.25 sequences" in text
   assert out["layout"]["notes"]
