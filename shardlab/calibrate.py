@@ -104,11 +104,9 @@ def split_options(argv: list[str]) -> tuple[dict, list[str]]:
   for k in ("repeats", "warmup"):
     if not opts[k].isdigit() or int(opts[k]) < (1 if k == "repeats" else 0):
       raise ValueError(f"{k}={opts[k]}: a whole number" + (" >= 1" if k == "repeats" else ""))
-  if opts["overwrite"] not in ("true", "false"):
-    raise ValueError(f"overwrite={opts['overwrite']}: true or false")
   out = Path(opts["out"])
   from shardlab.outputs import check_output_file    # the preset and its sidecar: neither is written over unasked
-  check_output_file("out", out, opts["overwrite"] == "true", also=(out.with_suffix(".json"),))
+  check_output_file("out", out, opts["overwrite"], also=(out.with_suffix(".json"),))
   return opts, rest
 
 

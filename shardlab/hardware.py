@@ -22,6 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def jax_platform(name: str | None) -> str | None:
+  """A platform as JAX names its devices ('gpu' for a preset's target_platform 'cuda' or 'rocm')."""
+  return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
 @dataclass
 class HardwareConfig:
   name: str = "h100"
@@ -75,8 +80,7 @@ class HardwareConfig:
 
   def describes(self, platform: str) -> bool:
     """Its rates were measured on devices of `platform` (a local program there is replayed at them)."""
-    norm = {"cuda": "gpu", "rocm": "gpu"}
-    return bool(self.measured_on) and norm.get(platform, platform) == norm.get(self.measured_on, self.measured_on)
+    return bool(self.measured_on) and jax_platform(platform) == jax_platform(self.measured_on)
 
   def axis_bandwidth(self, physical_axes: float = 1) -> float:
     """Bytes/s one device moves on a mesh axis spanning `physical_axes` interconnect axes (see module doc; a

@@ -226,17 +226,26 @@ def write_atomic(path, data: str | bytes) -> None:
     raise
 
 
-def check_output_file(setting: str, path, overwrite: bool = False, also=()) -> None:
+def overwrite_setting(text: str) -> bool:
+  """A command's overwrite= setting: true or false, else one ConfigError line."""
+  from shardlab.errors import ConfigError
+  if text not in ("true", "false"):
+    raise ConfigError(f"overwrite={text}: true or false")
+  return text == "true"
+
+
+def check_output_file(setting: str, path, overwrite: str = "false", also=()) -> None:
   """A file a command was told to write (`out=`, `json=`; `also`: files written beside it) is checked before any
   work: its directory exists and takes a file, and a file already there is not written over unless asked
-  (`overwrite=true`). ConfigError, one line naming the setting."""
+  (`overwrite`: the command's overwrite= setting, true or false). ConfigError, one line naming the setting."""
   import tempfile
   from shardlab.errors import ConfigError
+  replace = overwrite_setting(overwrite)
   path = Path(path)
   for p in (path, *also):
     if p.is_dir():
       raise ConfigError(f"{setting}={path}: {p} is a directory; name a file")
-    if p.exists() and not overwrite:
+    if p.exists() and not replace:
       raise ConfigError(f"{setting}={path}: {p} already exists; pick another path or add overwrite=true")
   if not path.parent.is_dir():
     raise ConfigError(f"{setting}={path}: the directory {path.parent} does not exist")

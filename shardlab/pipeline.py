@@ -51,10 +51,8 @@ def main(argv: list[str]) -> int:
       N = int(opts.get("consecutive", 0))
     except ValueError:
       raise ConfigError("stages, microbatches, virtual_stages and consecutive are whole numbers") from None
-    if opts.get("overwrite", "false") not in ("true", "false"):
-      raise ConfigError(f"overwrite={opts['overwrite']}: true or false")
     from shardlab.outputs import check_output_file
-    check_output_file("out", opts["out"], opts.get("overwrite") == "true")
+    check_output_file("out", opts["out"], opts.get("overwrite", "false"))
     orders, v_shape = PT.orders_of(opts["schedule"], P, M, V, N), opts["schedule"] in PT.V_SHAPED
     PT.check(PT.table(orders, V, v_shape), M, V)
     try:

@@ -557,12 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     if path == "":
       raise ValueError("json=: name a file to write the JSON to")
     overwrite = next((a.split("=", 1)[1] for a in argv if a.startswith(("overwrite=", "plan.overwrite="))), "false")
-    if overwrite not in ("true", "false"):
-      raise ValueError(f"overwrite={overwrite}: true or false")
     argv = [a for a in argv if not a.startswith(("json=", "plan.json=", "overwrite=", "plan.overwrite="))]
-    if path:
-      from shardlab.outputs import check_output_file
-      check_output_file("json", path, overwrite == "true")
+    from shardlab.outputs import check_output_file, overwrite_setting
+    check_output_file("json", path, overwrite) if path else overwrite_setting(overwrite)
     result, cfg, opts = _run(argv)
     text = json.dumps(result, indent=2)
     if path:

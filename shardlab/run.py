@@ -188,10 +188,10 @@ def numbers(summary: dict) -> list[str]:
     kind = summary.get("device_kind") or summary.get("platform", "?")
     # the prediction's error only where the measurement ran on the hardware predicted for: its target's platform,
     # or the platform a calibrated preset was measured on (hardware.measured_on: HardwareConfig.describes)
+    from shardlab.hardware import jax_platform
     hw_cfg = (summary.get("config") or {}).get("hardware") or {}
-    norm = lambda p: {"cuda": "gpu", "rocm": "gpu"}.get(p, p)  # noqa: E731
-    same = bool(summary.get("platform")) and norm(summary.get("platform")) in {
-        norm(hw_cfg.get("target_platform")), norm(hw_cfg.get("measured_on"))}
+    same = bool(summary.get("platform")) and jax_platform(summary.get("platform")) in {
+        jax_platform(hw_cfg.get("target_platform")), jax_platform(hw_cfg.get("measured_on"))}
     out.append(f"  measured            {human_seconds(median)} per step (median, {summary.get('devices', '?')} x "
                f"{kind})"
                + (f" beside the {human_seconds(pred['t_overlapped_s'])} predicted for {hw}"

@@ -185,6 +185,7 @@ def test_the_pipeline_tool_runs_as_written(tmp_path, monkeypatch, capsys):
   (tmp_path / "zb_h1.csv").write_text("my notes")
   assert main(export) == 2 and "zb_h1.csv already exists; pick another path or add overwrite=true" in \
       capsys.readouterr().err and (tmp_path / "zb_h1.csv").read_text() == "my notes"
+  assert main([*export, "overwrite=maybe"]) == 2 and "overwrite=maybe: true or false" in capsys.readouterr().err
   assert main([*export, "overwrite=true"]) == 0 and (tmp_path / "zb_h1.csv").read_text().startswith("0F0,")
   from shardlab import plan
   assert plan.main(["json=zb_h1.csv"]) == 2 and "json=zb_h1.csv: zb_h1.csv already exists" in capsys.readouterr().err
