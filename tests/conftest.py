@@ -114,6 +114,33 @@ def compiled_grads(mesh_shape: tuple, schedule_items: tuple):
   return testing.compile_schedule(dict(schedule_items), mesh_shape)
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+  """A TCP port nothing listens on, for a coordinator a subprocess will bind seconds later: never one this process
+  handed out before, and below the kernel's ephemeral range (32768-60999 here), in a stretch of its own for each
+  xdist worker. Ports from bind(0) came from that range: two pairs of processes started together were once given
+  the same one, or the other worker's, and their four processes met at one coordinator (a survivor then failed
+  with "key cpu:global_topology/cpu already exists" instead of naming its lost peer)."""
+  import random
+  import socket
+  worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 4
+  low = 20000 + 3000 * worker
+  for _ in range(200):
+    port = random.randrange(low, low + 3000)
+    if port in _PORTS_HANDED_OUT:
+      continue
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+    _PORTS_HANDED_OUT.add(port)
+    return port
+  raise RuntimeError(f"no free port in {low}-{low + 3000}")
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: left out of the quick subset, `pytest -n 2 -m \"not slow\"` (CLI processes, target compiles, the equivalence matrix): docs/testing.md")
 

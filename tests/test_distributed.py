@@ -2,23 +2,17 @@
 like 1 process with 8; only process 0 writes the run's files; both write their checkpoint shards."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from test_checkpoint import RUN, ref, run  # noqa: F401  (ref: the 1-process, 8-device run, shared)
 
 pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
 
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def test_two_processes_train_like_one(tmp_path, request):

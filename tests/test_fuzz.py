@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
 
@@ -413,11 +413,6 @@ def test_read_only_checkpoint_dir(tmp_path):
   assert p.returncode == 2 and "cannot write there" in _one_shardlab_line(err) and f"checkpoint.dir={ck}" in err
   assert time.monotonic() - t0 < 30 and not (tmp_path / "run").exists()
 
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _procs(tmp_path, n, *args, ranks=None, slow=None):
