@@ -14,7 +14,6 @@ from test_checkpoint import RUN, ref, run  # noqa: F401  (ref: the 1-process, 8-
 pytestmark = pytest.mark.slow   # not in the quick subset (pytest -m "not slow"): docs/testing.md
 
 
-
 def test_two_processes_train_like_one(tmp_path, request):
   port, ck = free_port(), tmp_path / "ck"
   logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]

@@ -414,7 +414,6 @@ def test_read_only_checkpoint_dir(tmp_path):
   assert time.monotonic() - t0 < 30 and not (tmp_path / "run").exists()
 
 
-
 def _procs(tmp_path, n, *args, ranks=None, slow=None):
   port = free_port()
   return [_launch("cpu_devices=4", f"distributed.coordinator=localhost:{port}", f"distributed.num_processes={n}",
