@@ -29,7 +29,7 @@ def pytest_addoption(parser):
   parser.addini("shardlab_mesh_axes", "mesh axes the `mesh` fixture factorizes the devices into by default: 2 "
                 "(fsdp x tensor) or 3 (data x fsdp x tensor)", default="2")
   parser.addini("shardlab_fast_compile", "compile tests with testing.FAST_COMPILE (LLVM optimizations off, elemental "
-                "IR emitters) unless XLA_FLAGS is set",
+                "IR emitters, machine code in one piece) unless XLA_FLAGS is set",
                 type="bool", default=True)
 
 
