@@ -23,7 +23,8 @@ from shardlab.errors import ConfigError  # noqa: F401  (re-exported: `from shard
 # (the parameters' initialization, the synthetic batches): LLVM's optimizations off, XLA's elemental emitters and
 # the machine code generated in one piece (the tests' FAST_COMPILE, shardlab.testing, as compile options). The
 # tiny model's initialization compiles in 1.6 s instead of 10.8 s (2-core VM, 2026-11-28) and gives the same values
-# as under FAST_COMPILE, bit for bit (the integer batches are the same either way). The step keeps XLA's defaults: its speed is measured.
+# as under FAST_COMPILE, bit for bit (the integer batches are the same either way). The step keeps XLA's defaults:
+# its speed is measured.
 HELPER_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
                   "xla_cpu_parallel_codegen_split_count": 1}
 
