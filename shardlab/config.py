@@ -206,7 +206,7 @@ class ExpertConfig:
   """Expert parallelism (`mesh.expert=N`, model.n_experts > 0): how a MoE layer's tokens reach their experts and
   come back (schedules/expert.py, docs/experts.md)."""
   name: str = "all_to_all"
-  impl: str = "all_to_all"        # all_to_all | all_gather | ragged | package.module:Class
+  impl: str = "all_to_all"        # all_to_all | all_gather | hierarchical | ragged | package.module:Class
   capacity_factor: float = 0.0    # all_to_all: slots per expert = ceil(factor x tokens x top_k / experts) per
                                   # device, the rest dropped (GShard); 0: dropless (every token kept)
   cpu_fallback: bool = True       # ragged on a CPU (no ragged_all_to_all there): the same exchange through a

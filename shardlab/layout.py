@@ -8,7 +8,7 @@ today's table), passed to whatever shards: parameter declarations, schedules, th
   batch     -> data, fsdp, expert   activations' batch (HSDP: replicas over data, each FSDP-sharded; the
                               expert axis carries batch outside the MoE layers)
   experts   -> expert          a MoE layer's experts (expert parallelism)
-  expert_mlp -> (none)         each expert's hidden width (tensor: expert tensor parallelism, not yet run)
+  expert_mlp -> (none)         each expert's hidden width (tensor: expert tensor parallelism, docs/experts.md)
   length    -> context         every activation's sequence (and the data's)
   seq       -> tensor          the residual stream's sequence between layers, when sequence-parallel
 
